@@ -1,0 +1,1 @@
+//! Persistent plan cache (memory LRU then disk) with checked entries, and the run manifest (SPEC §7).

@@ -1,0 +1,60 @@
+//! Options shared by every subcommand and the per-run context built from them.
+
+use tessera_core::{metrics, Error, Result};
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct GlobalArgs {
+    /// Print results as JSON (and the metrics report as JSON with --metrics).
+    #[arg(long, global = true)]
+    pub json: bool,
+    /// Print the metrics report (plans built, cache hits, kernel calls) to stderr at exit.
+    #[arg(long, global = true)]
+    pub metrics: bool,
+    /// Plan cache directory (default: $TESSERA_CACHE_DIR, $XDG_CACHE_HOME/tessera, ~/.cache/tessera).
+    #[arg(long, global = true, value_name = "DIR")]
+    pub cache_dir: Option<std::path::PathBuf>,
+    /// Disable the persistent plan cache.
+    #[arg(long, global = true)]
+    pub no_cache: bool,
+    /// Size bound of the disk cache in bytes (least recently used entries are evicted).
+    #[arg(long, global = true, value_name = "BYTES", default_value_t = 1 << 30)]
+    pub cache_max_bytes: u64,
+}
+
+/// What every subcommand receives.
+pub struct Ctx {
+    pub global: GlobalArgs,
+}
+
+impl Ctx {
+    pub fn new(global: GlobalArgs) -> Self {
+        Ctx { global }
+    }
+
+    pub fn json(&self) -> bool {
+        self.global.json
+    }
+
+    /// Prints the metrics report to stderr when `--metrics` was given.
+    pub fn report_metrics(&self) -> Result<()> {
+        if !self.global.metrics {
+            return Ok(());
+        }
+        let report = metrics::snapshot();
+        if self.global.json {
+            let s = serde_json::to_string(&report)
+                .map_err(|e| Error::Internal(format!("metrics to JSON: {e}")))?;
+            eprintln!("{s}");
+        } else {
+            eprint!("{}", report.to_text());
+        }
+        Ok(())
+    }
+}
+
+/// Prints a serializable value as one JSON line on stdout.
+pub fn print_json<T: serde::Serialize>(value: &T) -> Result<()> {
+    let s = serde_json::to_string(value).map_err(|e| Error::Internal(format!("to JSON: {e}")))?;
+    println!("{s}");
+    Ok(())
+}

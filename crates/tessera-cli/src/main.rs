@@ -1,0 +1,69 @@
+//! The `tessera` binary.
+//!
+//! Contract (SPEC §9): results on stdout (or files), progress on stderr; exit 0 on success, 2 on
+//! bad usage or input, 1 on internal failure, always with one clear line on stderr and never a
+//! panic or backtrace. Each subcommand lives in its own module under `cmd/`.
+
+mod cmd;
+mod ctx;
+mod picture;
+
+use clap::{Parser, Subcommand};
+use std::process::ExitCode;
+
+#[derive(Parser)]
+#[command(
+    name = "tessera",
+    version,
+    about = "Block-sparse attention engine: plan structured masks, run exact flash attention.",
+    after_help = "Example:\n  tessera demo\n  tessera plan --mask 'causal & document' --q-len 32768 --segments rows.safetensors:segment_ids"
+)]
+struct Cli {
+    #[command(flatten)]
+    global: ctx::GlobalArgs,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Plan a mask at tile granularity and print its statistics.
+    Plan(cmd::plan::PlanArgs),
+    /// Run the built-in demo on default settings.
+    Demo(cmd::demo::DemoArgs),
+}
+
+fn main() -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(c) => c,
+        Err(e) => {
+            use clap::error::ErrorKind;
+            if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion) {
+                print!("{e}");
+                return ExitCode::SUCCESS;
+            }
+            // One clear line: clap's first line carries the reason.
+            let msg = e.to_string();
+            let first = msg.lines().next().unwrap_or("bad usage").trim_start_matches("error: ");
+            eprintln!("tessera: {first} (see --help)");
+            return ExitCode::from(2);
+        }
+    };
+    let ctx = ctx::Ctx::new(cli.global);
+    let result = match cli.command {
+        Command::Plan(a) => cmd::plan::run(a, &ctx),
+        Command::Demo(a) => cmd::demo::run(a, &ctx),
+    };
+    let code = match result {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("tessera: {e}");
+            e.exit_code()
+        }
+    };
+    if let Err(e) = ctx.report_metrics() {
+        eprintln!("tessera: {e}");
+        return ExitCode::from(1);
+    }
+    ExitCode::from(code as u8)
+}

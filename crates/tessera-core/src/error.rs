@@ -1,0 +1,90 @@
+//! The one error type of the library.
+//!
+//! Contract: every variant says which argument or file is at fault, what was expected and what
+//! was found. [`Error::is_user_error`] separates bad input (CLI exit code 2) from internal
+//! failures (exit code 1).
+
+use std::path::PathBuf;
+
+/// Result alias used across Tessera.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A mask expression could not be parsed.
+    #[error("mask expression, column {column}: expected {expected}, found {found}")]
+    Parse {
+        /// 1-based column of the offending character.
+        column: usize,
+        expected: String,
+        found: String,
+    },
+    /// An argument has the wrong value, shape, dtype or length.
+    #[error("{arg}: expected {expected}, found {found}")]
+    InvalidArgument {
+        arg: String,
+        expected: String,
+        found: String,
+    },
+    /// A file could not be read or written.
+    #[error("{}: {source}", path.display())]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// A file was read but its content is malformed.
+    #[error("{}: {msg}", path.display())]
+    Format { path: PathBuf, msg: String },
+    /// A requested capability is not available on this machine or build.
+    #[error("{0}")]
+    Unsupported(String),
+    /// A bug or an environment failure that is not the user's input.
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+impl Error {
+    /// Shorthand for [`Error::InvalidArgument`].
+    pub fn invalid(
+        arg: impl Into<String>,
+        expected: impl Into<String>,
+        found: impl std::fmt::Display,
+    ) -> Self {
+        Error::InvalidArgument {
+            arg: arg.into(),
+            expected: expected.into(),
+            found: found.to_string(),
+        }
+    }
+
+    /// Shorthand for [`Error::Io`].
+    pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        Error::Io {
+            path: path.into(),
+            source,
+        }
+    }
+
+    /// Shorthand for [`Error::Format`].
+    pub fn format(path: impl Into<PathBuf>, msg: impl Into<String>) -> Self {
+        Error::Format {
+            path: path.into(),
+            msg: msg.into(),
+        }
+    }
+
+    /// True when the failure is caused by the caller's input (CLI exit code 2).
+    pub fn is_user_error(&self) -> bool {
+        !matches!(self, Error::Internal(_))
+    }
+
+    /// The CLI exit code for this error: 2 for bad input, 1 for internal failure.
+    pub fn exit_code(&self) -> i32 {
+        if self.is_user_error() {
+            2
+        } else {
+            1
+        }
+    }
+}

@@ -1,0 +1,134 @@
+//! Process-wide run metrics.
+//!
+//! Contract: counters only ever increase during a process; [`snapshot`] reads them all at once
+//! into a plain serializable [`MetricsReport`]. Recording is cheap (relaxed atomics, one short
+//! lock per kernel call) so it can stay on in production.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Mutex;
+use std::time::Duration;
+
+static PLANS_BUILT: AtomicU64 = AtomicU64::new(0);
+static PLAN_BUILD_NS: AtomicU64 = AtomicU64::new(0);
+static MEMORY_HITS: AtomicU64 = AtomicU64::new(0);
+static DISK_HITS: AtomicU64 = AtomicU64::new(0);
+static MISSES: AtomicU64 = AtomicU64::new(0);
+static REJECTS: AtomicU64 = AtomicU64::new(0);
+static BYTES_READ: AtomicU64 = AtomicU64::new(0);
+static BYTES_WRITTEN: AtomicU64 = AtomicU64::new(0);
+static KERNELS: Mutex<BTreeMap<String, KernelStat>> = Mutex::new(BTreeMap::new());
+static COUNTERS: Mutex<BTreeMap<String, u64>> = Mutex::new(BTreeMap::new());
+
+/// Calls and total wall time of one kernel variant.
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct KernelStat {
+    pub calls: u64,
+    pub total_ms: f64,
+}
+
+/// A point-in-time copy of every counter.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct MetricsReport {
+    pub plans_built: u64,
+    pub plan_build_ms: f64,
+    pub memory_hits: u64,
+    pub disk_hits: u64,
+    pub misses: u64,
+    pub rejects: u64,
+    pub bytes_read: u64,
+    pub bytes_written: u64,
+    /// Kernel calls by variant name (for example `cpu.forward.f32.avx512`).
+    pub kernels: BTreeMap<String, KernelStat>,
+    /// Other named counters (for example `cuda.nvrtc_compiles`).
+    pub counters: BTreeMap<String, u64>,
+}
+
+/// Records one plan build and how long it took.
+pub fn record_plan_built(elapsed: Duration) {
+    PLANS_BUILT.fetch_add(1, Relaxed);
+    PLAN_BUILD_NS.fetch_add(elapsed.as_nanos() as u64, Relaxed);
+}
+
+pub fn record_memory_hit() {
+    MEMORY_HITS.fetch_add(1, Relaxed);
+}
+
+pub fn record_disk_hit() {
+    DISK_HITS.fetch_add(1, Relaxed);
+}
+
+pub fn record_miss() {
+    MISSES.fetch_add(1, Relaxed);
+}
+
+pub fn record_reject() {
+    REJECTS.fetch_add(1, Relaxed);
+}
+
+pub fn record_bytes_read(n: u64) {
+    BYTES_READ.fetch_add(n, Relaxed);
+}
+
+pub fn record_bytes_written(n: u64) {
+    BYTES_WRITTEN.fetch_add(n, Relaxed);
+}
+
+/// Records one call of a kernel variant and its wall time.
+pub fn record_kernel(variant: &str, elapsed: Duration) {
+    if let Ok(mut map) = KERNELS.lock() {
+        let stat = map.entry(variant.to_string()).or_default();
+        stat.calls += 1;
+        stat.total_ms += elapsed.as_secs_f64() * 1e3;
+    }
+}
+
+/// Adds `n` to a named counter.
+pub fn add_counter(name: &str, n: u64) {
+    if let Ok(mut map) = COUNTERS.lock() {
+        *map.entry(name.to_string()).or_default() += n;
+    }
+}
+
+/// Reads every counter.
+pub fn snapshot() -> MetricsReport {
+    MetricsReport {
+        plans_built: PLANS_BUILT.load(Relaxed),
+        plan_build_ms: PLAN_BUILD_NS.load(Relaxed) as f64 / 1e6,
+        memory_hits: MEMORY_HITS.load(Relaxed),
+        disk_hits: DISK_HITS.load(Relaxed),
+        misses: MISSES.load(Relaxed),
+        rejects: REJECTS.load(Relaxed),
+        bytes_read: BYTES_READ.load(Relaxed),
+        bytes_written: BYTES_WRITTEN.load(Relaxed),
+        kernels: KERNELS.lock().map(|m| m.clone()).unwrap_or_default(),
+        counters: COUNTERS.lock().map(|m| m.clone()).unwrap_or_default(),
+    }
+}
+
+impl MetricsReport {
+    /// Human-readable multi-line report.
+    pub fn to_text(&self) -> String {
+        let mut s = format!(
+            "plans built: {} ({:.3} ms)\nplan cache: {} memory hits, {} disk hits, {} misses, {} rejects\ncache bytes: {} read, {} written\n",
+            self.plans_built,
+            self.plan_build_ms,
+            self.memory_hits,
+            self.disk_hits,
+            self.misses,
+            self.rejects,
+            self.bytes_read,
+            self.bytes_written
+        );
+        for (name, k) in &self.kernels {
+            s.push_str(&format!(
+                "kernel {name}: {} calls, {:.3} ms\n",
+                k.calls, k.total_ms
+            ));
+        }
+        for (name, n) in &self.counters {
+            s.push_str(&format!("{name}: {n}\n"));
+        }
+        s
+    }
+}

@@ -1,0 +1,1 @@
+//! Tensor files: .npy and .safetensors reading and atomic writing.

@@ -1,0 +1,254 @@
+//! Data-carrying leaves: segment ids for `document` and boolean arrays for `dense`.
+//!
+//! Contract: constructors validate shapes; each value carries a BLAKE3 digest of its content so
+//! canonical forms and contract keys change whenever the data changes.
+
+use std::sync::Arc;
+use tessera_core::{Error, Result};
+
+/// Segment ids of one side (queries or keys): `rows` rows (1 = shared by every batch row) of
+/// `len` ids. A negative id is padding and matches nothing.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct SegmentIds {
+    rows: usize,
+    len: usize,
+    ids: Vec<i64>,
+    digest: [u8; 32],
+}
+
+impl SegmentIds {
+    /// Segment ids shaped `[rows, len]` (row-major).
+    pub fn new(rows: usize, len: usize, ids: Vec<i64>) -> Result<Self> {
+        if rows == 0 || len == 0 {
+            return Err(Error::invalid(
+                "segments",
+                "a non-empty [B, L] or [L] array",
+                format!("shape [{rows}, {len}]"),
+            ));
+        }
+        if ids.len() != rows * len {
+            return Err(Error::invalid(
+                "segments",
+                format!("{} ids for shape [{rows}, {len}]", rows * len),
+                ids.len(),
+            ));
+        }
+        let mut h = blake3::Hasher::new();
+        h.update(&(rows as u64).to_le_bytes());
+        h.update(&(len as u64).to_le_bytes());
+        for v in &ids {
+            h.update(&v.to_le_bytes());
+        }
+        Ok(SegmentIds {
+            rows,
+            len,
+            ids,
+            digest: *h.finalize().as_bytes(),
+        })
+    }
+
+    /// One row shared by every batch row.
+    pub fn shared(ids: Vec<i64>) -> Result<Self> {
+        let len = ids.len();
+        Self::new(1, len, ids)
+    }
+
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The ids of batch row `b` (row 0 when the ids are shared).
+    pub fn row(&self, b: usize) -> &[i64] {
+        let r = if self.rows == 1 { 0 } else { b };
+        &self.ids[r * self.len..(r + 1) * self.len]
+    }
+
+    pub fn digest(&self) -> &[u8; 32] {
+        &self.digest
+    }
+
+    /// Digest of batch row `b` alone (used to share plans between identical rows).
+    pub fn row_digest(&self, b: usize) -> [u8; 32] {
+        let mut h = blake3::Hasher::new();
+        for v in self.row(b) {
+            h.update(&v.to_le_bytes());
+        }
+        *h.finalize().as_bytes()
+    }
+}
+
+/// Query-side and key-side segment ids of a `document` leaf.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Segments {
+    pub q: SegmentIds,
+    pub kv: SegmentIds,
+}
+
+impl Segments {
+    /// Self-attention: queries and keys share the same ids.
+    pub fn shared(ids: SegmentIds) -> Arc<Self> {
+        Arc::new(Segments {
+            q: ids.clone(),
+            kv: ids,
+        })
+    }
+
+    /// Cross attention with separate query and key ids.
+    pub fn cross(q: SegmentIds, kv: SegmentIds) -> Result<Arc<Self>> {
+        if q.rows != kv.rows && q.rows != 1 && kv.rows != 1 {
+            return Err(Error::invalid(
+                "kv-segments",
+                format!("1 or {} rows (as q-segments)", q.rows),
+                kv.rows,
+            ));
+        }
+        Ok(Arc::new(Segments { q, kv }))
+    }
+
+    pub fn rows(&self) -> usize {
+        self.q.rows.max(self.kv.rows)
+    }
+}
+
+/// A boolean mask array shaped `[Lq, Lkv]`, `[H, Lq, Lkv]` or `[B, H, Lq, Lkv]`, bit-packed by row.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct DenseMask {
+    batch: usize,
+    heads: usize,
+    rank: usize,
+    q_len: usize,
+    kv_len: usize,
+    words_per_row: usize,
+    bits: Vec<u64>,
+    digest: [u8; 32],
+    label: String,
+}
+
+impl DenseMask {
+    /// Builds a dense mask from a shape (rank 2, 3 or 4) and one bool per element (row-major).
+    /// `label` is how the text form names it (usually the file path).
+    pub fn new(shape: &[usize], values: &[bool], label: impl Into<String>) -> Result<Self> {
+        let (batch, heads, q_len, kv_len) = match *shape {
+            [l, m] => (1, 1, l, m),
+            [h, l, m] => (1, h, l, m),
+            [b, h, l, m] => (b, h, l, m),
+            _ => {
+                return Err(Error::invalid(
+                    "dense mask",
+                    "shape [Lq, Lkv], [H, Lq, Lkv] or [B, H, Lq, Lkv]",
+                    format!("{shape:?}"),
+                ))
+            }
+        };
+        if shape.contains(&0) {
+            return Err(Error::invalid(
+                "dense mask",
+                "non-zero dimensions",
+                format!("{shape:?}"),
+            ));
+        }
+        let n = batch * heads * q_len * kv_len;
+        if values.len() != n {
+            return Err(Error::invalid(
+                "dense mask",
+                format!("{n} values for shape {shape:?}"),
+                values.len(),
+            ));
+        }
+        let words_per_row = kv_len.div_ceil(64);
+        let rows = batch * heads * q_len;
+        let mut bits = vec![0u64; rows * words_per_row];
+        for r in 0..rows {
+            let src = &values[r * kv_len..(r + 1) * kv_len];
+            let dst = &mut bits[r * words_per_row..(r + 1) * words_per_row];
+            for (j, &v) in src.iter().enumerate() {
+                if v {
+                    dst[j / 64] |= 1u64 << (j % 64);
+                }
+            }
+        }
+        let mut h = blake3::Hasher::new();
+        for d in [shape.len(), batch, heads, q_len, kv_len] {
+            h.update(&(d as u64).to_le_bytes());
+        }
+        for w in &bits {
+            h.update(&w.to_le_bytes());
+        }
+        Ok(DenseMask {
+            batch,
+            heads,
+            rank: shape.len(),
+            q_len,
+            kv_len,
+            words_per_row,
+            bits,
+            digest: *h.finalize().as_bytes(),
+            label: label.into(),
+        })
+    }
+
+    pub fn batch(&self) -> usize {
+        self.batch
+    }
+
+    pub fn heads(&self) -> usize {
+        self.heads
+    }
+
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    pub fn q_len(&self) -> usize {
+        self.q_len
+    }
+
+    pub fn kv_len(&self) -> usize {
+        self.kv_len
+    }
+
+    pub fn label(&self) -> &str {
+        &self.label
+    }
+
+    pub fn digest(&self) -> &[u8; 32] {
+        &self.digest
+    }
+
+    /// Index of the (batch, head) slice used for query batch `b` and head `h` (broadcast over
+    /// missing leading dimensions).
+    pub fn slice_index(&self, b: usize, h: usize) -> usize {
+        let b = if self.batch == 1 { 0 } else { b };
+        let h = if self.heads == 1 { 0 } else { h };
+        b * self.heads + h
+    }
+
+    /// The packed bit row `i` of slice `slice` (bit `j % 64` of word `j / 64` is key `j`).
+    pub fn row_bits(&self, slice: usize, i: usize) -> &[u64] {
+        let r = slice * self.q_len + i;
+        &self.bits[r * self.words_per_row..(r + 1) * self.words_per_row]
+    }
+
+    /// Token-level lookup.
+    pub fn get(&self, slice: usize, i: usize, j: usize) -> bool {
+        (self.row_bits(slice, i)[j / 64] >> (j % 64)) & 1 == 1
+    }
+
+    /// Digest of one slice alone (used to share plans between identical heads).
+    pub fn slice_digest(&self, slice: usize) -> [u8; 32] {
+        let n = self.q_len * self.words_per_row;
+        let mut h = blake3::Hasher::new();
+        for w in &self.bits[slice * n..(slice + 1) * n] {
+            h.update(&w.to_le_bytes());
+        }
+        *h.finalize().as_bytes()
+    }
+}

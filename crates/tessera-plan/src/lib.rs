@@ -1,0 +1,1 @@
+//! The tile planner: mask + shapes + tile sizes to an explicit block-sparse plan (SPEC §5).

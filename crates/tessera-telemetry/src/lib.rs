@@ -1,0 +1,1 @@
+//! Gated attention-sink and outlier telemetry summaries (SPEC §6).
