@@ -31,6 +31,16 @@ impl Ctx {
         Ctx { global }
     }
 
+    /// The plan of `mask` for `shape` and `tile`.
+    pub fn plan(
+        &self,
+        mask: &tessera_mask::Mask,
+        shape: tessera_plan::PlanShape,
+        tile: tessera_plan::TileShape,
+    ) -> Result<std::sync::Arc<tessera_plan::Plan>> {
+        tessera_plan::build_plan(mask, shape, tile).map(std::sync::Arc::new)
+    }
+
     pub fn json(&self) -> bool {
         self.global.json
     }

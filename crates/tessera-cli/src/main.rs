@@ -6,6 +6,7 @@
 
 mod cmd;
 mod ctx;
+mod maskload;
 mod picture;
 
 use clap::{Parser, Subcommand};
@@ -42,10 +43,19 @@ fn main() -> ExitCode {
                 print!("{e}");
                 return ExitCode::SUCCESS;
             }
-            // One clear line: clap's first line carries the reason.
+            // One clear line: clap's message without its usage block.
             let msg = e.to_string();
-            let first = msg.lines().next().unwrap_or("bad usage").trim_start_matches("error: ");
-            eprintln!("tessera: {first} (see --help)");
+            let line: Vec<&str> = msg
+                .lines()
+                .map(str::trim)
+                .take_while(|l| !l.starts_with("Usage:"))
+                .filter(|l| !l.is_empty())
+                .collect();
+            let line = line.join(" ");
+            eprintln!(
+                "tessera: {} (see --help)",
+                line.trim_start_matches("error: ")
+            );
             return ExitCode::from(2);
         }
     };

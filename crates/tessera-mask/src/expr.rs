@@ -11,13 +11,22 @@ pub enum Mask {
     /// Every pair allowed.
     Full,
     /// `i + offset >= j`.
-    Causal { offset: i64 },
+    Causal {
+        offset: i64,
+    },
     /// `i - left <= j <= i + right`.
-    Window { left: i64, right: i64 },
+    Window {
+        left: i64,
+        right: i64,
+    },
     /// `i / size == j / size`.
-    Chunk { size: u64 },
+    Chunk {
+        size: u64,
+    },
     /// `j < len`.
-    Prefix { len: u64 },
+    Prefix {
+        len: u64,
+    },
     /// `seg_q[b, i] == seg_kv[b, j]`, both non-negative.
     Document(Arc<Segments>),
     /// A boolean array.
@@ -101,7 +110,8 @@ impl Mask {
                 }
             }
             Mask::Document(s) => {
-                for (arg, ids, len) in [("q-segments", &s.q, q_len), ("kv-segments", &s.kv, kv_len)] {
+                for (arg, ids, len) in [("q-segments", &s.q, q_len), ("kv-segments", &s.kv, kv_len)]
+                {
                     if ids.len() != len {
                         return Err(Error::invalid(
                             arg,

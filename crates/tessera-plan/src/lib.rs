@@ -1,1 +1,20 @@
-//! The tile planner: mask + shapes + tile sizes to an explicit block-sparse plan (SPEC §5).
+//! The tile planner (SPEC §5).
+//!
+//! Contract: [`build_plan`] turns a validated [`Mask`](tessera_mask::Mask), a [`PlanShape`] and a
+//! [`TileShape`] into a [`Plan`] whose tile states are sound and exact: an Empty tile holds no
+//! allowed pair, a Full tile no disallowed in-range pair, a Partial tile both, and every partial
+//! tile's bitmask equals the token mask. Stages: (1) analytic interval classification per tile,
+//! visiting only the kv tiles a q-tile row can reach, (2) token-level refinement of partial tiles
+//! with content-deduplicated bitmasks, (3) compaction into forward and backward work lists.
+//! No stage allocates O(Lq·Lkv) for structured masks. This crate holds no kernel code.
+
+mod build;
+mod classify;
+mod contract;
+mod plan;
+mod shape;
+
+pub use build::build_plan;
+pub use contract::{contract_key, ContractKey, PLAN_FORMAT_VERSION};
+pub use plan::{HeadPlan, PartialMasks, Plan, PlanStats, TileEntry, TileState, FULL_TILE};
+pub use shape::{PlanShape, TileShape};

@@ -1,0 +1,135 @@
+//! `tessera plan`: plan a mask and print its statistics; optionally dump states or a picture.
+
+use crate::ctx::{print_json, Ctx};
+use crate::maskload::MaskArgs;
+use std::path::PathBuf;
+use tessera_core::{Error, Result, Tensor, TensorData};
+use tessera_plan::Plan;
+
+#[derive(clap::Args, Debug)]
+#[command(
+    after_help = "Example:\n  tessera plan --mask 'causal & document' --q-len 32768 --segments rows.safetensors:segment_ids --png plan.png\n  tessera plan --mask 'window(1024) & causal' --q-len 8192 --tile 64x128 --json"
+)]
+pub struct PlanArgs {
+    #[command(flatten)]
+    pub mask: MaskArgs,
+    /// Query length.
+    #[arg(long, value_name = "N")]
+    pub q_len: usize,
+    /// Key length (default: the query length).
+    #[arg(long, value_name = "M")]
+    pub kv_len: Option<usize>,
+    /// Batch size.
+    #[arg(long, value_name = "B", default_value_t = 1)]
+    pub batch: usize,
+    /// Query heads.
+    #[arg(long, value_name = "H", default_value_t = 1)]
+    pub heads: usize,
+    /// Head dimension used for the FLOP count.
+    #[arg(long, value_name = "D", default_value_t = 128)]
+    pub head_dim: usize,
+    /// Write tile states as int8 [B', H', nq, nk] (.npy; 0 empty, 1 partial, 2 full).
+    #[arg(long, value_name = "F.npy")]
+    pub dump_states: Option<PathBuf>,
+    /// Write a picture of the tile states of batch row 0, head 0.
+    #[arg(long, value_name = "F.png")]
+    pub png: Option<PathBuf>,
+}
+
+/// The statistics printed by `plan` (also used by `demo`).
+#[derive(serde::Serialize)]
+pub struct PlanReport<'a> {
+    pub contract: String,
+    pub mask: &'a str,
+    pub batch: usize,
+    pub heads: usize,
+    pub q_len: usize,
+    pub kv_len: usize,
+    pub tile: String,
+    pub q_tiles: usize,
+    pub kv_tiles: usize,
+    pub groups: [usize; 2],
+    pub forward_gflop: f64,
+    #[serde(flatten)]
+    pub stats: &'a tessera_plan::PlanStats,
+}
+
+impl<'a> PlanReport<'a> {
+    pub fn new(plan: &'a Plan, head_dim: usize) -> Self {
+        PlanReport {
+            contract: plan.contract.hex(),
+            mask: &plan.mask,
+            batch: plan.shape.batch,
+            heads: plan.shape.heads,
+            q_len: plan.shape.q_len,
+            kv_len: plan.shape.kv_len,
+            tile: plan.tile.to_string(),
+            q_tiles: plan.q_tiles,
+            kv_tiles: plan.kv_tiles,
+            groups: [plan.batch_groups, plan.head_groups],
+            forward_gflop: plan.forward_flops(head_dim, head_dim) / 1e9,
+            stats: &plan.stats,
+        }
+    }
+
+    pub fn to_text(&self) -> String {
+        let s = self.stats;
+        format!(
+            "plan {}\n  mask      {}\n  shape     B={} H={} Lq={} Lkv={}  tile {}  grid {}x{}  groups B'={} H'={}\n  tiles     {} total: {} full, {} partial ({} unique masks), {} empty\n  density   pairs {:.5}  tiles {:.5}  grid width {}\n  work      {} allowed pairs, {:.2} GFLOP forward\n  plan      {} bytes, {} head plan(s), built in {:.3} ms",
+            &self.contract[..16],
+            self.mask,
+            self.batch,
+            self.heads,
+            self.q_len,
+            self.kv_len,
+            self.tile,
+            self.q_tiles,
+            self.kv_tiles,
+            self.groups[0],
+            self.groups[1],
+            s.tiles,
+            s.full_tiles,
+            s.partial_tiles,
+            s.unique_partial_masks,
+            s.empty_tiles,
+            s.density,
+            s.tile_density,
+            s.grid_width,
+            s.allowed_pairs,
+            self.forward_gflop,
+            s.plan_bytes,
+            s.head_plans,
+            s.build_ms
+        )
+    }
+}
+
+/// Writes the tile states as an int8 `[B', H', nq, nk]` array.
+pub fn dump_states(plan: &Plan, path: &std::path::Path) -> Result<()> {
+    let (shape, states) = plan.states();
+    let t = Tensor::new(shape.to_vec(), TensorData::I8(states))?;
+    tessera_io::write_tensor(path, &t)
+}
+
+pub fn run(args: PlanArgs, ctx: &Ctx) -> Result<()> {
+    let kv_len = args.kv_len.unwrap_or(args.q_len);
+    if args.head_dim == 0 {
+        return Err(Error::invalid("--head-dim", "a positive value", 0));
+    }
+    let (_mask, plan) = args
+        .mask
+        .plan(ctx, args.batch, args.heads, args.q_len, kv_len)?;
+    if let Some(p) = &args.dump_states {
+        dump_states(&plan, p)?;
+    }
+    if let Some(p) = &args.png {
+        crate::picture::plan_picture(&plan, 0, 0, &args.mask.mask, p)?;
+    }
+    let report = PlanReport::new(&plan, args.head_dim);
+    if ctx.json() {
+        print_json(&report)
+    } else {
+        println!("{}", report.to_text());
+        Ok(())
+    }
+}

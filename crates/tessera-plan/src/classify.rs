@@ -1,0 +1,488 @@
+//! Stages 1 and 2 of the planner on a prepared mask tree.
+//!
+//! A [`Node`] is one (batch row, head) specialization of a mask with per-tile data summaries
+//! precomputed. Stage 1: [`Node::reach`] bounds, per q-tile row, the kv tiles that can hold an
+//! allowed pair, and [`Node::classify`] gives a sound Empty/Partial/Full verdict per tile by
+//! interval arithmetic. Stage 2: [`Node::eval`] writes a tile's exact token bitmask.
+
+use crate::plan::TileState;
+use std::collections::HashMap;
+use tessera_mask::{DenseMask, Mask};
+
+/// Sizes shared by every node of one plan.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Geom {
+    pub lq: usize,
+    pub lkv: usize,
+    pub tq: usize,
+    pub tk: usize,
+    pub nq: usize,
+    pub nk: usize,
+    pub wpr: usize,
+}
+
+impl Geom {
+    /// Inclusive token range of q-tile `qt`.
+    fn qr(&self, qt: usize) -> (i64, i64) {
+        let s = qt * self.tq;
+        (s as i64, ((s + self.tq).min(self.lq) - 1) as i64)
+    }
+    /// Inclusive token range of kv-tile `kt`.
+    fn kr(&self, kt: usize) -> (i64, i64) {
+        let s = kt * self.tk;
+        (s as i64, ((s + self.tk).min(self.lkv) - 1) as i64)
+    }
+    /// Token range [lo, hi] (inclusive) to kv tiles, clipped; None when empty.
+    fn kv_tiles(&self, lo: i64, hi: i64) -> Option<(usize, usize)> {
+        let lo = lo.max(0);
+        let hi = hi.min(self.lkv as i64 - 1);
+        (lo <= hi).then(|| (lo as usize / self.tk, hi as usize / self.tk))
+    }
+}
+
+/// Segment-id summary of one tile side: range of valid ids and whether padding is present.
+#[derive(Clone, Copy, Debug)]
+struct SegSummary {
+    min: i64,
+    max: i64,
+    any_valid: bool,
+    any_pad: bool,
+}
+
+fn summarize(ids: &[i64], tile: usize) -> Vec<SegSummary> {
+    ids.chunks(tile)
+        .map(|c| {
+            let mut s = SegSummary {
+                min: i64::MAX,
+                max: i64::MIN,
+                any_valid: false,
+                any_pad: false,
+            };
+            for &v in c {
+                if v < 0 {
+                    s.any_pad = true;
+                } else {
+                    s.any_valid = true;
+                    s.min = s.min.min(v);
+                    s.max = s.max.max(v);
+                }
+            }
+            s
+        })
+        .collect()
+}
+
+/// A `document` leaf for one batch row.
+pub(crate) struct DocLeaf<'a> {
+    q: &'a [i64],
+    q_sum: Vec<SegSummary>,
+    kv_sum: Vec<SegSummary>,
+    /// Runs of equal valid kv ids: (start, end exclusive, id); `kv_runs[kv_run_off[kt]..]` per tile.
+    kv_runs: Vec<(u32, u32, i64)>,
+    kv_run_off: Vec<u32>,
+    /// Per q tile: the hull of kv tiles holding any of its ids.
+    q_reach: Vec<Option<(usize, usize)>>,
+}
+
+impl<'a> DocLeaf<'a> {
+    fn new(g: &Geom, q: &'a [i64], kv: &'a [i64]) -> Self {
+        let mut kv_runs = Vec::new();
+        let mut kv_run_off = Vec::with_capacity(g.nk + 1);
+        // First and last kv tile of every id: bounds the kv tiles a q tile can reach.
+        let mut span: HashMap<i64, (usize, usize)> = HashMap::new();
+        for (kt, chunk) in kv.chunks(g.tk).enumerate() {
+            kv_run_off.push(kv_runs.len() as u32);
+            let mut s = 0;
+            while s < chunk.len() {
+                let id = chunk[s];
+                let mut e = s + 1;
+                while e < chunk.len() && chunk[e] == id {
+                    e += 1;
+                }
+                if id >= 0 {
+                    kv_runs.push((s as u32, e as u32, id));
+                    span.entry(id).and_modify(|x| x.1 = kt).or_insert((kt, kt));
+                }
+                s = e;
+            }
+        }
+        kv_run_off.push(kv_runs.len() as u32);
+        let q_reach = q
+            .chunks(g.tq)
+            .map(|c| {
+                let mut acc: Option<(usize, usize)> = None;
+                let mut prev = None;
+                for &id in c {
+                    if id < 0 || prev == Some(id) {
+                        continue;
+                    }
+                    prev = Some(id);
+                    if let Some(&(a, b)) = span.get(&id) {
+                        acc = Some(match acc {
+                            None => (a, b),
+                            Some((x, y)) => (x.min(a), y.max(b)),
+                        });
+                    }
+                }
+                acc
+            })
+            .collect();
+        DocLeaf {
+            q,
+            q_sum: summarize(q, g.tq),
+            kv_sum: summarize(kv, g.tk),
+            kv_runs,
+            kv_run_off,
+            q_reach,
+        }
+    }
+}
+
+/// A `dense` leaf for one (batch, head) slice, with per-tile allowed counts.
+pub(crate) struct DenseLeaf<'a> {
+    mask: &'a DenseMask,
+    slice: usize,
+    counts: Vec<u32>,
+    q_reach: Vec<Option<(usize, usize)>>,
+}
+
+impl<'a> DenseLeaf<'a> {
+    fn new(g: &Geom, mask: &'a DenseMask, slice: usize) -> Self {
+        // Dense data is O(Lq·Lkv) by nature; summarizing it once is the unavoidable cost.
+        let mut counts = vec![0u32; g.nq * g.nk];
+        for i in 0..g.lq {
+            let row = mask.row_bits(slice, i);
+            let base = (i / g.tq) * g.nk;
+            for kt in 0..g.nk {
+                let (j0, j1) = g.kr(kt);
+                counts[base + kt] += count_bits(row, j0 as usize, j1 as usize + 1);
+            }
+        }
+        let q_reach = (0..g.nq)
+            .map(|qt| {
+                let row = &counts[qt * g.nk..(qt + 1) * g.nk];
+                let first = row.iter().position(|&c| c > 0)?;
+                let last = row.iter().rposition(|&c| c > 0)?;
+                Some((first, last))
+            })
+            .collect();
+        DenseLeaf {
+            mask,
+            slice,
+            counts,
+            q_reach,
+        }
+    }
+}
+
+/// Number of set bits of `bits` in [lo, hi).
+fn count_bits(bits: &[u64], lo: usize, hi: usize) -> u32 {
+    let mut n = 0;
+    let mut j = lo;
+    while j < hi {
+        let w = j / 64;
+        let b = j % 64;
+        let take = (64 - b).min(hi - j);
+        let m = if take == 64 {
+            u64::MAX
+        } else {
+            ((1u64 << take) - 1) << b
+        };
+        n += (bits[w] & m).count_ones();
+        j += take;
+    }
+    n
+}
+
+/// Reads `n <= 64` bits of `bits` starting at bit `at`.
+fn read_bits(bits: &[u64], at: usize, n: usize) -> u64 {
+    let (w, b) = (at / 64, at % 64);
+    let mut v = bits[w] >> b;
+    if b > 0 && w + 1 < bits.len() {
+        v |= bits[w + 1] << (64 - b);
+    }
+    if n < 64 {
+        v &= (1u64 << n) - 1;
+    }
+    v
+}
+
+/// A mask specialized to one (batch row, head), ready for planning.
+pub(crate) enum Node<'a> {
+    Full,
+    Causal(i64),
+    Window(i64, i64),
+    Chunk(i64),
+    Prefix(i64),
+    Doc(DocLeaf<'a>),
+    Dense(DenseLeaf<'a>),
+    And(Vec<Node<'a>>),
+    Or(Vec<Node<'a>>),
+    Not(Box<Node<'a>>),
+}
+
+impl<'a> Node<'a> {
+    /// Specializes `mask` to batch row `b` and head `h` (the mask must be validated).
+    pub fn prepare(mask: &'a Mask, g: &Geom, b: usize, h: usize) -> Node<'a> {
+        match mask {
+            Mask::Full => Node::Full,
+            Mask::Causal { offset } => Node::Causal(*offset),
+            Mask::Window { left, right } => Node::Window(*left, *right),
+            Mask::Chunk { size } => Node::Chunk(*size as i64),
+            Mask::Prefix { len } => Node::Prefix((*len).min(i64::MAX as u64) as i64),
+            Mask::Document(s) => Node::Doc(DocLeaf::new(g, s.q.row(b), s.kv.row(b))),
+            Mask::Dense(d) => Node::Dense(DenseLeaf::new(g, d, d.slice_index(b, h))),
+            Mask::And(v) => Node::And(v.iter().map(|m| Node::prepare(m, g, b, h)).collect()),
+            Mask::Or(v) => Node::Or(v.iter().map(|m| Node::prepare(m, g, b, h)).collect()),
+            Mask::Not(m) => Node::Not(Box::new(Node::prepare(m, g, b, h))),
+            Mask::Heads(v) => Node::prepare(&v[h], g, b, h),
+        }
+    }
+
+    /// Stage 1: kv tiles (inclusive range) that may hold an allowed pair for q-tile `qt`.
+    pub fn reach(&self, g: &Geom, qt: usize) -> Option<(usize, usize)> {
+        let (i0, i1) = g.qr(qt);
+        match self {
+            Node::Full | Node::Not(_) => Some((0, g.nk - 1)),
+            Node::Causal(off) => g.kv_tiles(0, i1.saturating_add(*off)),
+            Node::Window(l, r) => g.kv_tiles(i0.saturating_sub(*l), i1.saturating_add(*r)),
+            Node::Chunk(c) => g.kv_tiles(i0 / c * c, (i1 / c + 1).saturating_mul(*c) - 1),
+            Node::Prefix(n) => g.kv_tiles(0, n - 1),
+            Node::Doc(d) => d.q_reach[qt],
+            Node::Dense(d) => d.q_reach[qt],
+            Node::And(v) => v.iter().try_fold((0, g.nk - 1), |(a, b), n| {
+                let (x, y) = n.reach(g, qt)?;
+                let (lo, hi) = (a.max(x), b.min(y));
+                (lo <= hi).then_some((lo, hi))
+            }),
+            Node::Or(v) => v
+                .iter()
+                .filter_map(|n| n.reach(g, qt))
+                .reduce(|(a, b), (x, y)| (a.min(x), b.max(y))),
+        }
+    }
+
+    /// Stage 1: sound state of tile (`qt`, `kt`): Empty and Full are certain, Partial may be
+    /// either until refined.
+    pub fn classify(&self, g: &Geom, qt: usize, kt: usize) -> TileState {
+        use TileState::*;
+        let (i0, i1) = g.qr(qt);
+        let (j0, j1) = g.kr(kt);
+        // Differences j - i over the tile cover exactly [dmin, dmax].
+        let (dmin, dmax) = (j0 - i1, j1 - i0);
+        let verdict = |full: bool, empty: bool| {
+            if empty {
+                Empty
+            } else if full {
+                Full
+            } else {
+                Partial
+            }
+        };
+        match self {
+            Node::Full => Full,
+            Node::Causal(off) => verdict(dmax <= *off, dmin > *off),
+            Node::Window(l, r) => {
+                let nl = l.saturating_neg();
+                verdict(dmin >= nl && dmax <= *r, dmax < nl || dmin > *r)
+            }
+            Node::Chunk(c) => {
+                let (qa, qb, ka, kb) = (i0 / c, i1 / c, j0 / c, j1 / c);
+                verdict(qa == qb && ka == kb && qa == ka, qb < ka || kb < qa)
+            }
+            Node::Prefix(n) => verdict(j1 < *n, j0 >= *n),
+            Node::Doc(d) => {
+                let (q, k) = (d.q_sum[qt], d.kv_sum[kt]);
+                let empty = !q.any_valid || !k.any_valid || q.max < k.min || k.max < q.min;
+                let full =
+                    !q.any_pad && !k.any_pad && q.min == q.max && k.min == k.max && q.min == k.min;
+                verdict(full, empty)
+            }
+            Node::Dense(d) => {
+                let c = d.counts[qt * g.nk + kt] as i64;
+                verdict(c == (i1 - i0 + 1) * (j1 - j0 + 1), c == 0)
+            }
+            Node::And(v) => {
+                let mut all_full = true;
+                for n in v {
+                    match n.classify(g, qt, kt) {
+                        Empty => return Empty,
+                        Partial => all_full = false,
+                        Full => {}
+                    }
+                }
+                if all_full {
+                    Full
+                } else {
+                    Partial
+                }
+            }
+            Node::Or(v) => {
+                let mut all_empty = true;
+                for n in v {
+                    match n.classify(g, qt, kt) {
+                        Full => return Full,
+                        Partial => all_empty = false,
+                        Empty => {}
+                    }
+                }
+                if all_empty {
+                    Empty
+                } else {
+                    Partial
+                }
+            }
+            Node::Not(n) => match n.classify(g, qt, kt) {
+                Empty => Full,
+                Full => Empty,
+                Partial => Partial,
+            },
+        }
+    }
+
+    /// Stage 2: writes the exact bitmask of tile (`qt`, `kt`) into `out` (`tq` rows of `wpr`
+    /// words); bits of out-of-range rows and columns are 0. `pool` supplies scratch buffers.
+    pub fn eval(&self, g: &Geom, qt: usize, kt: usize, out: &mut [u64], pool: &mut Vec<Vec<u64>>) {
+        let (i0, i1) = g.qr(qt);
+        let (j0, j1) = g.kr(kt);
+        let ncols = (j1 - j0 + 1) as usize;
+        let rows = (i1 - i0 + 1) as usize;
+        out.fill(0);
+        let wpr = g.wpr;
+        // Sets columns [lo, hi) of tile row r (clipped to the in-range columns).
+        let set = |out: &mut [u64], r: usize, lo: i64, hi: i64| {
+            set_range(&mut out[r * wpr..(r + 1) * wpr], lo, hi, ncols);
+        };
+        match self {
+            Node::Full => (0..rows).for_each(|r| set(out, r, 0, ncols as i64)),
+            Node::Causal(off) => {
+                for r in 0..rows {
+                    let i = i0 + r as i64;
+                    set(
+                        out,
+                        r,
+                        0,
+                        i.saturating_add(*off).saturating_sub(j0).saturating_add(1),
+                    );
+                }
+            }
+            Node::Window(l, rr) => {
+                for r in 0..rows {
+                    let i = i0 + r as i64;
+                    set(
+                        out,
+                        r,
+                        i.saturating_sub(*l).saturating_sub(j0),
+                        i.saturating_add(*rr).saturating_sub(j0).saturating_add(1),
+                    );
+                }
+            }
+            Node::Chunk(c) => {
+                for r in 0..rows {
+                    let s = (i0 + r as i64) / c * c;
+                    set(out, r, s - j0, s.saturating_add(*c) - j0);
+                }
+            }
+            Node::Prefix(n) => (0..rows).for_each(|r| set(out, r, 0, n.saturating_sub(j0))),
+            Node::Doc(d) => {
+                let runs = &d.kv_runs[d.kv_run_off[kt] as usize..d.kv_run_off[kt + 1] as usize];
+                for r in 0..rows {
+                    let s = d.q[i0 as usize + r];
+                    if s < 0 {
+                        continue;
+                    }
+                    for &(a, b, id) in runs {
+                        if id == s {
+                            set(out, r, a as i64, b as i64);
+                        }
+                    }
+                }
+            }
+            Node::Dense(d) => {
+                for r in 0..rows {
+                    let bits = d.mask.row_bits(d.slice, i0 as usize + r);
+                    let row = &mut out[r * wpr..(r + 1) * wpr];
+                    for (w, word) in row.iter_mut().enumerate() {
+                        let at = w * 64;
+                        if at < ncols {
+                            *word = read_bits(bits, j0 as usize + at, (ncols - at).min(64));
+                        }
+                    }
+                }
+            }
+            Node::And(v) | Node::Or(v) => {
+                let is_and = matches!(self, Node::And(_));
+                let mut first = true;
+                let mut tmp = pool.pop().unwrap_or_default();
+                tmp.resize(out.len(), 0);
+                for n in v {
+                    // Operands that are uniform on this tile need no token work.
+                    let st = n.classify(g, qt, kt);
+                    let neutral = if is_and {
+                        TileState::Full
+                    } else {
+                        TileState::Empty
+                    };
+                    if st == neutral {
+                        continue;
+                    }
+                    let src: &[u64] = if st == TileState::Partial {
+                        n.eval(g, qt, kt, &mut tmp, pool);
+                        &tmp
+                    } else {
+                        // Absorbing element: all-ones for `|` Full, zeros for `&` Empty.
+                        if is_and {
+                            out.fill(0);
+                            pool.push(tmp);
+                            return;
+                        }
+                        Node::Full.eval(g, qt, kt, out, pool);
+                        pool.push(tmp);
+                        return;
+                    };
+                    if first {
+                        out.copy_from_slice(src);
+                        first = false;
+                    } else if is_and {
+                        out.iter_mut().zip(src).for_each(|(o, s)| *o &= s);
+                    } else {
+                        out.iter_mut().zip(src).for_each(|(o, s)| *o |= s);
+                    }
+                }
+                if first && is_and {
+                    // Every operand was Full on this tile.
+                    Node::Full.eval(g, qt, kt, out, pool);
+                }
+                pool.push(tmp);
+            }
+            Node::Not(n) => {
+                n.eval(g, qt, kt, out, pool);
+                let mut all = vec![0u64; wpr];
+                set_range(&mut all, 0, ncols as i64, ncols);
+                for r in 0..g.tq {
+                    let row = &mut out[r * wpr..(r + 1) * wpr];
+                    for (o, m) in row.iter_mut().zip(&all) {
+                        *o = if r < rows { !*o & m } else { 0 };
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Sets bits [lo, hi) of `row`, clipped to [0, ncols).
+fn set_range(row: &mut [u64], lo: i64, hi: i64, ncols: usize) {
+    let lo = lo.max(0) as usize;
+    let hi = hi.clamp(0, ncols as i64) as usize;
+    let mut j = lo;
+    while j < hi {
+        let (w, b) = (j / 64, j % 64);
+        let take = (64 - b).min(hi - j);
+        row[w] |= if take == 64 {
+            u64::MAX
+        } else {
+            ((1u64 << take) - 1) << b
+        };
+        j += take;
+    }
+}

@@ -1,0 +1,263 @@
+//! The plan: tile states as forward/backward work lists plus deduplicated partial bitmasks.
+//!
+//! Contract: a plan is plain data (serde-serializable) that kernels and exporters read without
+//! knowing the mask. A tile absent from a row's work list is Empty. Memory is proportional to
+//! active tiles plus unique partial tiles; a dense `[nq, nk]` state grid is only materialized on
+//! request ([`Plan::states`]).
+
+use crate::contract::ContractKey;
+use crate::shape::{PlanShape, TileShape};
+
+/// Tile state, with the JAX Splash `block_mask` numbering.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[repr(i8)]
+pub enum TileState {
+    Empty = 0,
+    Partial = 1,
+    Full = 2,
+}
+
+/// `TileEntry::mask` value marking a full tile.
+pub const FULL_TILE: u32 = u32::MAX;
+
+/// One non-empty tile in a work list: the other-axis tile index and its partial-mask id
+/// ([`FULL_TILE`] when the tile is full).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct TileEntry {
+    pub tile: u32,
+    pub mask: u32,
+}
+
+impl TileEntry {
+    pub fn is_full(&self) -> bool {
+        self.mask == FULL_TILE
+    }
+}
+
+/// The plan of one distinct (batch row, head) mask.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct HeadPlan {
+    /// `fwd[fwd_offsets[qt]..fwd_offsets[qt + 1]]` are q-tile `qt`'s non-empty kv tiles, ascending.
+    pub fwd_offsets: Vec<u32>,
+    pub fwd: Vec<TileEntry>,
+    /// `bwd[bwd_offsets[kt]..bwd_offsets[kt + 1]]` are kv-tile `kt`'s non-empty q tiles, ascending.
+    pub bwd_offsets: Vec<u32>,
+    pub bwd: Vec<TileEntry>,
+    pub full_tiles: u64,
+    pub partial_tiles: u64,
+    /// Allowed (query, key) pairs of this mask.
+    pub allowed_pairs: u64,
+}
+
+impl HeadPlan {
+    /// Non-empty kv tiles of q-tile `qt` (forward work list row).
+    pub fn row(&self, qt: usize) -> &[TileEntry] {
+        &self.fwd[self.fwd_offsets[qt] as usize..self.fwd_offsets[qt + 1] as usize]
+    }
+
+    /// Non-empty q tiles of kv-tile `kt` (backward work list column).
+    pub fn col(&self, kt: usize) -> &[TileEntry] {
+        &self.bwd[self.bwd_offsets[kt] as usize..self.bwd_offsets[kt + 1] as usize]
+    }
+
+    /// State of tile (`qt`, `kt`), by binary search in the row.
+    pub fn state(&self, qt: usize, kt: usize) -> TileState {
+        let row = self.row(qt);
+        match row.binary_search_by_key(&(kt as u32), |e| e.tile) {
+            Ok(k) if row[k].is_full() => TileState::Full,
+            Ok(_) => TileState::Partial,
+            Err(_) => TileState::Empty,
+        }
+    }
+
+    pub fn active_tiles(&self) -> u64 {
+        self.fwd.len() as u64
+    }
+
+    /// Length of the longest forward row.
+    pub fn grid_width(&self) -> usize {
+        self.fwd_offsets
+            .windows(2)
+            .map(|w| (w[1] - w[0]) as usize)
+            .max()
+            .unwrap_or(0)
+    }
+}
+
+/// Deduplicated bitmasks of partial tiles. Mask `id` has `tile.q` rows of `words_per_row` u64
+/// words; bit `c % 64` of word `c / 64` of row `r` is pair (tile row r, tile column c). Bits of
+/// out-of-range rows and columns (ragged tails) are 0.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct PartialMasks {
+    pub tile: TileShape,
+    pub words_per_row: usize,
+    pub data: Vec<u64>,
+}
+
+impl PartialMasks {
+    pub fn new(tile: TileShape) -> Self {
+        PartialMasks {
+            tile,
+            words_per_row: tile.kv.div_ceil(64),
+            data: Vec::new(),
+        }
+    }
+
+    /// Words per mask.
+    pub fn mask_words(&self) -> usize {
+        self.tile.q * self.words_per_row
+    }
+
+    pub fn len(&self) -> usize {
+        self.data.len() / self.mask_words()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.data.is_empty()
+    }
+
+    /// All words of mask `id`.
+    pub fn get(&self, id: u32) -> &[u64] {
+        let n = self.mask_words();
+        &self.data[id as usize * n..(id as usize + 1) * n]
+    }
+
+    /// Words of row `r` of mask `id`.
+    pub fn row(&self, id: u32, r: usize) -> &[u64] {
+        let m = self.get(id);
+        &m[r * self.words_per_row..(r + 1) * self.words_per_row]
+    }
+
+    /// Whether pair (row `r`, column `c`) of mask `id` is allowed.
+    pub fn allowed(&self, id: u32, r: usize, c: usize) -> bool {
+        (self.row(id, r)[c / 64] >> (c % 64)) & 1 == 1
+    }
+}
+
+/// Summary numbers of a plan.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct PlanStats {
+    /// Tiles over the `[B', H', nq, nk]` grid, by state.
+    pub tiles: u64,
+    pub empty_tiles: u64,
+    pub partial_tiles: u64,
+    pub full_tiles: u64,
+    pub unique_partial_masks: u64,
+    /// Distinct (batch row, head) masks actually planned.
+    pub head_plans: u64,
+    /// Allowed pairs over the whole `[B, H, Lq, Lkv]` problem.
+    pub allowed_pairs: u64,
+    /// Allowed pairs / (B·H·Lq·Lkv).
+    pub density: f64,
+    /// Active (non-empty) tiles / all tiles.
+    pub tile_density: f64,
+    /// Longest forward row in tiles.
+    pub grid_width: u64,
+    pub plan_bytes: u64,
+    pub build_ms: f64,
+}
+
+/// A plan for one contract (SPEC §5).
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Plan {
+    pub format_version: u32,
+    pub contract: ContractKey,
+    /// Canonical text of the planned mask.
+    pub mask: String,
+    pub shape: PlanShape,
+    pub tile: TileShape,
+    pub q_tiles: usize,
+    pub kv_tiles: usize,
+    /// `B'`: 1 when the mask is the same for every batch row, else `B`.
+    pub batch_groups: usize,
+    /// `H'`: 1 when the mask is the same for every head, else `H`.
+    pub head_groups: usize,
+    /// `[B' * H']` index into `head_plans`.
+    pub group_plan: Vec<u32>,
+    pub head_plans: Vec<HeadPlan>,
+    pub partials: PartialMasks,
+    pub stats: PlanStats,
+}
+
+impl Plan {
+    /// Index into `head_plans` used by batch row `b` and query head `h` (any b < B, h < H).
+    pub fn head_plan_index(&self, b: usize, h: usize) -> usize {
+        let bg = if self.batch_groups == 1 { 0 } else { b };
+        let hg = if self.head_groups == 1 { 0 } else { h };
+        self.group_plan[bg * self.head_groups + hg] as usize
+    }
+
+    /// The head plan used by batch row `b` and query head `h`.
+    pub fn head_plan(&self, b: usize, h: usize) -> &HeadPlan {
+        &self.head_plans[self.head_plan_index(b, h)]
+    }
+
+    /// Token range `[start, end)` of q-tile `qt`.
+    pub fn q_range(&self, qt: usize) -> (usize, usize) {
+        let s = qt * self.tile.q;
+        (s, (s + self.tile.q).min(self.shape.q_len))
+    }
+
+    /// Token range `[start, end)` of kv-tile `kt`.
+    pub fn kv_range(&self, kt: usize) -> (usize, usize) {
+        let s = kt * self.tile.kv;
+        (s, (s + self.tile.kv).min(self.shape.kv_len))
+    }
+
+    /// Dense tile states `[B', H', nq, nk]` (Empty 0, Partial 1, Full 2) and their shape.
+    pub fn states(&self) -> ([usize; 4], Vec<i8>) {
+        let (nq, nk) = (self.q_tiles, self.kv_tiles);
+        let mut out = vec![TileState::Empty as i8; self.group_plan.len() * nq * nk];
+        for (g, &p) in self.group_plan.iter().enumerate() {
+            let hp = &self.head_plans[p as usize];
+            for qt in 0..nq {
+                for e in hp.row(qt) {
+                    out[(g * nq + qt) * nk + e.tile as usize] = if e.is_full() {
+                        TileState::Full as i8
+                    } else {
+                        TileState::Partial as i8
+                    };
+                }
+            }
+        }
+        ([self.batch_groups, self.head_groups, nq, nk], out)
+    }
+
+    /// Whether pair (`i`, `j`) is allowed for batch row `b`, head `h`, read from the plan alone.
+    pub fn allowed(&self, b: usize, h: usize, i: usize, j: usize) -> bool {
+        let (qt, kt) = (i / self.tile.q, j / self.tile.kv);
+        let row = self.head_plan(b, h).row(qt);
+        match row.binary_search_by_key(&(kt as u32), |e| e.tile) {
+            Ok(k) if row[k].is_full() => true,
+            Ok(k) => self
+                .partials
+                .allowed(row[k].mask, i % self.tile.q, j % self.tile.kv),
+            Err(_) => false,
+        }
+    }
+
+    /// Forward FLOPs over allowed pairs: `2·Dqk` for QKᵀ plus `2·Dv` for PV per pair.
+    pub fn forward_flops(&self, d_qk: usize, d_v: usize) -> f64 {
+        self.stats.allowed_pairs as f64 * 2.0 * (d_qk + d_v) as f64
+    }
+
+    /// Backward FLOPs over allowed pairs: recomputed S (2·Dqk), dP (2·Dv), dV (2·Dv), dQ (2·Dqk),
+    /// dK (2·Dqk) per pair.
+    pub fn backward_flops(&self, d_qk: usize, d_v: usize) -> f64 {
+        self.stats.allowed_pairs as f64 * (6 * d_qk + 4 * d_v) as f64
+    }
+
+    /// Bytes held by the plan's arrays.
+    pub fn heap_bytes(&self) -> u64 {
+        let entry = std::mem::size_of::<TileEntry>();
+        let lists: usize = self
+            .head_plans
+            .iter()
+            .map(|h| {
+                (h.fwd_offsets.len() + h.bwd_offsets.len()) * 4
+                    + (h.fwd.len() + h.bwd.len()) * entry
+            })
+            .sum();
+        (lists + self.partials.data.len() * 8 + self.group_plan.len() * 4) as u64
+    }
+}

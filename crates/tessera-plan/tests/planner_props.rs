@@ -1,0 +1,292 @@
+//! Property tests: plan states equal a brute-force token-level classification for random mask
+//! trees, every partial bitmask reproduces the token mask, and the backward list is exactly the
+//! transpose of the forward list.
+
+use proptest::prelude::*;
+use rand::{Rng, SeedableRng};
+use tessera_mask::{DenseMask, Mask, SegmentIds, Segments};
+use tessera_plan::{build_plan, Plan, PlanShape, TileShape, TileState};
+
+/// Random segment ids for `rows` rows: runs of documents, sometimes padding runs (-1, -3), and
+/// sometimes unsorted/reused ids.
+fn random_segments(rng: &mut impl Rng, rows: usize, len: usize) -> Vec<i64> {
+    let mut out = Vec::with_capacity(rows * len);
+    for _ in 0..rows {
+        let mut id = 0i64;
+        let mut i = 0;
+        while i < len {
+            let run = rng.gen_range(1..=(len / 2).max(2)).min(len - i);
+            let v = match rng.gen_range(0..10) {
+                0 => -1,
+                1 => -3,
+                2 => rng.gen_range(0..4),
+                _ => {
+                    id += 1;
+                    id
+                }
+            };
+            out.extend(std::iter::repeat_n(v, run));
+            i += run;
+        }
+    }
+    out
+}
+
+struct Gen<'a, R: Rng> {
+    rng: &'a mut R,
+    b: usize,
+    h: usize,
+    lq: usize,
+    lkv: usize,
+}
+
+impl<R: Rng> Gen<'_, R> {
+    fn leaf(&mut self) -> Mask {
+        let l = self.lq.max(self.lkv) as i64;
+        match self.rng.gen_range(0..9) {
+            0 => Mask::full(),
+            1 => Mask::causal(),
+            2 => Mask::causal_offset(self.rng.gen_range(-l..=l)),
+            3 => Mask::window(
+                self.rng.gen_range(-5..=l / 2),
+                self.rng.gen_range(-5..=l / 2),
+            ),
+            4 => Mask::chunk(self.rng.gen_range(1..=l as u64)),
+            5 => Mask::prefix(self.rng.gen_range(0..=l as u64 + 2)),
+            6 | 7 => {
+                let rows = if self.rng.gen_bool(0.5) { 1 } else { self.b };
+                let cross = self.lq != self.lkv || self.rng.gen_bool(0.3);
+                let q = SegmentIds::new(rows, self.lq, random_segments(self.rng, rows, self.lq));
+                let segs = if cross {
+                    let kv =
+                        SegmentIds::new(rows, self.lkv, random_segments(self.rng, rows, self.lkv));
+                    Segments::cross(q.unwrap(), kv.unwrap()).unwrap()
+                } else {
+                    Segments::shared(q.unwrap())
+                };
+                Mask::document(segs)
+            }
+            _ => {
+                let shape: Vec<usize> = match self.rng.gen_range(0..3) {
+                    0 => vec![self.lq, self.lkv],
+                    1 => vec![self.h, self.lq, self.lkv],
+                    _ => vec![self.b, self.h, self.lq, self.lkv],
+                };
+                let n: usize = shape.iter().product();
+                let p: f64 = [0.0, 0.05, 0.5, 0.95, 1.0][self.rng.gen_range(0..5)];
+                let vals: Vec<bool> = (0..n).map(|_| self.rng.gen_bool(p)).collect();
+                Mask::dense(DenseMask::new(&shape, &vals, "rand").unwrap())
+            }
+        }
+    }
+
+    fn tree(&mut self, depth: usize) -> Mask {
+        if depth == 0 || self.rng.gen_bool(0.3) {
+            return self.leaf();
+        }
+        match self.rng.gen_range(0..4) {
+            0 => self.tree(depth - 1) & self.tree(depth - 1),
+            1 => self.tree(depth - 1) | self.tree(depth - 1),
+            2 => !self.tree(depth - 1),
+            _ => {
+                let v = (0..self.h).map(|_| self.tree(depth - 1)).collect();
+                Mask::heads(v)
+            }
+        }
+    }
+}
+
+/// Brute-force checks of every tile of every (b, h) against `Mask::allowed`.
+fn check(mask: &Mask, plan: &Plan) -> Result<(), TestCaseError> {
+    let s = plan.shape;
+    let t = plan.tile;
+    for b in 0..s.batch {
+        for h in 0..s.heads {
+            let hp = plan.head_plan(b, h);
+            for qt in 0..plan.q_tiles {
+                let (i0, i1) = plan.q_range(qt);
+                for kt in 0..plan.kv_tiles {
+                    let (j0, j1) = plan.kv_range(kt);
+                    let mut n = 0;
+                    for i in i0..i1 {
+                        for j in j0..j1 {
+                            n += mask.allowed(b, h, i, j) as usize;
+                        }
+                    }
+                    let want = if n == 0 {
+                        TileState::Empty
+                    } else if n == (i1 - i0) * (j1 - j0) {
+                        TileState::Full
+                    } else {
+                        TileState::Partial
+                    };
+                    prop_assert_eq!(
+                        hp.state(qt, kt),
+                        want,
+                        "b={} h={} tile ({}, {})",
+                        b,
+                        h,
+                        qt,
+                        kt
+                    );
+                    if want == TileState::Partial {
+                        let row = hp.row(qt);
+                        let e = row[row.binary_search_by_key(&(kt as u32), |e| e.tile).unwrap()];
+                        for r in 0..t.q {
+                            for c in 0..t.kv {
+                                let (i, j) = (i0 + r, j0 + c);
+                                let want = i < i1 && j < j1 && mask.allowed(b, h, i, j);
+                                prop_assert_eq!(plan.partials.allowed(e.mask, r, c), want);
+                            }
+                        }
+                    }
+                }
+            }
+            // Backward list is the exact transpose of the forward list.
+            let mut fwd: Vec<(u32, u32, u32)> = Vec::new();
+            for qt in 0..plan.q_tiles {
+                fwd.extend(hp.row(qt).iter().map(|e| (qt as u32, e.tile, e.mask)));
+            }
+            let mut bwd: Vec<(u32, u32, u32)> = Vec::new();
+            for kt in 0..plan.kv_tiles {
+                let col = hp.col(kt);
+                prop_assert!(col.windows(2).all(|w| w[0].tile < w[1].tile));
+                bwd.extend(col.iter().map(|e| (e.tile, kt as u32, e.mask)));
+            }
+            fwd.sort_unstable();
+            bwd.sort_unstable();
+            prop_assert_eq!(fwd, bwd);
+        }
+    }
+    // Partial masks are deduplicated by content.
+    let n = plan.partials.len();
+    let mut seen = std::collections::HashSet::new();
+    for id in 0..n {
+        prop_assert!(
+            seen.insert(plan.partials.get(id as u32).to_vec()),
+            "duplicate partial mask"
+        );
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 160, ..ProptestConfig::default() })]
+
+    #[test]
+    fn plan_matches_brute_force(
+        seed in any::<u64>(),
+        lq in 1usize..600,
+        lkv_same in any::<bool>(),
+        lkv in 1usize..600,
+        tq in 4u32..8,
+        tk in 4u32..8,
+        b in 1usize..4,
+        h in 1usize..4,
+        depth in 0usize..4,
+    ) {
+        let lkv = if lkv_same { lq } else { lkv };
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        let mask = Gen { rng: &mut rng, b, h, lq, lkv }.tree(depth);
+        let shape = PlanShape::new(b, h, lq, lkv).unwrap();
+        let tile = TileShape::new(1 << tq, 1 << tk).unwrap();
+        let plan = build_plan(&mask, shape, tile).unwrap();
+        check(&mask, &plan)?;
+    }
+}
+
+#[test]
+fn causal_has_one_unique_diagonal_tile() {
+    let shape = PlanShape::new(1, 1, 4096, 4096).unwrap();
+    let plan = build_plan(&Mask::causal(), shape, TileShape::default()).unwrap();
+    assert_eq!(plan.partials.len(), 1);
+    assert_eq!(plan.stats.partial_tiles, 32);
+    assert_eq!(plan.stats.full_tiles, 32 * 31 / 2);
+    assert_eq!(plan.stats.allowed_pairs, 4096 * 4097 / 2);
+}
+
+#[test]
+fn identical_heads_share_a_plan_and_rows_differ_by_segments() {
+    let ids: Vec<i64> = (0..3)
+        .flat_map(|b| (0..300).map(move |i| (i / (50 + 20 * b)) as i64))
+        .collect();
+    let segs = Segments::shared(SegmentIds::new(3, 300, ids).unwrap());
+    let mask = Mask::heads(vec![Mask::causal(), Mask::causal(), Mask::window(8, 0)])
+        & Mask::document(segs);
+    let plan = build_plan(
+        &mask,
+        PlanShape::new(3, 3, 300, 300).unwrap(),
+        TileShape::new(32, 32).unwrap(),
+    )
+    .unwrap();
+    assert_eq!((plan.batch_groups, plan.head_groups), (3, 3));
+    assert_eq!(plan.head_plans.len(), 6);
+    assert_eq!(plan.head_plan_index(1, 0), plan.head_plan_index(1, 1));
+    assert_ne!(plan.head_plan_index(0, 0), plan.head_plan_index(1, 0));
+    check(&mask, &plan).unwrap();
+}
+
+#[test]
+fn structured_masks_do_not_allocate_quadratic_memory() {
+    let l = 1 << 20;
+    let ids: Vec<i64> = (0..l as i64).map(|i| i / 1000).collect();
+    let mask = Mask::causal() & Mask::document(Segments::shared(SegmentIds::shared(ids).unwrap()));
+    let plan = build_plan(
+        &mask,
+        PlanShape::new(1, 1, l, l).unwrap(),
+        TileShape::default(),
+    )
+    .unwrap();
+    // Active tiles are a thin band: the plan must be a few MB, not nq·nk.
+    assert!(plan.stats.plan_bytes < 8 << 20, "{}", plan.stats.plan_bytes);
+    assert!(plan.stats.tile_density < 0.01);
+}
+
+#[test]
+fn mask_text_and_typed_forms_plan_identically() {
+    let text =
+        tessera_mask::parse("(causal & window(64)) | prefix(10)", &tessera_mask::NoData).unwrap();
+    let typed = (Mask::causal() & Mask::window(64, 0)) | Mask::prefix(10);
+    let shape = PlanShape::new(1, 1, 500, 500).unwrap();
+    let a = build_plan(&text, shape, TileShape::new(32, 64).unwrap()).unwrap();
+    let b = build_plan(&typed, shape, TileShape::new(32, 64).unwrap()).unwrap();
+    assert_eq!(a.contract, b.contract);
+    assert_eq!(a.states(), b.states());
+}
+
+#[test]
+fn invalid_inputs_are_errors() {
+    let t = TileShape::default();
+    assert!(build_plan(
+        &Mask::causal(),
+        PlanShape {
+            batch: 1,
+            heads: 1,
+            q_len: 0,
+            kv_len: 4
+        },
+        t
+    )
+    .is_err());
+    assert!(TileShape::new(24, 16).is_err());
+    assert!(TileShape::new(8, 16).is_err());
+    assert!(TileShape::parse("128x").is_err());
+    assert!(build_plan(&Mask::chunk(0), PlanShape::new(1, 1, 4, 4).unwrap(), t).is_err());
+    let segs = Segments::shared(SegmentIds::shared(vec![0; 10]).unwrap());
+    let e = build_plan(
+        &Mask::document(segs),
+        PlanShape::new(1, 1, 12, 12).unwrap(),
+        t,
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("length 12"), "{e}");
+    let d = DenseMask::new(&[4, 5], &[true; 20], "x.npy").unwrap();
+    assert!(build_plan(&Mask::dense(d), PlanShape::new(1, 1, 4, 4).unwrap(), t).is_err());
+    let e = build_plan(
+        &Mask::heads(vec![Mask::causal()]),
+        PlanShape::new(1, 2, 4, 4).unwrap(),
+        t,
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("2 expressions"), "{e}");
+}
