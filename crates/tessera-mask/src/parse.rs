@@ -194,8 +194,9 @@ impl Parser<'_> {
                 let v = args[0].unwrap_or(-1);
                 let min = if name == "chunk" { 1 } else { 0 };
                 if v < min {
+                    // Point at the value, just inside the parenthesis.
                     return Err(self.error_at(
-                        args_pos,
+                        args_pos + 1,
                         &format!("{name}(N) with N >= {min}"),
                         v.to_string(),
                     ));
