@@ -30,11 +30,36 @@ struct Cli {
 enum Command {
     /// Plan a mask at tile granularity and print its statistics.
     Plan(cmd::plan::PlanArgs),
+    /// Pack tokenized documents into fixed-length rows with segment ids.
+    Pack(cmd::pack::PackArgs),
     /// Run the built-in demo on default settings.
     Demo(cmd::demo::DemoArgs),
 }
 
+/// Unix tools die quietly when their reader goes away (`tessera plan ... | head`); Rust ignores
+/// SIGPIPE by default, which turns that into a panic on the next print.
+fn restore_sigpipe() {
+    #[cfg(unix)]
+    // SAFETY: setting a signal disposition to its default at start-up, before any threads exist.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
+}
+
 fn main() -> ExitCode {
+    restore_sigpipe();
+    // A bug must still end with one clear line and exit code 1, never a backtrace.
+    std::panic::set_hook(Box::new(|info| {
+        let msg = info
+            .payload()
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| info.payload().downcast_ref::<String>().cloned())
+            .unwrap_or_default();
+        let at = info.location().map(|l| format!(" at {}:{}", l.file(), l.line())).unwrap_or_default();
+        eprintln!("tessera: internal error: {msg}{at}");
+        std::process::exit(1);
+    }));
     let cli = match Cli::try_parse() {
         Ok(c) => c,
         Err(e) => {
@@ -63,6 +88,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Plan(a) => cmd::plan::run(a, &ctx),
         Command::Demo(a) => cmd::demo::run(a, &ctx),
+        Command::Pack(a) => cmd::pack::run(a, &ctx),
     };
     let code = match result {
         Ok(()) => 0,

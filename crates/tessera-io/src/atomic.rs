@@ -1,0 +1,80 @@
+//! Atomic file replacement.
+//!
+//! Contract: [`atomic_write`] either leaves `path` holding exactly what the closure wrote, or
+//! leaves `path` untouched (absent if it was absent) and no temporary file behind. The data goes
+//! to a uniquely named temporary file in the destination's own directory (so the final `rename`
+//! never crosses a file system) and is flushed and synced before the rename.
+
+use std::fs::{File, OpenOptions};
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use tessera_core::{Error, Result};
+
+/// Per-process counter: together with the pid it makes temporary names unique across threads
+/// and processes writing into the same directory.
+static COUNTER: AtomicU64 = AtomicU64::new(0);
+
+/// Removes the temporary file on drop unless disarmed; this covers early returns and panics
+/// inside the caller's closure alike.
+struct TempGuard {
+    path: PathBuf,
+    armed: bool,
+}
+
+impl Drop for TempGuard {
+    fn drop(&mut self) {
+        if self.armed {
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
+}
+
+/// Writes a file atomically: `write` fills a temporary file next to `path`, which is then renamed
+/// over `path`. On any error (from `write`, flushing, syncing or renaming) the temporary file is
+/// removed and `path` is left as it was.
+pub fn atomic_write(path: &Path, write: impl FnOnce(&mut dyn Write) -> Result<()>) -> Result<()> {
+    let file_name = path
+        .file_name()
+        .ok_or_else(|| Error::invalid("output path", "a path naming a file", path.display()))?
+        .to_string_lossy()
+        .into_owned();
+    let dir = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    let (tmp_path, file) = create_temp(&dir, &file_name)?;
+    let mut guard = TempGuard {
+        path: tmp_path,
+        armed: true,
+    };
+    let mut out = BufWriter::new(file);
+    write(&mut out)?;
+    let file = out
+        .into_inner()
+        .map_err(|e| Error::io(&guard.path, e.into_error()))?;
+    file.sync_all().map_err(|e| Error::io(&guard.path, e))?;
+    drop(file);
+    std::fs::rename(&guard.path, path).map_err(|e| Error::io(path, e))?;
+    guard.armed = false;
+    Ok(())
+}
+
+/// Creates a fresh temporary file `.NAME.tmp.PID.N` in `dir`, retrying past stale leftovers.
+fn create_temp(dir: &Path, file_name: &str) -> Result<(PathBuf, File)> {
+    let pid = std::process::id();
+    let mut last_err = None;
+    for _ in 0..64 {
+        let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+        let tmp = dir.join(format!(".{file_name}.tmp.{pid}.{n}"));
+        match OpenOptions::new().write(true).create_new(true).open(&tmp) {
+            Ok(f) => return Ok((tmp, f)),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => last_err = Some(e),
+            Err(e) => return Err(Error::io(tmp, e)),
+        }
+    }
+    Err(Error::io(
+        dir,
+        last_err.unwrap_or_else(|| std::io::Error::other("could not create a temporary file")),
+    ))
+}
