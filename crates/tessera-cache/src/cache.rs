@@ -1,0 +1,725 @@
+//! The plan cache itself: memory LRU, disk store, verification and maintenance.
+
+use crate::config::{resolve_dir, CacheConfig};
+use crate::entry::{self, Header, RejectReason, HEADER_LEN};
+use std::collections::HashMap;
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, Read, Write};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::time::{Duration, SystemTime};
+use tessera_core::{metrics, Error, Result};
+use tessera_mask::Mask;
+use tessera_plan::{build_plan, contract_key, ContractKey, Plan, PlanShape, TileShape};
+
+/// Temporary files older than this are leftovers of a crashed writer and are removed on trim.
+const STALE_TEMP: Duration = Duration::from_secs(3600);
+
+/// Per-process counter that, with the pid, makes temporary file names unique.
+static TEMP_COUNTER: AtomicU64 = AtomicU64::new(0);
+
+/// What one cache instance has done (the process-wide totals are in `tessera_core::metrics`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct CacheCounters {
+    pub memory_hits: u64,
+    pub disk_hits: u64,
+    /// Lookups that found no valid copy (rejected entries included).
+    pub misses: u64,
+    pub rejects: u64,
+    /// Plans built through this cache.
+    pub builds: u64,
+    pub bytes_read: u64,
+    pub bytes_written: u64,
+}
+
+#[derive(Default)]
+struct Counters {
+    memory_hits: AtomicU64,
+    disk_hits: AtomicU64,
+    misses: AtomicU64,
+    rejects: AtomicU64,
+    builds: AtomicU64,
+    bytes_read: AtomicU64,
+    bytes_written: AtomicU64,
+}
+
+/// Size and location of the cache.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct CacheStats {
+    /// Cache directory (`None` when disabled or when no directory could be resolved).
+    pub dir: Option<PathBuf>,
+    pub disabled: bool,
+    /// Whether the disk store is in use (false after a degrade to memory only).
+    pub disk_active: bool,
+    /// Entry files on disk and their total size.
+    pub entries: u64,
+    pub bytes: u64,
+    pub max_bytes: u64,
+    /// Plans held in this process's memory LRU and their heap size.
+    pub memory_entries: u64,
+    pub memory_bytes: u64,
+}
+
+/// The verdict on one disk entry.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EntryReport {
+    pub path: PathBuf,
+    pub bytes: u64,
+    /// `None` when the entry is valid.
+    pub problem: Option<RejectReason>,
+}
+
+impl EntryReport {
+    pub fn is_ok(&self) -> bool {
+        self.problem.is_none()
+    }
+}
+
+impl serde::Serialize for EntryReport {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        use serde::ser::SerializeStruct;
+        let mut st = s.serialize_struct("EntryReport", 4)?;
+        st.serialize_field("path", &self.path)?;
+        st.serialize_field("bytes", &self.bytes)?;
+        st.serialize_field("ok", &self.is_ok())?;
+        st.serialize_field("reason", &self.problem.as_ref().map(|r| r.to_string()))?;
+        st.end()
+    }
+}
+
+/// Result of [`PlanCache::verify`].
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+pub struct VerifyReport {
+    pub dir: Option<PathBuf>,
+    pub ok: u64,
+    pub bad: u64,
+    pub entries: Vec<EntryReport>,
+}
+
+impl VerifyReport {
+    pub fn all_ok(&self) -> bool {
+        self.bad == 0
+    }
+}
+
+/// Result of [`PlanCache::clear`].
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+pub struct ClearReport {
+    pub dir: Option<PathBuf>,
+    /// Entry (and leftover temporary) files removed, and their size.
+    pub removed: u64,
+    pub bytes: u64,
+}
+
+struct MemEntry {
+    plan: Arc<Plan>,
+    bytes: u64,
+    last_use: u64,
+}
+
+#[derive(Default)]
+struct Lru {
+    map: HashMap<ContractKey, MemEntry>,
+    tick: u64,
+    bytes: u64,
+}
+
+/// Plan cache: memory LRU, then checked disk entries, then the planner. See the crate docs.
+pub struct PlanCache {
+    /// Resolved cache root (`None` when disabled or unresolvable).
+    dir: Option<PathBuf>,
+    disabled: bool,
+    max_bytes: u64,
+    echo: bool,
+    /// Lazily set on first disk use: whether `plans/` exists or could be created.
+    disk_ready: OnceLock<bool>,
+    /// Set when a write failed: the rest of the process runs memory-only.
+    disk_off: AtomicBool,
+    memory: Mutex<Lru>,
+    warnings: Mutex<Vec<String>>,
+    counters: Counters,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Outcome of reading one entry file.
+enum Load {
+    Hit(Box<Plan>),
+    Missing,
+    Rejected(RejectReason),
+    /// The directory itself cannot be searched: not an entry fault.
+    DirUnusable(io::Error),
+}
+
+impl PlanCache {
+    /// A cache as configured. Touches no file: the directory is created on first use.
+    pub fn new(config: CacheConfig) -> Self {
+        let dir = if config.disabled {
+            None
+        } else {
+            resolve_dir(config.dir.as_deref())
+        };
+        let cache = PlanCache {
+            dir,
+            disabled: config.disabled,
+            max_bytes: config.max_bytes,
+            echo: true,
+            disk_ready: OnceLock::new(),
+            disk_off: AtomicBool::new(false),
+            memory: Mutex::new(Lru::default()),
+            warnings: Mutex::new(Vec::new()),
+            counters: Counters::default(),
+        };
+        if cache.dir.is_none() && !cache.disabled {
+            cache.warn(
+                "tessera: warning: no plan cache directory (set --cache-dir, TESSERA_CACHE_DIR, \
+                 XDG_CACHE_HOME or HOME); caching in memory only"
+                    .to_string(),
+            );
+        }
+        cache
+    }
+
+    /// A cache that never touches the disk.
+    pub fn memory_only() -> Self {
+        Self::new(CacheConfig {
+            disabled: true,
+            ..CacheConfig::default()
+        })
+    }
+
+    /// Whether warnings are also printed to stderr as they happen (default: yes).
+    pub fn with_warning_echo(mut self, echo: bool) -> Self {
+        self.echo = echo;
+        self
+    }
+
+    /// The cache directory (`None` when disabled or unresolvable).
+    pub fn dir(&self) -> Option<&Path> {
+        self.dir.as_deref()
+    }
+
+    pub fn is_disabled(&self) -> bool {
+        self.disabled
+    }
+
+    pub fn max_bytes(&self) -> u64 {
+        self.max_bytes
+    }
+
+    /// Whether the disk store is (still) in use. Probes the directory on first call.
+    pub fn disk_active(&self) -> bool {
+        self.plans_dir().is_some()
+    }
+
+    /// Path of the entry file of `key` (whether or not it exists).
+    pub fn entry_path(&self, key: &ContractKey) -> Option<PathBuf> {
+        self.dir
+            .as_ref()
+            .map(|d| d.join("plans").join(entry::file_name(key)))
+    }
+
+    /// Every warning issued so far, in order, each once.
+    pub fn warnings(&self) -> Vec<String> {
+        lock(&self.warnings).clone()
+    }
+
+    /// This instance's counters.
+    pub fn counters(&self) -> CacheCounters {
+        let c = &self.counters;
+        CacheCounters {
+            memory_hits: c.memory_hits.load(Relaxed),
+            disk_hits: c.disk_hits.load(Relaxed),
+            misses: c.misses.load(Relaxed),
+            rejects: c.rejects.load(Relaxed),
+            builds: c.builds.load(Relaxed),
+            bytes_read: c.bytes_read.load(Relaxed),
+            bytes_written: c.bytes_written.load(Relaxed),
+        }
+    }
+
+    /// The plan of (`mask`, `shape`, `tile`): from memory, else a valid disk entry, else built
+    /// (and then stored). Errors only when building fails (invalid mask or shape).
+    pub fn get_or_build(
+        &self,
+        mask: &Mask,
+        shape: PlanShape,
+        tile: TileShape,
+    ) -> Result<Arc<Plan>> {
+        let key = contract_key(mask, shape, tile);
+        self.get_or_build_with(key, || build_plan(mask, shape, tile))
+    }
+
+    /// [`get_or_build`](Self::get_or_build) for a precomputed `key`; `build` must return the plan
+    /// of that contract (an internal error otherwise).
+    pub fn get_or_build_with(
+        &self,
+        key: ContractKey,
+        build: impl FnOnce() -> Result<Plan>,
+    ) -> Result<Arc<Plan>> {
+        if let Some(plan) = self.memory_get(&key) {
+            metrics::record_memory_hit();
+            self.counters.memory_hits.fetch_add(1, Relaxed);
+            return Ok(plan);
+        }
+        if let Some(plans) = self.plans_dir() {
+            let path = plans.join(entry::file_name(&key));
+            let (load, read) = read_entry(&path, &key, true);
+            if read > 0 {
+                metrics::record_bytes_read(read);
+                self.counters.bytes_read.fetch_add(read, Relaxed);
+            }
+            match load {
+                Load::Hit(plan) => {
+                    metrics::record_disk_hit();
+                    self.counters.disk_hits.fetch_add(1, Relaxed);
+                    let plan = Arc::new(*plan);
+                    self.memory_put(key, plan.clone());
+                    return Ok(plan);
+                }
+                Load::Missing => {}
+                Load::DirUnusable(e) => {
+                    let dir = self.dir.clone().unwrap_or_else(|| plans.clone());
+                    self.degrade(&dir, e);
+                }
+                Load::Rejected(reason) => {
+                    metrics::record_reject();
+                    self.counters.rejects.fetch_add(1, Relaxed);
+                    self.warn(format!(
+                        "tessera: warning: plan cache entry {} rejected ({reason}); rebuilt",
+                        path.display()
+                    ));
+                }
+            }
+        }
+        metrics::record_miss();
+        self.counters.misses.fetch_add(1, Relaxed);
+        let plan = build()?;
+        self.counters.builds.fetch_add(1, Relaxed);
+        if plan.contract != key {
+            return Err(Error::Internal(format!(
+                "plan cache: built plan has contract {}, expected {}",
+                plan.contract, key
+            )));
+        }
+        let plan = Arc::new(plan);
+        self.memory_put(key, plan.clone());
+        if let Some(plans) = self.plans_dir() {
+            self.store(&plans, &plan);
+        }
+        Ok(plan)
+    }
+
+    /// Entry count and size on disk, plus the memory LRU of this process. Creates nothing.
+    pub fn stats(&self) -> CacheStats {
+        let (entries, bytes) = match self.dir.as_ref() {
+            Some(d) if !self.disabled => list_dir(&d.join("plans"))
+                .unwrap_or_default()
+                .iter()
+                .filter(|f| f.kind == FileKind::Entry)
+                .fold((0, 0), |(n, b), f| (n + 1, b + f.len)),
+            _ => (0, 0),
+        };
+        let mem = lock(&self.memory);
+        CacheStats {
+            dir: self.dir.clone(),
+            disabled: self.disabled,
+            disk_active: self.dir.is_some()
+                && !self.disk_off.load(Relaxed)
+                && self.disk_ready.get().copied().unwrap_or(true),
+            entries,
+            bytes,
+            max_bytes: self.max_bytes,
+            memory_entries: mem.map.len() as u64,
+            memory_bytes: mem.bytes,
+        }
+    }
+
+    /// Checks every disk entry (`plans/*.tplan`) fully (header, checksum, decode, contract against
+    /// its file name) without changing anything. Temporary files of in-flight writers and files
+    /// that are not entries are skipped.
+    pub fn verify(&self) -> Result<VerifyReport> {
+        let Some(dir) = self.dir.as_ref().filter(|_| !self.disabled) else {
+            return Ok(VerifyReport::default());
+        };
+        let plans = dir.join("plans");
+        let files = list_dir(&plans).map_err(|e| Error::io(&plans, e))?;
+        let mut report = VerifyReport {
+            dir: Some(dir.clone()),
+            ..VerifyReport::default()
+        };
+        for f in files.into_iter().filter(|f| f.kind == FileKind::Entry) {
+            let name = f.path.file_name().map(|n| n.to_string_lossy().into_owned());
+            let problem = match name.as_deref().and_then(entry::key_from_file_name) {
+                None => Some(RejectReason::BadName),
+                Some(key) => match read_entry(&f.path, &key, false).0 {
+                    Load::Hit(_) => None,
+                    Load::Missing => continue, // removed meanwhile
+                    Load::Rejected(r) => Some(r),
+                    Load::DirUnusable(e) => Some(RejectReason::Unreadable(e.to_string())),
+                },
+            };
+            if problem.is_some() {
+                report.bad += 1;
+            } else {
+                report.ok += 1;
+            }
+            report.entries.push(EntryReport {
+                path: f.path,
+                bytes: f.len,
+                problem,
+            });
+        }
+        Ok(report)
+    }
+
+    /// Removes every entry and leftover temporary file from disk (other files in `plans/` are
+    /// left alone) and empties the memory LRU.
+    pub fn clear(&self) -> Result<ClearReport> {
+        {
+            let mut mem = lock(&self.memory);
+            mem.map.clear();
+            mem.bytes = 0;
+        }
+        let Some(dir) = self.dir.as_ref().filter(|_| !self.disabled) else {
+            return Ok(ClearReport::default());
+        };
+        let plans = dir.join("plans");
+        let files = list_dir(&plans).map_err(|e| Error::io(&plans, e))?;
+        let mut report = ClearReport {
+            dir: Some(dir.clone()),
+            ..ClearReport::default()
+        };
+        for f in files
+            .into_iter()
+            .filter(|f| matches!(f.kind, FileKind::Entry | FileKind::Temp))
+        {
+            match remove_any(&f.path) {
+                Ok(()) => {
+                    report.removed += 1;
+                    report.bytes += f.len;
+                }
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(e) => return Err(Error::io(&f.path, e)),
+            }
+        }
+        Ok(report)
+    }
+
+    // ---- internals ----
+
+    fn warn(&self, msg: String) {
+        let mut w = lock(&self.warnings);
+        if !w.contains(&msg) {
+            if self.echo {
+                eprintln!("{msg}");
+            }
+            w.push(msg);
+        }
+    }
+
+    fn degrade(&self, dir: &Path, why: impl std::fmt::Display) {
+        self.disk_off.store(true, Relaxed);
+        self.warn(format!(
+            "tessera: warning: plan cache directory {} unusable ({why}); caching in memory only",
+            dir.display()
+        ));
+    }
+
+    /// `<dir>/plans` when the disk store is usable; creates it on first call.
+    fn plans_dir(&self) -> Option<PathBuf> {
+        let dir = self.dir.as_ref()?;
+        if self.disabled || self.disk_off.load(Relaxed) {
+            return None;
+        }
+        let plans = dir.join("plans");
+        let ready = *self.disk_ready.get_or_init(|| {
+            // Only creation is probed: entries are opened by name, so a directory that cannot be
+            // listed still works, and one that cannot be searched or written is detected (and
+            // degraded) on first use.
+            match fs::create_dir_all(&plans) {
+                Ok(()) => true,
+                Err(e) => {
+                    self.degrade(dir, e);
+                    false
+                }
+            }
+        });
+        (ready && !self.disk_off.load(Relaxed)).then_some(plans)
+    }
+
+    fn memory_get(&self, key: &ContractKey) -> Option<Arc<Plan>> {
+        let mut mem = lock(&self.memory);
+        mem.tick += 1;
+        let tick = mem.tick;
+        let e = mem.map.get_mut(key)?;
+        e.last_use = tick;
+        Some(e.plan.clone())
+    }
+
+    fn memory_put(&self, key: ContractKey, plan: Arc<Plan>) {
+        let bytes = plan.heap_bytes() + plan.mask.len() as u64;
+        let mut mem = lock(&self.memory);
+        mem.tick += 1;
+        let tick = mem.tick;
+        if let Some(old) = mem.map.insert(
+            key,
+            MemEntry {
+                plan,
+                bytes,
+                last_use: tick,
+            },
+        ) {
+            mem.bytes -= old.bytes;
+        }
+        mem.bytes += bytes;
+        while mem.bytes > self.max_bytes && mem.map.len() > 1 {
+            let oldest = mem
+                .map
+                .iter()
+                .min_by_key(|(_, e)| e.last_use)
+                .map(|(k, _)| *k)
+                .expect("non-empty");
+            let e = mem.map.remove(&oldest).expect("present");
+            mem.bytes -= e.bytes;
+        }
+    }
+
+    /// Writes `plan`'s entry atomically, then trims the store to the size bound.
+    fn store(&self, plans: &Path, plan: &Plan) {
+        let encoded = match entry::encode_parts(plan) {
+            Ok(e) => e,
+            Err(e) => {
+                self.warn(format!(
+                    "tessera: warning: plan {} could not be encoded for the cache ({e}); not cached on disk",
+                    plan.contract
+                ));
+                return;
+            }
+        };
+        let len = encoded.len();
+        if len > self.max_bytes {
+            self.warn(format!(
+                "tessera: warning: plan {} is {len} bytes, over the cache bound of {} bytes; not cached on disk",
+                plan.contract, self.max_bytes
+            ));
+            return;
+        }
+        let path = plans.join(entry::file_name(&plan.contract));
+        if let Err(e) = write_atomic(plans, &path, &encoded.parts()) {
+            let dir = self.dir.clone().unwrap_or_else(|| plans.to_path_buf());
+            self.degrade(&dir, e);
+            return;
+        }
+        metrics::record_bytes_written(len);
+        self.counters.bytes_written.fetch_add(len, Relaxed);
+        self.trim(plans, &path);
+    }
+
+    /// Deletes least recently used entries (oldest mtime first, never `keep`) until the store
+    /// fits in `max_bytes`; also removes stale temporary files.
+    fn trim(&self, plans: &Path, keep: &Path) {
+        let Ok(files) = list_dir(plans) else { return };
+        let now = SystemTime::now();
+        let mut entries = Vec::new();
+        for f in files {
+            match f.kind {
+                FileKind::Entry => entries.push(f),
+                FileKind::Temp => {
+                    let age = f.mtime.and_then(|m| now.duration_since(m).ok());
+                    if age.is_some_and(|a| a > STALE_TEMP) {
+                        let _ = fs::remove_file(&f.path);
+                    }
+                }
+                FileKind::Other => {}
+            }
+        }
+        let mut total: u64 = entries.iter().map(|f| f.len).sum();
+        if total <= self.max_bytes {
+            return;
+        }
+        entries.sort_by_key(|f| f.mtime.unwrap_or(SystemTime::UNIX_EPOCH));
+        for f in entries {
+            if total <= self.max_bytes {
+                break;
+            }
+            if f.path == keep {
+                continue;
+            }
+            match remove_any(&f.path) {
+                // Gone already: another process evicted or replaced it.
+                Ok(()) | Err(_) => total = total.saturating_sub(f.len),
+            }
+        }
+    }
+}
+
+impl std::fmt::Debug for PlanCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PlanCache")
+            .field("dir", &self.dir)
+            .field("disabled", &self.disabled)
+            .field("max_bytes", &self.max_bytes)
+            .field("counters", &self.counters())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Reads and checks the entry at `path` for `key`; also returns how many bytes were read.
+/// With `touch`, a valid entry's mtime is set to now (the LRU clock).
+fn read_entry(path: &Path, key: &ContractKey, touch: bool) -> (Load, u64) {
+    let unreadable = |e: io::Error| Load::Rejected(RejectReason::Unreadable(e.to_string()));
+    let mut file = match File::open(path) {
+        Ok(f) => f,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return (Load::Missing, 0),
+        // Tell an unreadable entry from a directory that cannot be searched.
+        Err(e) => {
+            return match fs::symlink_metadata(path) {
+                Ok(_) => (unreadable(e), 0),
+                Err(m) if m.kind() == io::ErrorKind::NotFound => (Load::Missing, 0),
+                Err(_) => (Load::DirUnusable(e), 0),
+            }
+        }
+    };
+    let meta = match file.metadata() {
+        Ok(m) => m,
+        Err(e) => return (unreadable(e), 0),
+    };
+    if !meta.is_file() {
+        return (Load::Rejected(RejectReason::NotAFile), 0);
+    }
+    let mut head = Vec::with_capacity(HEADER_LEN);
+    if let Err(e) = (&mut file).take(HEADER_LEN as u64).read_to_end(&mut head) {
+        return (unreadable(e), head.len() as u64);
+    }
+    let mut read = head.len() as u64;
+    let header = match Header::parse(&head, key) {
+        Ok(h) => h,
+        Err(r) => return (Load::Rejected(r), read),
+    };
+    // Compare lengths before reading, so a bogus header never makes us read a huge file.
+    let present = meta.len().saturating_sub(HEADER_LEN as u64);
+    if present != header.payload_len {
+        return (
+            Load::Rejected(RejectReason::Length {
+                header: header.payload_len,
+                actual: present,
+            }),
+            read,
+        );
+    }
+    match entry::read_payload(&mut file, &header, key, &mut read) {
+        Ok(plan) => {
+            if touch {
+                // Best effort: a failed touch only makes the entry look older to the evictor.
+                let _ = file.set_modified(SystemTime::now());
+            }
+            (Load::Hit(Box::new(plan)), read)
+        }
+        Err(r) => (Load::Rejected(r), read),
+    }
+}
+
+/// Writes `parts` to a fresh temporary file in `plans` and renames it over `path`.
+fn write_atomic(plans: &Path, path: &Path, parts: &[&[u8]]) -> io::Result<()> {
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let pid = std::process::id();
+    let (tmp, mut file) = loop {
+        let n = TEMP_COUNTER.fetch_add(1, Relaxed);
+        let tmp = plans.join(format!(".{name}.tmp.{pid}.{n}"));
+        match OpenOptions::new().write(true).create_new(true).open(&tmp) {
+            Ok(f) => break (tmp, f),
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => continue,
+            Err(e) => return Err(e),
+        }
+    };
+    let res = parts
+        .iter()
+        .try_for_each(|p| file.write_all(p))
+        .and_then(|()| {
+            drop(file);
+            match fs::rename(&tmp, path) {
+                Ok(()) => Ok(()),
+                Err(e) => {
+                    // A directory squatting on the entry's name: remove it and retry once.
+                    match fs::symlink_metadata(path) {
+                        Ok(m) if m.is_dir() => {
+                            fs::remove_dir_all(path)?;
+                            fs::rename(&tmp, path)
+                        }
+                        _ => Err(e),
+                    }
+                }
+            }
+        });
+    if res.is_err() {
+        let _ = fs::remove_file(&tmp);
+    }
+    res
+}
+
+/// Removes a file, link, or (entry-named) directory.
+fn remove_any(path: &Path) -> io::Result<()> {
+    match fs::symlink_metadata(path) {
+        Ok(m) if m.is_dir() => fs::remove_dir_all(path),
+        Ok(_) => fs::remove_file(path),
+        Err(e) => Err(e),
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum FileKind {
+    /// `*.tplan` (any file type).
+    Entry,
+    /// `.<name>.tmp.<pid>.<n>` of a writer.
+    Temp,
+    Other,
+}
+
+struct Listed {
+    path: PathBuf,
+    kind: FileKind,
+    len: u64,
+    mtime: Option<SystemTime>,
+}
+
+/// Lists `plans`; a missing directory lists as empty.
+fn list_dir(plans: &Path) -> io::Result<Vec<Listed>> {
+    let rd = match fs::read_dir(plans) {
+        Ok(rd) => rd,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(e),
+    };
+    let mut out = Vec::new();
+    for de in rd {
+        let de = de?;
+        let name = de.file_name().to_string_lossy().into_owned();
+        let kind = if name.starts_with('.') && name.contains(".tplan.tmp.") {
+            FileKind::Temp
+        } else if name.ends_with(".tplan") && !name.starts_with('.') {
+            FileKind::Entry
+        } else {
+            FileKind::Other
+        };
+        // The entry may vanish between listing and stat (a concurrent evictor).
+        let meta = match fs::symlink_metadata(de.path()) {
+            Ok(m) => m,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(e),
+        };
+        out.push(Listed {
+            path: de.path(),
+            kind,
+            len: if meta.is_file() { meta.len() } else { 0 },
+            mtime: meta.modified().ok(),
+        });
+    }
+    out.sort_by(|a, b| a.path.cmp(&b.path));
+    Ok(out)
+}
