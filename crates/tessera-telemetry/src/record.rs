@@ -1,0 +1,217 @@
+//! The readout: [`TelemetryRecord`] (one JSON line per (step, layer)), the deferred
+//! [`TelemetrySink`] and the JSON-lines writer and reader.
+
+use crate::config::TelemetryConfig;
+use crate::summary::AttnSummary;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use tessera_core::{Error, Result};
+
+/// One (step, layer) readout. Per-head arrays have one entry per query head; `null` entries are
+/// undefined values (a head with no valid row or no O element) or non-finite ones; a whole
+/// field is `null` when its stream was off (and `learned_sink_mass` when there are no learned
+/// sinks). See the crate doc for the definitions.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TelemetryRecord {
+    pub step: u64,
+    pub layer: u32,
+    /// Mean sink mass over valid rows (all batch rows), per head.
+    pub sink_mass: Option<Vec<Option<f64>>>,
+    /// Fraction of heads (with a defined mean) whose mean sink mass exceeds ε.
+    pub sink_rate: Option<f64>,
+    /// Mean learned-sink probability over valid rows, per head.
+    pub learned_sink_mass: Option<Vec<Option<f64>>>,
+    /// Max pre-softcap scaled logit over allowed pairs, per head.
+    pub max_logit: Vec<Option<f64>>,
+    /// Mean attention entropy (nats) over valid rows, per head.
+    pub entropy: Option<Vec<Option<f64>>>,
+    /// Valid rows (rows with at least one allowed key), per head.
+    pub valid_rows: Option<Vec<u64>>,
+    /// Max |O|, per head.
+    pub out_abs_max: Option<Vec<Option<f64>>>,
+    /// RMS of O, per head.
+    pub out_rms: Option<Vec<Option<f64>>>,
+    /// Elements of O above `ratio × RMS` of their (b, h) slice, per head.
+    pub out_outliers: Option<Vec<u64>>,
+}
+
+impl TelemetryRecord {
+    /// Number of query heads (the length of every per-head array).
+    pub fn heads(&self) -> usize {
+        self.max_logit.len()
+    }
+
+    /// Checks that every per-head array has the same, non-zero length.
+    pub fn validate(&self) -> std::result::Result<(), String> {
+        let h = self.max_logit.len();
+        if h == 0 {
+            return Err("max_logit must have one entry per head (found none)".into());
+        }
+        let lens = [
+            ("sink_mass", self.sink_mass.as_ref().map(Vec::len)),
+            (
+                "learned_sink_mass",
+                self.learned_sink_mass.as_ref().map(Vec::len),
+            ),
+            ("entropy", self.entropy.as_ref().map(Vec::len)),
+            ("valid_rows", self.valid_rows.as_ref().map(Vec::len)),
+            ("out_abs_max", self.out_abs_max.as_ref().map(Vec::len)),
+            ("out_rms", self.out_rms.as_ref().map(Vec::len)),
+            ("out_outliers", self.out_outliers.as_ref().map(Vec::len)),
+        ];
+        for (name, len) in lens {
+            if let Some(n) = len {
+                if n != h {
+                    return Err(format!(
+                        "{name} has {n} entries, expected {h} (one per head, as max_logit)"
+                    ));
+                }
+            }
+        }
+        if let Some(r) = self.sink_rate {
+            if !(0.0..=1.0).contains(&r) {
+                return Err(format!("sink_rate must be in [0, 1], found {r}"));
+            }
+        }
+        Ok(())
+    }
+
+    /// The record as one JSON line (no trailing newline).
+    pub fn to_json_line(&self) -> Result<String> {
+        serde_json::to_string(self)
+            .map_err(|e| Error::Internal(format!("telemetry record to JSON: {e}")))
+    }
+}
+
+/// Deferred readout: summaries are merged per (step, layer) as they arrive (from layers, batch
+/// shards, replicas) and turned into records only at the logging boundary ([`flush`]).
+///
+/// [`flush`]: TelemetrySink::flush
+#[derive(Debug, Clone)]
+pub struct TelemetrySink {
+    config: TelemetryConfig,
+    pending: BTreeMap<(u64, u32), AttnSummary>,
+}
+
+impl TelemetrySink {
+    pub fn new(config: TelemetryConfig) -> Self {
+        TelemetrySink {
+            config,
+            pending: BTreeMap::new(),
+        }
+    }
+
+    pub fn config(&self) -> &TelemetryConfig {
+        &self.config
+    }
+
+    /// Merges `summary` into the pending summary of its (step, layer).
+    pub fn submit(&mut self, summary: AttnSummary) -> Result<()> {
+        match self.pending.entry((summary.step, summary.layer)) {
+            std::collections::btree_map::Entry::Occupied(mut e) => e.get_mut().merge(&summary),
+            std::collections::btree_map::Entry::Vacant(e) => {
+                e.insert(summary);
+                Ok(())
+            }
+        }
+    }
+
+    /// Number of pending (step, layer) summaries.
+    pub fn pending(&self) -> usize {
+        self.pending.len()
+    }
+
+    /// Turns every pending summary into a record, ordered by (step, layer), and clears them.
+    pub fn flush(&mut self) -> Vec<TelemetryRecord> {
+        std::mem::take(&mut self.pending)
+            .into_values()
+            .map(|s| s.record(&self.config))
+            .collect()
+    }
+}
+
+/// Appends records to a JSON-lines file, one record per line.
+pub struct JsonlWriter {
+    path: PathBuf,
+    file: std::io::BufWriter<std::fs::File>,
+}
+
+impl JsonlWriter {
+    /// Opens `path` for appending (creating it when missing).
+    pub fn append(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref().to_path_buf();
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .map_err(|e| Error::io(&path, e))?;
+        Ok(JsonlWriter {
+            path,
+            file: std::io::BufWriter::new(file),
+        })
+    }
+
+    /// Writes one record (one line).
+    pub fn write(&mut self, record: &TelemetryRecord) -> Result<()> {
+        let mut line = record.to_json_line()?;
+        line.push('\n');
+        self.file
+            .write_all(line.as_bytes())
+            .map_err(|e| Error::io(&self.path, e))
+    }
+
+    /// Writes every record, then flushes.
+    pub fn write_all(&mut self, records: &[TelemetryRecord]) -> Result<()> {
+        for r in records {
+            self.write(r)?;
+        }
+        self.flush()
+    }
+
+    /// Flushes buffered lines to the file.
+    pub fn flush(&mut self) -> Result<()> {
+        self.file.flush().map_err(|e| Error::io(&self.path, e))
+    }
+}
+
+/// Parses JSON-lines text; blank lines are skipped. Errors name `path` and the 1-based line.
+pub fn parse_jsonl(text: &str, path: &Path) -> Result<Vec<TelemetryRecord>> {
+    let mut out = Vec::new();
+    for (n, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let rec: TelemetryRecord = serde_json::from_str(line).map_err(|e| {
+            // serde_json's message ends with its own "at line 1 column C" (of this one line).
+            let msg = e.to_string();
+            let suffix = format!(" at line {} column {}", e.line(), e.column());
+            let msg = msg.strip_suffix(&suffix).unwrap_or(&msg);
+            Error::format(
+                path,
+                format!(
+                    "line {}, column {}: not a telemetry record: {msg}",
+                    n + 1,
+                    e.column()
+                ),
+            )
+        })?;
+        rec.validate()
+            .map_err(|e| Error::format(path, format!("line {}: {e}", n + 1)))?;
+        out.push(rec);
+    }
+    Ok(out)
+}
+
+/// Reads a JSON-lines telemetry file.
+pub fn read_jsonl(path: impl AsRef<Path>) -> Result<Vec<TelemetryRecord>> {
+    let path = path.as_ref();
+    let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
+    let text = String::from_utf8(bytes).map_err(|e| {
+        let at = e.utf8_error().valid_up_to();
+        let line = e.as_bytes()[..at].iter().filter(|&&c| c == b'\n').count() + 1;
+        Error::format(path, format!("line {line}: not UTF-8 text"))
+    })?;
+    parse_jsonl(&text, path)
+}
