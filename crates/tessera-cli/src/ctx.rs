@@ -24,11 +24,15 @@ pub struct GlobalArgs {
 /// What every subcommand receives.
 pub struct Ctx {
     pub global: GlobalArgs,
+    cache: std::sync::OnceLock<tessera_cache::PlanCache>,
 }
 
 impl Ctx {
     pub fn new(global: GlobalArgs) -> Self {
-        Ctx { global }
+        Ctx {
+            global,
+            cache: std::sync::OnceLock::new(),
+        }
     }
 
     /// The plan of `mask` for `shape` and `tile`.
@@ -38,7 +42,23 @@ impl Ctx {
         shape: tessera_plan::PlanShape,
         tile: tessera_plan::TileShape,
     ) -> Result<std::sync::Arc<tessera_plan::Plan>> {
-        tessera_plan::build_plan(mask, shape, tile).map(std::sync::Arc::new)
+        self.plan_cache().get_or_build(mask, shape, tile)
+    }
+
+    /// The plan cache configured by `--cache-dir`, `--no-cache` and `--cache-max-bytes`.
+    pub fn plan_cache(&self) -> &tessera_cache::PlanCache {
+        self.cache.get_or_init(|| {
+            tessera_cache::PlanCache::new(tessera_cache::CacheConfig {
+                dir: self.global.cache_dir.clone(),
+                disabled: self.global.no_cache,
+                max_bytes: self.global.cache_max_bytes,
+            })
+        })
+    }
+
+    /// The resolved cache directory (None when disabled or unresolvable).
+    pub fn cache_dir(&self) -> Option<std::path::PathBuf> {
+        self.plan_cache().dir().map(|p| p.to_path_buf())
     }
 
     pub fn json(&self) -> bool {

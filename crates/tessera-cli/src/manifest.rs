@@ -1,0 +1,204 @@
+//! The run manifest (SPEC §7): what produced a result, for `tessera env` and bench output.
+//!
+//! Contract: [`collect`] never fails; anything it cannot find reads "unknown" (or `None`, or an
+//! empty list). The git revision and rustc version are captured at build time by `build.rs`;
+//! everything else is read at run time.
+
+use std::path::Path;
+
+/// Build and machine facts of this run.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Manifest {
+    /// Version of the `tessera` crate.
+    pub version: String,
+    /// `git rev-parse --short HEAD` at build time, or "unknown".
+    pub git_revision: String,
+    /// `rustc --version` of the compiler that built this binary, or "unknown".
+    pub rustc_version: String,
+    /// Operating system and its release where known (e.g. `linux 6.8.0`).
+    pub os: String,
+    pub arch: String,
+    /// CPU model name (`/proc/cpuinfo` on Linux), or "unknown".
+    pub cpu_model: String,
+    /// SIMD features detected at run time, among `avx2`, `avx512f`, `avx512bf16`, `amx-bf16`
+    /// (empty off x86_64).
+    pub cpu_features: Vec<String>,
+    /// Worker threads: `RAYON_NUM_THREADS` when set to a positive number (as rayon does), else
+    /// the available parallelism.
+    pub threads: usize,
+    /// The raw `RAYON_NUM_THREADS` value, when set.
+    pub rayon_num_threads: Option<String>,
+    /// Plan cache directory in use (`None` with `--no-cache` or when none could be resolved).
+    pub cache_dir: Option<String>,
+    /// GPU and driver, filled by a GPU backend when one is present.
+    pub gpu: Option<String>,
+}
+
+/// Collects the manifest of this process.
+pub fn collect(cache_dir: Option<&Path>) -> Manifest {
+    let rayon_num_threads = std::env::var("RAYON_NUM_THREADS").ok();
+    let available = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1);
+    let threads = rayon_num_threads
+        .as_deref()
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .filter(|&n| n > 0)
+        .unwrap_or(available);
+    Manifest {
+        version: env!("CARGO_PKG_VERSION").to_string(),
+        git_revision: option_env!("TESSERA_GIT_REV")
+            .unwrap_or("unknown")
+            .to_string(),
+        rustc_version: option_env!("TESSERA_RUSTC_VERSION")
+            .unwrap_or("unknown")
+            .to_string(),
+        os: os_description(),
+        arch: std::env::consts::ARCH.to_string(),
+        cpu_model: cpu_model(),
+        cpu_features: cpu_features(),
+        threads,
+        rayon_num_threads,
+        cache_dir: cache_dir.map(|p| p.display().to_string()),
+        gpu: None,
+    }
+}
+
+impl Manifest {
+    /// One `key: value` line per field.
+    pub fn to_text(&self) -> String {
+        let or_none = |v: &Option<String>| v.clone().unwrap_or_else(|| "none".to_string());
+        let features = if self.cpu_features.is_empty() {
+            "none".to_string()
+        } else {
+            self.cpu_features.join(" ")
+        };
+        let threads = match &self.rayon_num_threads {
+            Some(v) => format!("{} (RAYON_NUM_THREADS={v})", self.threads),
+            None => self.threads.to_string(),
+        };
+        let rows = [
+            ("tessera", self.version.clone()),
+            ("git revision", self.git_revision.clone()),
+            ("rustc", self.rustc_version.clone()),
+            ("os", self.os.clone()),
+            ("arch", self.arch.clone()),
+            ("cpu", self.cpu_model.clone()),
+            ("cpu features", features),
+            ("threads", threads),
+            ("cache dir", or_none(&self.cache_dir)),
+            ("gpu", or_none(&self.gpu)),
+        ];
+        rows.iter()
+            .map(|(k, v)| format!("{:<13} {v}\n", format!("{k}:")))
+            .collect()
+    }
+}
+
+fn os_description() -> String {
+    let os = std::env::consts::OS;
+    match std::fs::read_to_string("/proc/sys/kernel/osrelease") {
+        Ok(r) if !r.trim().is_empty() => format!("{os} {}", r.trim()),
+        _ => os.to_string(),
+    }
+}
+
+fn cpu_model() -> String {
+    if cfg!(target_os = "linux") {
+        if let Ok(info) = std::fs::read_to_string("/proc/cpuinfo") {
+            for line in info.lines() {
+                if let Some((k, v)) = line.split_once(':') {
+                    if k.trim() == "model name" && !v.trim().is_empty() {
+                        return v.trim().to_string();
+                    }
+                }
+            }
+        }
+    }
+    "unknown".to_string()
+}
+
+#[cfg(target_arch = "x86_64")]
+fn cpu_features() -> Vec<String> {
+    let mut f = Vec::new();
+    if std::arch::is_x86_feature_detected!("avx2") {
+        f.push("avx2");
+    }
+    if std::arch::is_x86_feature_detected!("avx512f") {
+        f.push("avx512f");
+    }
+    if std::arch::is_x86_feature_detected!("avx512bf16") {
+        f.push("avx512bf16");
+    }
+    if amx_bf16() {
+        f.push("amx-bf16");
+    }
+    f.into_iter().map(String::from).collect()
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn cpu_features() -> Vec<String> {
+    Vec::new()
+}
+
+/// AMX-BF16, by hand: `is_x86_feature_detected!("amx-bf16")` is not stable yet. The CPU must
+/// report it (CPUID.(7,0):EDX[22]) and the OS must enable the tile state (XCR0 bits 17 and 18).
+#[cfg(target_arch = "x86_64")]
+#[allow(unused_unsafe)] // CPUID intrinsics are safe from Rust 1.87 on, unsafe before.
+fn amx_bf16() -> bool {
+    use std::arch::x86_64::{__cpuid, __cpuid_count};
+    // SAFETY: CPUID is available on every x86_64 CPU.
+    let max_leaf = unsafe { __cpuid(0) }.eax;
+    if max_leaf < 7 {
+        return false;
+    }
+    // SAFETY: leaf 7 exists (checked above).
+    let leaf7 = unsafe { __cpuid_count(7, 0) };
+    if leaf7.edx & (1 << 22) == 0 {
+        return false;
+    }
+    // OSXSAVE (CPUID.1:ECX[27]) must be set before XGETBV may be executed.
+    // SAFETY: leaf 1 exists on every x86_64 CPU.
+    if unsafe { __cpuid(1) }.ecx & (1 << 27) == 0 {
+        return false;
+    }
+    #[target_feature(enable = "xsave")]
+    unsafe fn xcr0() -> u64 {
+        std::arch::x86_64::_xgetbv(0)
+    }
+    // SAFETY: OSXSAVE is set, so XGETBV is enabled and `xsave` is supported.
+    let xcr0 = unsafe { xcr0() };
+    xcr0 & (0b11 << 17) == 0b11 << 17
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn collect_fills_every_field() {
+        let m = collect(Some(Path::new("/tmp/tc")));
+        assert_eq!(m.version, env!("CARGO_PKG_VERSION"));
+        assert!(!m.git_revision.is_empty());
+        assert!(m.rustc_version.starts_with("rustc ") || m.rustc_version == "unknown");
+        assert!(m.threads >= 1);
+        assert_eq!(m.cache_dir.as_deref(), Some("/tmp/tc"));
+        assert!(m.gpu.is_none());
+        let text = m.to_text();
+        for key in [
+            "tessera:",
+            "git revision:",
+            "rustc:",
+            "cpu features:",
+            "threads:",
+            "cache dir:",
+            "gpu:",
+        ] {
+            assert!(text.contains(key), "{key} in {text}");
+        }
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx2") {
+            assert!(m.cpu_features.contains(&"avx2".to_string()));
+        }
+    }
+}
