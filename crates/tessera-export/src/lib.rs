@@ -1,1 +1,65 @@
-//! Exporters of Tessera plans to JAX Splash MaskInfo and PyTorch FlexAttention BlockMask arrays.
+//! Exporters of Tessera plans to JAX Splash `MaskInfo` and PyTorch FlexAttention `BlockMask`
+//! arrays (SPEC §1, `docs/export.md`).
+//!
+//! Contract: an export is a pure function of the [`Plan`]; it reproduces, array for array, what
+//! the other engine's own mask preprocessing produces for the same token mask and block sizes
+//! (`splash_attention_mask_info.process_mask` / `process_mask_dkv`; `create_block_mask`),
+//! padding entries and dtypes included. Both engines see sequences padded with masked-out tokens
+//! up to whole blocks, so a ragged-edge tile that Tessera marks Full is Partial there
+//! ([`engine_states`]). Files are `.npz` archives written atomically.
+
+pub mod flex;
+pub mod npz;
+pub mod splash;
+mod tiles;
+
+use std::path::Path;
+use tessera_core::{Error, Result};
+use tessera_plan::Plan;
+
+pub use flex::FlexArrays;
+pub use splash::{SplashArrays, SplashOptions};
+pub use tiles::engine_states;
+
+/// Which engine's arrays to export.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ExportKind {
+    /// JAX Splash attention `MaskInfo` (forward and dKV).
+    Splash,
+    /// PyTorch FlexAttention `BlockMask`.
+    Flex,
+}
+
+impl ExportKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            ExportKind::Splash => "splash",
+            ExportKind::Flex => "flex",
+        }
+    }
+}
+
+impl std::str::FromStr for ExportKind {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "splash" => Ok(ExportKind::Splash),
+            "flex" => Ok(ExportKind::Flex),
+            _ => Err(Error::invalid("--export", "splash or flex", s)),
+        }
+    }
+}
+
+impl std::fmt::Display for ExportKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Exports `plan` for `kind` and writes the `.npz` at `path` (atomically: temp file + rename).
+pub fn export_npz(plan: &Plan, kind: ExportKind, path: &Path) -> Result<()> {
+    match kind {
+        ExportKind::Splash => splash::export(plan)?.write_npz(path),
+        ExportKind::Flex => flex::export(plan)?.write_npz(path),
+    }
+}

@@ -34,6 +34,11 @@ pub struct PlanArgs {
     /// Write a picture of the tile states of batch row 0, head 0.
     #[arg(long, value_name = "F.png")]
     pub png: Option<PathBuf>,
+    /// Export the plan for another engine: `splash F.npz` (JAX Splash MaskInfo, forward and dKV)
+    /// or `flex F.npz` (PyTorch FlexAttention BlockMask tensors). See docs/export.md.
+    /// Repeat the option to write several exports.
+    #[arg(long, num_args = 2, value_names = ["KIND", "F.npz"], action = clap::ArgAction::Append)]
+    pub export: Vec<String>,
 }
 
 /// The statistics printed by `plan` (also used by `demo`).
@@ -121,6 +126,13 @@ pub fn run(args: PlanArgs, ctx: &Ctx) -> Result<()> {
         .plan(ctx, args.batch, args.heads, args.q_len, kv_len)?;
     if let Some(p) = &args.dump_states {
         dump_states(&plan, p)?;
+    }
+    for e in args.export.chunks(2) {
+        let (kind, path) = match e {
+            [k, p] => (k.parse::<tessera_export::ExportKind>()?, std::path::Path::new(p)),
+            _ => return Err(Error::invalid("--export", "KIND F.npz", e.join(" "))),
+        };
+        tessera_export::export_npz(&plan, kind, path)?;
     }
     if let Some(p) = &args.png {
         crate::picture::plan_picture(&plan, 0, 0, &args.mask.mask, p)?;

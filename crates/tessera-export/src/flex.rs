@@ -1,0 +1,408 @@
+//! PyTorch FlexAttention `BlockMask` arrays.
+//!
+//! Contract: [`export`] returns exactly the eight int32 tensors that
+//! `torch.nn.attention.flex_attention.create_block_mask(mask_mod, B', H', Lq, Lkv,
+//! BLOCK_SIZE=(tile.q, tile.kv))` stores for the plan's token mask (`B'`, `H'` = the plan's
+//! batch and head groups): `kv_*` count and list the *partial* blocks only, `full_kv_*` the full
+//! ones; each index row lists its blocks ascending, followed by every other block index
+//! ascending (`argsort(dense, descending=True, stable=True)`), so no slot holds a sentinel;
+//! `q_*` / `full_q_*` are the transposes (`_transpose_ordered`). Tiles on a ragged edge that
+//! Tessera marks Full are partial here, as in torch, which pads the mask with `False`.
+//!
+//! FlexAttention masks partial blocks by calling a `mask_mod`; so that a caller needs nothing
+//! but the file, the export also carries the token content of partial blocks
+//! (`mask_tile_states`, `mask_block_ids`, `mask_blocks`), from which `docs/export.md` builds a
+//! `mask_mod`.
+
+use crate::npz::{self, DType, Members, NpyArray};
+use crate::tiles::{Contents, Eff};
+use std::path::Path;
+use tessera_core::{Error, Result};
+use tessera_plan::Plan;
+
+/// The tensors of a `BlockMask` (row-major int32).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FlexArrays {
+    /// `[B, H, Lq, Lkv]` of the plan (`seq_lengths` = `(Lq, Lkv)`).
+    pub shape: [usize; 4],
+    /// `BLOCK_SIZE` = `(Q_BLOCK_SIZE, KV_BLOCK_SIZE)` = the plan's tile.
+    pub block_size: (usize, usize),
+    /// Leading dims `[B', H']` of every tensor (1 where the mask does not vary).
+    pub groups: (usize, usize),
+    /// Number of q blocks and kv blocks (`ceil(L / block)`).
+    pub blocks: (usize, usize),
+    /// `[B', H', nq]`.
+    pub kv_num_blocks: Vec<i32>,
+    /// `[B', H', nq, nk]`.
+    pub kv_indices: Vec<i32>,
+    pub full_kv_num_blocks: Vec<i32>,
+    pub full_kv_indices: Vec<i32>,
+    /// `[B', H', nk]`.
+    pub q_num_blocks: Vec<i32>,
+    /// `[B', H', nk, nq]`.
+    pub q_indices: Vec<i32>,
+    pub full_q_num_blocks: Vec<i32>,
+    pub full_q_indices: Vec<i32>,
+    /// Tessera addition: engine tile states `[B', H', nq, nk]` (0 empty, 1 partial, 2 full).
+    pub mask_tile_states: Vec<i8>,
+    /// Tessera addition: `[B', H', nq, nk]` index into `mask_blocks` of each partial tile, -1
+    /// elsewhere.
+    pub mask_block_ids: Vec<i32>,
+    /// Tessera addition: `bool[n, tile.q, tile.kv]` deduplicated partial-block contents (in
+    /// order of first appearance over (group, q block, kv block)); one all-`False` block when
+    /// there is no partial tile, so that `n >= 1` and gathers in a `mask_mod` never go empty.
+    pub mask_blocks: Vec<bool>,
+}
+
+/// Fills one ordered row: `active` (ascending) first, then the remaining indices ascending.
+fn ordered_row(active: &[u32], mark: &mut [bool], out: &mut [i32]) {
+    let mut k = 0;
+    for &a in active {
+        out[k] = a as i32;
+        mark[a as usize] = true;
+        k += 1;
+    }
+    for (i, m) in mark.iter_mut().enumerate() {
+        if *m {
+            *m = false;
+        } else {
+            out[k] = i as i32;
+            k += 1;
+        }
+    }
+}
+
+/// FlexAttention `BlockMask` tensors of `plan`.
+pub fn export(plan: &Plan) -> Result<FlexArrays> {
+    let c = Contents::new(plan);
+    let (nq, nk) = (plan.q_tiles, plan.kv_tiles);
+    let (bg, hg) = (plan.batch_groups, plan.head_groups);
+    let g = bg * hg;
+    if nq > i32::MAX as usize || nk > i32::MAX as usize {
+        return Err(Error::invalid(
+            "tile",
+            "fewer than 2^31 blocks per side",
+            nq.max(nk),
+        ));
+    }
+    let mut a = FlexArrays {
+        shape: [
+            plan.shape.batch,
+            plan.shape.heads,
+            plan.shape.q_len,
+            plan.shape.kv_len,
+        ],
+        block_size: (plan.tile.q, plan.tile.kv),
+        groups: (bg, hg),
+        blocks: (nq, nk),
+        kv_num_blocks: vec![0; g * nq],
+        kv_indices: vec![0; g * nq * nk],
+        full_kv_num_blocks: vec![0; g * nq],
+        full_kv_indices: vec![0; g * nq * nk],
+        q_num_blocks: vec![0; g * nk],
+        q_indices: vec![0; g * nk * nq],
+        full_q_num_blocks: vec![0; g * nk],
+        full_q_indices: vec![0; g * nk * nq],
+        mask_tile_states: vec![0; g * nq * nk],
+        mask_block_ids: vec![-1; g * nq * nk],
+        mask_blocks: Vec::new(),
+    };
+    let (tq, tk) = (plan.tile.q, plan.tile.kv);
+    let wpr = plan.partials.words_per_row;
+    let mut block_of = vec![-1i32; c.len()];
+    let mut n_blocks = 0i32;
+    let mut mark_k = vec![false; nk];
+    let mut mark_q = vec![false; nq];
+    let (mut part, mut full) = (Vec::new(), Vec::new());
+    for b in 0..bg {
+        for h in 0..hg {
+            let gi = b * hg + h;
+            let hp = plan.head_plan(b, h);
+            for qt in 0..nq {
+                part.clear();
+                full.clear();
+                for e in hp.row(qt) {
+                    let cell = (gi * nq + qt) * nk + e.tile as usize;
+                    match c.effective(qt, e.tile as usize, e) {
+                        Eff::Full => {
+                            full.push(e.tile);
+                            a.mask_tile_states[cell] = 2;
+                        }
+                        Eff::Partial(cid) => {
+                            part.push(e.tile);
+                            a.mask_tile_states[cell] = 1;
+                            let id = &mut block_of[cid as usize];
+                            if *id < 0 {
+                                *id = n_blocks;
+                                n_blocks += 1;
+                                append_block(&mut a.mask_blocks, c.bits(cid), tq, tk, wpr);
+                            }
+                            a.mask_block_ids[cell] = *id;
+                        }
+                    }
+                }
+                let r = gi * nq + qt;
+                a.kv_num_blocks[r] = part.len() as i32;
+                a.full_kv_num_blocks[r] = full.len() as i32;
+                ordered_row(&part, &mut mark_k, &mut a.kv_indices[r * nk..(r + 1) * nk]);
+                ordered_row(
+                    &full,
+                    &mut mark_k,
+                    &mut a.full_kv_indices[r * nk..(r + 1) * nk],
+                );
+            }
+            for kt in 0..nk {
+                part.clear();
+                full.clear();
+                for e in hp.col(kt) {
+                    match c.effective(e.tile as usize, kt, e) {
+                        Eff::Full => full.push(e.tile),
+                        Eff::Partial(_) => part.push(e.tile),
+                    }
+                }
+                let r = gi * nk + kt;
+                a.q_num_blocks[r] = part.len() as i32;
+                a.full_q_num_blocks[r] = full.len() as i32;
+                ordered_row(&part, &mut mark_q, &mut a.q_indices[r * nq..(r + 1) * nq]);
+                ordered_row(
+                    &full,
+                    &mut mark_q,
+                    &mut a.full_q_indices[r * nq..(r + 1) * nq],
+                );
+            }
+        }
+    }
+    if n_blocks == 0 {
+        a.mask_blocks = vec![false; tq * tk];
+    }
+    Ok(a)
+}
+
+fn append_block(out: &mut Vec<bool>, bits: &[u64], tq: usize, tk: usize, wpr: usize) {
+    let base = out.len();
+    out.resize(base + tq * tk, false);
+    for r in 0..tq {
+        for c in 0..tk {
+            out[base + r * tk + c] = (bits[r * wpr + c / 64] >> (c % 64)) & 1 == 1;
+        }
+    }
+}
+
+impl FlexArrays {
+    /// Number of entries in `mask_blocks`.
+    pub fn num_mask_blocks(&self) -> usize {
+        self.mask_blocks.len() / (self.block_size.0 * self.block_size.1)
+    }
+
+    /// Whether padded-sequence pair (`i`, `j`) is allowed for group (`b`, `h`) according to the
+    /// `mask_*` arrays (what the `mask_mod` of `docs/export.md` returns).
+    pub fn allowed(&self, b: usize, h: usize, i: usize, j: usize) -> bool {
+        let (tq, tk) = self.block_size;
+        let (nq, nk) = self.blocks;
+        let cell = ((b * self.groups.1 + h) * nq + i / tq) * nk + j / tk;
+        match self.mask_tile_states[cell] {
+            2 => true,
+            1 => {
+                let id = self.mask_block_ids[cell] as usize;
+                self.mask_blocks[(id * tq + i % tq) * tk + j % tk]
+            }
+            _ => false,
+        }
+    }
+
+    fn dims(&self) -> [[usize; 4]; 2] {
+        let (bg, hg) = self.groups;
+        let (nq, nk) = self.blocks;
+        [[bg, hg, nq, nk], [bg, hg, nk, nq]]
+    }
+
+    /// The npz member names and arrays (see `docs/export.md`).
+    pub fn to_members(&self) -> Vec<(String, NpyArray)> {
+        let meta = |v: &[usize]| {
+            NpyArray::from_ints(DType::I64, vec![v.len()], v.iter().map(|&x| x as i64))
+        };
+        let int = |shape: &[usize], v: &[i32]| {
+            NpyArray::from_ints(DType::I32, shape.to_vec(), v.iter().map(|&x| x as i64))
+        };
+        let [kv, q] = self.dims();
+        vec![
+            ("tessera_export".into(), meta(&[1, 1])),
+            ("meta_shape".into(), meta(&self.shape)),
+            (
+                "block_size".into(),
+                meta(&[self.block_size.0, self.block_size.1]),
+            ),
+            ("seq_lengths".into(), meta(&[self.shape[2], self.shape[3]])),
+            ("kv_num_blocks".into(), int(&kv[..3], &self.kv_num_blocks)),
+            ("kv_indices".into(), int(&kv, &self.kv_indices)),
+            (
+                "full_kv_num_blocks".into(),
+                int(&kv[..3], &self.full_kv_num_blocks),
+            ),
+            ("full_kv_indices".into(), int(&kv, &self.full_kv_indices)),
+            ("q_num_blocks".into(), int(&q[..3], &self.q_num_blocks)),
+            ("q_indices".into(), int(&q, &self.q_indices)),
+            (
+                "full_q_num_blocks".into(),
+                int(&q[..3], &self.full_q_num_blocks),
+            ),
+            ("full_q_indices".into(), int(&q, &self.full_q_indices)),
+            (
+                "mask_tile_states".into(),
+                NpyArray::from_ints(
+                    DType::I8,
+                    kv.to_vec(),
+                    self.mask_tile_states.iter().map(|&x| x as i64),
+                ),
+            ),
+            ("mask_block_ids".into(), int(&kv, &self.mask_block_ids)),
+            (
+                "mask_blocks".into(),
+                NpyArray::from_bools(
+                    vec![self.num_mask_blocks(), self.block_size.0, self.block_size.1],
+                    &self.mask_blocks,
+                ),
+            ),
+        ]
+    }
+
+    /// Writes the tensors to an `.npz` at `path` atomically (temp file + rename).
+    pub fn write_npz(&self, path: &Path) -> Result<()> {
+        npz::write_npz(path, &self.to_members())
+    }
+
+    /// Reads tensors written by [`FlexArrays::write_npz`].
+    pub fn read_npz(path: &Path) -> Result<Self> {
+        let m = Members::read(path)?;
+        let tag = m.meta("tessera_export", 2)?;
+        if tag != [1, 1] {
+            return Err(Error::format(
+                path,
+                format!("not a Tessera Flex export (tag {tag:?})"),
+            ));
+        }
+        let s = m.meta("meta_shape", 4)?;
+        let bs = m.meta("block_size", 2)?;
+        let kvi = m.need("kv_indices")?;
+        let (bg, hg, nq, nk) = match kvi.shape[..] {
+            [a, b, c, d] => (a, b, c, d),
+            _ => {
+                return Err(Error::format(
+                    path,
+                    format!("kv_indices: expected rank 4, found {:?}", kvi.shape),
+                ))
+            }
+        };
+        let get = |name: &str, shape: &[usize]| -> Result<Vec<i32>> {
+            let a = m.need(name)?;
+            if a.dtype != DType::I32 || a.shape != shape {
+                return Err(Error::format(
+                    path,
+                    format!(
+                        "{name}: expected int32 {shape:?}, found {} {:?}",
+                        a.dtype.name(),
+                        a.shape
+                    ),
+                ));
+            }
+            Ok(a.to_i64().into_iter().map(|v| v as i32).collect())
+        };
+        let kv = [bg, hg, nq, nk];
+        let q = [bg, hg, nk, nq];
+        Ok(FlexArrays {
+            shape: [s[0], s[1], s[2], s[3]],
+            block_size: (bs[0], bs[1]),
+            groups: (bg, hg),
+            blocks: (nq, nk),
+            kv_num_blocks: get("kv_num_blocks", &kv[..3])?,
+            kv_indices: get("kv_indices", &kv)?,
+            full_kv_num_blocks: get("full_kv_num_blocks", &kv[..3])?,
+            full_kv_indices: get("full_kv_indices", &kv)?,
+            q_num_blocks: get("q_num_blocks", &q[..3])?,
+            q_indices: get("q_indices", &q)?,
+            full_q_num_blocks: get("full_q_num_blocks", &q[..3])?,
+            full_q_indices: get("full_q_indices", &q)?,
+            mask_tile_states: {
+                let a = m.need("mask_tile_states")?;
+                if a.dtype != DType::I8 || a.shape != kv {
+                    return Err(Error::format(
+                        path,
+                        format!("mask_tile_states: expected int8 {kv:?}"),
+                    ));
+                }
+                a.to_i64().into_iter().map(|v| v as i8).collect()
+            },
+            mask_block_ids: get("mask_block_ids", &kv)?,
+            mask_blocks: {
+                let a = m.need("mask_blocks")?;
+                if a.dtype != DType::Bool || a.shape.len() != 3 || a.shape[1..] != [bs[0], bs[1]] {
+                    return Err(Error::format(
+                        path,
+                        format!(
+                            "mask_blocks: expected bool [n, {}, {}], found {:?}",
+                            bs[0], bs[1], a.shape
+                        ),
+                    ));
+                }
+                a.bytes.iter().map(|&x| x != 0).collect()
+            },
+        })
+    }
+
+    /// Tile states `[B', H', nq, nk]` decoded from the kv-major tensors (`q_side == false`) or
+    /// from the q-major ones (`q_side == true`, transposed back). Fails when an index is out of
+    /// range or a block is listed twice.
+    pub fn decode_states(&self, q_side: bool) -> Result<Vec<i8>> {
+        let (bg, hg) = self.groups;
+        let (nq, nk) = self.blocks;
+        let (rows, width) = if q_side { (nk, nq) } else { (nq, nk) };
+        let (num, idx, fnum, fidx) = if q_side {
+            (
+                &self.q_num_blocks,
+                &self.q_indices,
+                &self.full_q_num_blocks,
+                &self.full_q_indices,
+            )
+        } else {
+            (
+                &self.kv_num_blocks,
+                &self.kv_indices,
+                &self.full_kv_num_blocks,
+                &self.full_kv_indices,
+            )
+        };
+        let mut out = vec![0i8; bg * hg * nq * nk];
+        for g in 0..bg * hg {
+            for r in 0..rows {
+                for (n, ix, state) in [(num, idx, 1i8), (fnum, fidx, 2i8)] {
+                    let cnt = n[g * rows + r];
+                    if cnt < 0 || cnt as usize > width {
+                        return Err(Error::Internal(format!(
+                            "flex decode: count {cnt} > {width}"
+                        )));
+                    }
+                    for &c in &ix[(g * rows + r) * width..][..cnt as usize] {
+                        if c < 0 || c as usize >= width {
+                            return Err(Error::Internal(format!(
+                                "flex decode: index {c} out of range"
+                            )));
+                        }
+                        let (qt, kt) = if q_side {
+                            (c as usize, r)
+                        } else {
+                            (r, c as usize)
+                        };
+                        let cell = (g * nq + qt) * nk + kt;
+                        if out[cell] != 0 {
+                            return Err(Error::Internal(format!(
+                                "flex decode: block ({qt}, {kt}) listed twice"
+                            )));
+                        }
+                        out[cell] = state;
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+}
