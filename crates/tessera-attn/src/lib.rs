@@ -1,1 +1,150 @@
-//! Attention backends: the Backend trait, the CPU flash-attention kernels, the float64 reference and the conformance suite.
+//! Attention backends (SPEC §2, §4, §10): the [`Backend`] trait, the CPU flash-attention kernels
+//! ([`CpuBackend`]), the float64 dense [`reference`](mod@reference) and the backend-agnostic [`conformance`] suite.
+//!
+//! Contract:
+//! - Callers hand a backend borrowed [`TensorView`]s (row-major, contiguous) and a [`Plan`]; the
+//!   backend never sees the mask. Q `[B, Hq, Lq, Dqk]`, K `[B, Hkv, Lkv, Dqk]`, V `[B, Hkv, Lkv, Dv]`,
+//!   storage f32 or bf16 (the same for q, k, v, and for o and d_o in backward). O, dQ, dK and dV are
+//!   returned in q's storage dtype; LSE `[B, Hq, Lq]`, max_logit `[B, Hq]` and dsinks `[Hq]` are f32.
+//! - Every input is checked first ([`check_forward`], [`check_backward`], shared by all backends);
+//!   bad input is an [`Error::InvalidArgument`](tessera_core::Error) naming the argument, what was
+//!   expected and what was found. Nothing panics on user input.
+//! - Semantics are SPEC §4: `s_ij = scale·q_i·k_j`, optional softcap `c·tanh(s/c)`, optional sink
+//!   logit per query head in the denominator only, rows with no allowed key give `O = 0` and
+//!   `LSE = -inf` (`LSE = σ_h` with a sink), never NaN; `max_logit` is taken before the softcap.
+//! - NaN/inf inputs: a non-finite value in Q, K, V (or dO, O in backward) propagates only to the
+//!   outputs that depend on it through allowed pairs. In the forward pass a NaN in `q_i` makes
+//!   `O_i`, `LSE_i` and `max_logit[b, h]` NaN; a NaN in `k_j` does the same for every row `i` that
+//!   may attend `j`; a NaN in `v_j` makes `O_i` NaN for every such row (LSE untouched). Rows that
+//!   cannot attend the poisoned key are bit-for-bit unaffected: masked pairs are excluded exactly
+//!   (never multiplied by zero). The CPU backend detects non-finite inputs up front and then uses a
+//!   slower zero-skipping product for the affected matrix products.
+//! - Results are deterministic: bit-identical run to run with the same thread count (the CPU
+//!   backend's results do not even depend on the thread count; no atomics, fixed reduction order).
+//!
+//! Crate map: [`Backend`] and the options/result types here; [`cpu`] (work-list driven tiled
+//! kernels, runtime ISA dispatch); [`reference`](mod@reference) (f64, mask-driven, the yardstick);
+//! [`conformance`] (the suite every backend runs: `run_case(&backend, &case)` over
+//! [`conformance::standard_cases`]). A new backend implements [`Backend`], calls
+//! [`check_forward`]/[`check_backward`] first, and must pass the suite.
+
+pub mod conformance;
+pub mod cpu;
+pub mod reference;
+mod validate;
+
+pub use cpu::CpuBackend;
+pub use validate::{check_backward, check_forward, check_inputs, Dims};
+
+use tessera_core::{Result, Tensor};
+use tessera_plan::Plan;
+
+pub use tessera_core::tensor::{TensorView, ViewData};
+
+/// Options of one attention call (SPEC §4).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct AttnOptions {
+    /// Logit scale; default `1/sqrt(Dqk)`. Must be finite and positive.
+    pub scale: Option<f32>,
+    /// Softcap `c`: logits become `c·tanh(s/c)`. Must be finite and positive.
+    pub softcap: Option<f32>,
+    /// Learned sink logit per query head (`Hq` finite values), joining the softmax denominator only.
+    pub sinks: Option<Vec<f32>>,
+}
+
+impl AttnOptions {
+    /// The effective scale for head dimension `d_qk`.
+    pub fn scale_for(&self, d_qk: usize) -> f32 {
+        self.scale.unwrap_or(1.0 / (d_qk as f32).sqrt())
+    }
+}
+
+/// Forward results.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ForwardOutput {
+    /// `[B, Hq, Lq, Dv]` in q's storage dtype.
+    pub o: Tensor,
+    /// `[B, Hq, Lq]` f32, natural log of the softmax denominator (sink included).
+    pub lse: Tensor,
+    /// `[B, Hq]` f32: max over allowed pairs of the scaled logit before softcap (-inf if none).
+    pub max_logit: Tensor,
+}
+
+/// Backward results.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BackwardOutput {
+    /// `[B, Hq, Lq, Dqk]` in q's storage dtype.
+    pub dq: Tensor,
+    /// `[B, Hkv, Lkv, Dqk]` in q's storage dtype.
+    pub dk: Tensor,
+    /// `[B, Hkv, Lkv, Dv]` in q's storage dtype.
+    pub dv: Tensor,
+    /// `[Hq]` f32 gradient of the sink logits; present when sinks were given.
+    pub dsinks: Option<Tensor>,
+}
+
+/// An attention implementation. Every backend must pass [`conformance`].
+pub trait Backend: Send + Sync {
+    /// Short name (`cpu`, `cuda`, ...).
+    fn name(&self) -> &str;
+
+    /// O, LSE and max_logit of `softmax(scale·QKᵀ masked by plan)·V`.
+    fn forward(
+        &self,
+        q: TensorView<'_>,
+        k: TensorView<'_>,
+        v: TensorView<'_>,
+        plan: &Plan,
+        options: &AttnOptions,
+    ) -> Result<ForwardOutput>;
+
+    /// dQ, dK, dV (and dsinks) given the forward's O and LSE and the output gradient dO.
+    #[allow(clippy::too_many_arguments)]
+    fn backward(
+        &self,
+        q: TensorView<'_>,
+        k: TensorView<'_>,
+        v: TensorView<'_>,
+        o: TensorView<'_>,
+        lse: TensorView<'_>,
+        d_o: TensorView<'_>,
+        plan: &Plan,
+        options: &AttnOptions,
+    ) -> Result<BackwardOutput>;
+}
+
+/// Forward on the default backend ([`CpuBackend`]).
+pub fn forward(
+    q: TensorView<'_>,
+    k: TensorView<'_>,
+    v: TensorView<'_>,
+    plan: &Plan,
+    options: &AttnOptions,
+) -> Result<ForwardOutput> {
+    CpuBackend::new().forward(q, k, v, plan, options)
+}
+
+/// Backward on the default backend ([`CpuBackend`]).
+#[allow(clippy::too_many_arguments)]
+pub fn backward(
+    q: TensorView<'_>,
+    k: TensorView<'_>,
+    v: TensorView<'_>,
+    o: TensorView<'_>,
+    lse: TensorView<'_>,
+    d_o: TensorView<'_>,
+    plan: &Plan,
+    options: &AttnOptions,
+) -> Result<BackwardOutput> {
+    CpuBackend::new().backward(q, k, v, o, lse, d_o, plan, options)
+}
+
+/// Effective GFLOP/s: `flops` (for example [`Plan::forward_flops`], counted over allowed pairs
+/// only) done in `seconds`. Zero when `seconds` is not positive.
+pub fn effective_gflops(flops: f64, seconds: f64) -> f64 {
+    if seconds > 0.0 {
+        flops / seconds / 1e9
+    } else {
+        0.0
+    }
+}

@@ -1,0 +1,222 @@
+//! Vectorizable scalar math for the CPU kernels: exp, tanh, row reductions, bf16 widening.
+//!
+//! Contract: every function here is `#[inline(always)]` plain arithmetic (no libm calls, no
+//! branches that block vectorization) so that, inlined into a `#[target_feature]` kernel copy,
+//! LLVM turns the row loops into AVX-512 (or AVX2) code. NaN inputs give NaN outputs; `exp(-inf)`
+//! is exactly 0. Reductions use 16 independent lanes and a fixed combination order, so results
+//! are deterministic.
+
+use half::bf16;
+
+/// Instruction-set flavour a kernel copy is compiled for.
+pub(crate) trait Simd: Copy + Send + Sync + 'static {
+    /// Whether fused multiply-add is available (then `mul_add` is one instruction).
+    const FMA: bool;
+    /// Whether 32 wide vector registers are available: the GEMM micro-kernel then uses
+    /// 4×64 accumulator blocks (16 zmm), else 4×16 (8 ymm) so nothing spills.
+    const WIDE: bool;
+
+    /// `a * b + c`, fused when the target has FMA (a libm call otherwise, so never used then).
+    #[inline(always)]
+    fn madd(a: f32, b: f32, c: f32) -> f32 {
+        if Self::FMA {
+            a.mul_add(b, c)
+        } else {
+            a * b + c
+        }
+    }
+}
+
+/// AVX-512F/BW/VL + FMA copy.
+#[derive(Clone, Copy)]
+pub(crate) struct Avx512;
+impl Simd for Avx512 {
+    const FMA: bool = true;
+    const WIDE: bool = true;
+}
+
+/// AVX2 + FMA copy.
+#[derive(Clone, Copy)]
+pub(crate) struct Avx2;
+impl Simd for Avx2 {
+    const FMA: bool = true;
+    const WIDE: bool = false;
+}
+
+/// Portable copy (baseline target features, no FMA).
+#[derive(Clone, Copy)]
+pub(crate) struct Portable;
+impl Simd for Portable {
+    const FMA: bool = false;
+    const WIDE: bool = false;
+}
+
+const LOG2E: f32 = std::f32::consts::LOG2_E;
+/// 1.5·2^23: adding it rounds a float of magnitude < 2^22 to an integer held in the low mantissa.
+const MAGIC: f32 = 12_582_912.0;
+const LN2_HI: f32 = 0.693_359_4;
+const LN2_LO: f32 = -2.121_944_4e-4;
+const EXP_HI: f32 = 88.3;
+const EXP_LO: f32 = -87.3;
+
+/// `e^x` with about 2 ulp relative error; `exp(-inf) = 0`, `exp(NaN) = NaN`, `x > 88.3` gives +inf
+/// and `x < -87.3` gives 0 (no denormals).
+#[inline(always)]
+pub(crate) fn exp<S: Simd>(x: f32) -> f32 {
+    // `clamp` keeps NaN, so NaN flows through unchanged.
+    let xc = x.clamp(EXP_LO, EXP_HI);
+    let t = S::madd(xc, LOG2E, MAGIC);
+    let n = t - MAGIC;
+    let ni = (t.to_bits() as i32).wrapping_sub(MAGIC.to_bits() as i32);
+    // Cody-Waite reduction: n·LN2_HI is exact (LN2_HI has 9 significant bits, |n| <= 128).
+    let r = S::madd(n, -LN2_HI, xc);
+    let r = S::madd(n, -LN2_LO, r);
+    let z = r * r;
+    let mut y = 1.987_569_1e-4_f32;
+    y = S::madd(y, r, 1.398_199_9e-3);
+    y = S::madd(y, r, 8.333_452e-3);
+    y = S::madd(y, r, 4.166_579_6e-2);
+    y = S::madd(y, r, 1.666_666_5e-1);
+    y = S::madd(y, r, 5e-1);
+    y = S::madd(y, z, r) + 1.0;
+    let pow2 = f32::from_bits((ni.wrapping_add(127) as u32) << 23);
+    let res = y * pow2;
+    if x < EXP_LO {
+        0.0
+    } else if x > EXP_HI {
+        f32::INFINITY
+    } else {
+        res
+    }
+}
+
+/// `tanh(x)` by a 13/6 rational approximation on `[-7.9, 7.9]` (the clamp gives ±1 outside);
+/// a few ulp of error, NaN in gives NaN out.
+#[inline(always)]
+pub(crate) fn tanh<S: Simd>(x: f32) -> f32 {
+    const CLAMP: f32 = 7.905_311;
+    let xc = x.clamp(-CLAMP, CLAMP);
+    let x2 = xc * xc;
+    let mut p = S::madd(x2, -2.760_768_5e-16, 2.000_188e-13);
+    p = S::madd(x2, p, -8.604_672e-11);
+    p = S::madd(x2, p, 5.122_297e-8);
+    p = S::madd(x2, p, 1.485_722_4e-5);
+    p = S::madd(x2, p, 6.372_619_3e-4);
+    p = S::madd(x2, p, 4.893_524_6e-3);
+    p *= xc;
+    let mut q = S::madd(x2, 1.198_258_4e-6, 1.185_347e-4);
+    q = S::madd(x2, q, 2.268_434_6e-3);
+    q = S::madd(x2, q, 4.893_525e-3);
+    p / q
+}
+
+/// Maximum of a row, ignoring NaN (NaN is caught later through the exponentials); -inf if empty.
+#[inline(always)]
+pub(crate) fn max_row(s: &[f32]) -> f32 {
+    let mut acc = [f32::NEG_INFINITY; 16];
+    let mut chunks = s.chunks_exact(16);
+    for c in &mut chunks {
+        for l in 0..16 {
+            acc[l] = if c[l] > acc[l] { c[l] } else { acc[l] };
+        }
+    }
+    for (l, &x) in chunks.remainder().iter().enumerate() {
+        acc[l] = if x > acc[l] { x } else { acc[l] };
+    }
+    let mut m = f32::NEG_INFINITY;
+    for a in acc {
+        m = if a > m { a } else { m };
+    }
+    m
+}
+
+/// Softcap in place: `s <- c·tanh(s/c)`, keeping -inf (masked) as -inf.
+#[inline(always)]
+pub(crate) fn softcap_row<S: Simd>(s: &mut [f32], cap: f32) {
+    let inv = 1.0 / cap;
+    for x in s.iter_mut() {
+        let y = cap * tanh::<S>(*x * inv);
+        *x = if *x == f32::NEG_INFINITY { *x } else { y };
+    }
+}
+
+/// Sets `s[c] = fill` wherever bit `c` of the row bitmask is 0.
+#[inline(always)]
+pub(crate) fn mask_row(s: &mut [f32], bits: &[u64], fill: f32) {
+    for (chunk, &w) in s.chunks_mut(64).zip(bits) {
+        for (c, x) in chunk.iter_mut().enumerate() {
+            if (w >> c) & 1 == 0 {
+                *x = fill;
+            }
+        }
+    }
+}
+
+/// `dst[i] *= a`.
+#[inline(always)]
+pub(crate) fn scale_row(dst: &mut [f32], a: f32) {
+    for x in dst.iter_mut() {
+        *x *= a;
+    }
+}
+
+/// Widens bf16 bits to f32 (exact).
+#[inline(always)]
+pub(crate) fn bf16_to_f32(x: bf16) -> f32 {
+    f32::from_bits((x.to_bits() as u32) << 16)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exp_is_accurate_and_exact_at_edges() {
+        let mut worst = 0f64;
+        let mut x = -87.0f32;
+        while x < 88.0 {
+            let got = exp::<Portable>(x) as f64;
+            let want = (x as f64).exp();
+            worst = worst.max(((got - want) / want).abs());
+            x += 0.0137;
+        }
+        assert!(worst < 3e-7, "exp rel err {worst}");
+        assert_eq!(exp::<Portable>(f32::NEG_INFINITY), 0.0);
+        assert_eq!(exp::<Portable>(0.0), 1.0);
+        assert!(exp::<Portable>(f32::NAN).is_nan());
+        assert_eq!(exp::<Portable>(-1000.0), 0.0);
+        assert_eq!(exp::<Portable>(1000.0), f32::INFINITY);
+        assert_eq!(exp::<Avx512>(f32::NEG_INFINITY), 0.0);
+    }
+
+    #[test]
+    fn tanh_is_accurate() {
+        let mut worst = 0f64;
+        let mut x = -12.0f32;
+        while x < 12.0 {
+            let got = tanh::<Portable>(x) as f64;
+            let want = (x as f64).tanh();
+            worst = worst.max((got - want).abs() / want.abs().max(1e-30));
+            x += 0.00731;
+        }
+        assert!(worst < 1e-6, "tanh rel err {worst}");
+        assert!(tanh::<Portable>(f32::NAN).is_nan());
+        assert_eq!(tanh::<Portable>(f32::INFINITY), tanh::<Portable>(100.0));
+        assert!((tanh::<Portable>(1e-6) - 1e-6).abs() < 1e-12);
+    }
+
+    #[test]
+    fn reductions() {
+        let v: Vec<f32> = (0..37).map(|i| (i as f32 * 0.37).sin()).collect();
+        let m = max_row(&v);
+        assert_eq!(m, v.iter().cloned().fold(f32::NEG_INFINITY, f32::max));
+        assert_eq!(max_row(&[]), f32::NEG_INFINITY);
+        let mut r = vec![1.0f32; 70];
+        mask_row(&mut r, &[0b101, 1], f32::NEG_INFINITY);
+        assert_eq!(r[0], 1.0);
+        assert_eq!(r[1], f32::NEG_INFINITY);
+        assert_eq!(r[2], 1.0);
+        assert_eq!(r[64], 1.0);
+        assert_eq!(r[65], f32::NEG_INFINITY);
+    }
+}

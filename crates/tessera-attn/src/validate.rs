@@ -1,0 +1,300 @@
+//! Input validation shared by every backend (SPEC §10).
+//!
+//! Contract: [`check_forward`] and [`check_backward`] accept exactly the inputs the kernels can
+//! run on and return their [`Dims`]; everything else is an `InvalidArgument` error naming the
+//! argument, what was expected and what was found. The plan is checked for internal consistency
+//! too (so a corrupt deserialized plan is an error, not a panic).
+
+use crate::AttnOptions;
+use tessera_core::tensor::TensorView;
+use tessera_core::{DType, Error, Result};
+use tessera_plan::{Plan, FULL_TILE};
+
+/// Problem dimensions of a validated attention call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Dims {
+    pub batch: usize,
+    pub heads_q: usize,
+    pub heads_kv: usize,
+    pub q_len: usize,
+    pub kv_len: usize,
+    pub d_qk: usize,
+    pub d_v: usize,
+    /// Storage dtype of q, k, v (and o, dO, and every storage-dtype output).
+    pub dtype: DType,
+}
+
+impl Dims {
+    /// Query heads per kv head (`Hq / Hkv`).
+    pub fn group(&self) -> usize {
+        self.heads_q / self.heads_kv
+    }
+}
+
+fn shape_str(s: &[usize]) -> String {
+    format!("shape {s:?}")
+}
+
+/// Rank, emptiness and element count of one tensor argument.
+fn check_tensor<'a>(name: &str, t: &TensorView<'a>, layout: &str) -> Result<&'a [usize]> {
+    let rank = layout.split(',').count();
+    if t.shape.len() != rank {
+        return Err(Error::invalid(
+            name,
+            format!("rank {rank} {layout}"),
+            format!("rank {} ({})", t.shape.len(), shape_str(t.shape)),
+        ));
+    }
+    if t.shape.contains(&0) {
+        return Err(Error::invalid(
+            name,
+            format!("a non-empty tensor {layout}"),
+            shape_str(t.shape),
+        ));
+    }
+    let want = t
+        .shape
+        .iter()
+        .try_fold(1usize, |a, &d| a.checked_mul(d))
+        .ok_or_else(|| {
+            Error::invalid(
+                name,
+                "a shape whose size fits in memory",
+                shape_str(t.shape),
+            )
+        })?;
+    if want != t.len() {
+        return Err(Error::invalid(
+            name,
+            format!("{want} elements for {}", shape_str(t.shape)),
+            format!("{} elements", t.len()),
+        ));
+    }
+    Ok(t.shape)
+}
+
+fn check_dim(name: &str, what: &str, want: usize, got: usize, shape: &[usize]) -> Result<()> {
+    if want != got {
+        return Err(Error::invalid(
+            name,
+            format!("{what} = {want}"),
+            format!("{got} ({})", shape_str(shape)),
+        ));
+    }
+    Ok(())
+}
+
+fn check_same_dtype(name: &str, t: &TensorView<'_>, want: DType) -> Result<()> {
+    if t.dtype() != want {
+        return Err(Error::invalid(
+            name,
+            format!("dtype {want} (the storage dtype of q)"),
+            t.dtype(),
+        ));
+    }
+    Ok(())
+}
+
+fn check_positive(name: &str, v: Option<f32>) -> Result<()> {
+    if let Some(x) = v {
+        if !x.is_finite() || x <= 0.0 {
+            return Err(Error::invalid(name, "a finite positive number", x));
+        }
+    }
+    Ok(())
+}
+
+/// Checks q, k, v, the plan and the options of a forward call.
+pub fn check_forward(
+    q: &TensorView<'_>,
+    k: &TensorView<'_>,
+    v: &TensorView<'_>,
+    plan: &Plan,
+    options: &AttnOptions,
+) -> Result<Dims> {
+    let d = check_inputs(q, k, v, options)?;
+    check_plan(plan, &d)?;
+    Ok(d)
+}
+
+/// Checks q, k, v and the options (everything [`check_forward`] checks except the plan).
+pub fn check_inputs(
+    q: &TensorView<'_>,
+    k: &TensorView<'_>,
+    v: &TensorView<'_>,
+    options: &AttnOptions,
+) -> Result<Dims> {
+    let qs = check_tensor("q", q, "[B, Hq, Lq, Dqk]")?;
+    let ks = check_tensor("k", k, "[B, Hkv, Lkv, Dqk]")?;
+    let vs = check_tensor("v", v, "[B, Hkv, Lkv, Dv]")?;
+    let dtype = q.dtype();
+    if !matches!(dtype, DType::F32 | DType::BF16) {
+        return Err(Error::invalid("q", "dtype f32 or bf16", dtype));
+    }
+    check_same_dtype("k", k, dtype)?;
+    check_same_dtype("v", v, dtype)?;
+    let d = Dims {
+        batch: qs[0],
+        heads_q: qs[1],
+        heads_kv: ks[1],
+        q_len: qs[2],
+        kv_len: ks[2],
+        d_qk: qs[3],
+        d_v: vs[3],
+        dtype,
+    };
+    check_dim("k", "batch B (as q)", d.batch, ks[0], ks)?;
+    check_dim("k", "head dim Dqk (as q)", d.d_qk, ks[3], ks)?;
+    check_dim("v", "batch B (as q)", d.batch, vs[0], vs)?;
+    check_dim("v", "kv heads Hkv (as k)", d.heads_kv, vs[1], vs)?;
+    check_dim("v", "kv length Lkv (as k)", d.kv_len, vs[2], vs)?;
+    if !d.heads_q.is_multiple_of(d.heads_kv) {
+        return Err(Error::invalid(
+            "k",
+            format!(
+                "kv heads Hkv dividing the query heads Hq = {} (GQA/MQA)",
+                d.heads_q
+            ),
+            format!("Hkv = {}", d.heads_kv),
+        ));
+    }
+    check_positive("scale", options.scale)?;
+    check_positive("softcap", options.softcap)?;
+    if let Some(s) = &options.sinks {
+        if s.len() != d.heads_q {
+            return Err(Error::invalid(
+                "sinks",
+                format!("{} values (one per query head)", d.heads_q),
+                format!("{} values", s.len()),
+            ));
+        }
+        if let Some((h, x)) = s.iter().enumerate().find(|(_, x)| !x.is_finite()) {
+            return Err(Error::invalid(
+                "sinks",
+                "finite values",
+                format!("{x} at head {h}"),
+            ));
+        }
+    }
+    Ok(d)
+}
+
+/// Checks d_o (`[B, Hq, Lq, Dv]`, q's dtype) against validated dims.
+pub(crate) fn check_grad_out(d_o: &TensorView<'_>, d: &Dims) -> Result<()> {
+    check_o_like("d_o", d_o, d)
+}
+
+fn check_o_like(name: &str, t: &TensorView<'_>, d: &Dims) -> Result<()> {
+    let want_o = [d.batch, d.heads_q, d.q_len, d.d_v];
+    let s = check_tensor(name, t, "[B, Hq, Lq, Dv]")?;
+    if s != want_o {
+        return Err(Error::invalid(
+            name,
+            format!("shape {want_o:?} ([B, Hq, Lq, Dv] from q and v)"),
+            shape_str(s),
+        ));
+    }
+    check_same_dtype(name, t, d.dtype)
+}
+
+/// Checks the inputs of a backward call: everything [`check_forward`] checks, plus o and d_o
+/// (`[B, Hq, Lq, Dv]`, q's dtype) and lse (`[B, Hq, Lq]` f32).
+#[allow(clippy::too_many_arguments)]
+pub fn check_backward(
+    q: &TensorView<'_>,
+    k: &TensorView<'_>,
+    v: &TensorView<'_>,
+    o: &TensorView<'_>,
+    lse: &TensorView<'_>,
+    d_o: &TensorView<'_>,
+    plan: &Plan,
+    options: &AttnOptions,
+) -> Result<Dims> {
+    let d = check_forward(q, k, v, plan, options)?;
+    check_o_like("o", o, &d)?;
+    check_o_like("d_o", d_o, &d)?;
+    let s = check_tensor("lse", lse, "[B, Hq, Lq]")?;
+    let want_lse = [d.batch, d.heads_q, d.q_len];
+    if s != want_lse {
+        return Err(Error::invalid(
+            "lse",
+            format!("shape {want_lse:?} ([B, Hq, Lq] from q)"),
+            shape_str(s),
+        ));
+    }
+    if lse.dtype() != DType::F32 {
+        return Err(Error::invalid("lse", "dtype f32", lse.dtype()));
+    }
+    Ok(d)
+}
+
+fn bad_plan(found: impl std::fmt::Display) -> Error {
+    Error::invalid("plan", "an internally consistent plan", found)
+}
+
+/// The plan must be built for exactly this problem and be internally consistent.
+fn check_plan(plan: &Plan, d: &Dims) -> Result<()> {
+    let s = plan.shape;
+    if (s.batch, s.heads, s.q_len, s.kv_len) != (d.batch, d.heads_q, d.q_len, d.kv_len) {
+        return Err(Error::invalid(
+            "plan",
+            format!(
+                "a plan for B={} Hq={} Lq={} Lkv={} (the shapes of q and k)",
+                d.batch, d.heads_q, d.q_len, d.kv_len
+            ),
+            format!(
+                "a plan for B={} H={} Lq={} Lkv={}",
+                s.batch, s.heads, s.q_len, s.kv_len
+            ),
+        ));
+    }
+    let t = plan.tile;
+    if t.q == 0 || t.kv == 0 || plan.partials.tile != t {
+        return Err(bad_plan(format!("tile {t}")));
+    }
+    if plan.q_tiles != s.q_len.div_ceil(t.q) || plan.kv_tiles != s.kv_len.div_ceil(t.kv) {
+        return Err(bad_plan(format!(
+            "{}x{} tiles for Lq={} Lkv={} and tile {t}",
+            plan.q_tiles, plan.kv_tiles, s.q_len, s.kv_len
+        )));
+    }
+    if plan.partials.words_per_row != t.kv.div_ceil(64)
+        || !plan
+            .partials
+            .data
+            .len()
+            .is_multiple_of(plan.partials.mask_words().max(1))
+    {
+        return Err(bad_plan("a partial-mask table of the wrong size"));
+    }
+    let groups_ok = (plan.batch_groups == 1 || plan.batch_groups == s.batch)
+        && (plan.head_groups == 1 || plan.head_groups == s.heads)
+        && plan.group_plan.len() == plan.batch_groups * plan.head_groups
+        && plan
+            .group_plan
+            .iter()
+            .all(|&g| (g as usize) < plan.head_plans.len());
+    if !groups_ok {
+        return Err(bad_plan("inconsistent batch/head groups"));
+    }
+    let n_masks = plan.partials.len() as u64;
+    for hp in &plan.head_plans {
+        let lists = [
+            (&hp.fwd_offsets, &hp.fwd, plan.q_tiles, plan.kv_tiles),
+            (&hp.bwd_offsets, &hp.bwd, plan.kv_tiles, plan.q_tiles),
+        ];
+        for (offsets, entries, n, other) in lists {
+            let ok = offsets.len() == n + 1
+                && offsets.first() == Some(&0)
+                && offsets.windows(2).all(|w| w[0] <= w[1])
+                && offsets.last().map(|&x| x as usize) == Some(entries.len())
+                && entries.iter().all(|e| {
+                    (e.tile as usize) < other && (e.mask == FULL_TILE || (e.mask as u64) < n_masks)
+                });
+            if !ok {
+                return Err(bad_plan("a work list out of range"));
+            }
+        }
+    }
+    Ok(())
+}
