@@ -6,8 +6,12 @@
 
 mod cmd;
 mod ctx;
+mod manifest;
 mod maskload;
+mod peak;
 mod picture;
+mod progress;
+mod workloads;
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
@@ -30,6 +34,16 @@ struct Cli {
 enum Command {
     /// Plan a mask at tile granularity and print its statistics.
     Plan(cmd::plan::PlanArgs),
+    /// Run exact attention (and gradients) on tensors from files.
+    Attend(cmd::attend::AttendArgs),
+    /// Benchmark attention over a suite of masks, lengths and dtypes.
+    Bench(cmd::bench::BenchArgs),
+    /// Plot attention telemetry (sink mass, max_logit) written as JSON lines.
+    Telemetry(cmd::telemetry::TelemetryArgs),
+    /// Inspect, verify or clear the persistent plan cache.
+    Cache(cmd::cache::CacheArgs),
+    /// Print the run manifest: versions, CPU features, threads, cache directory.
+    Env(cmd::env::EnvArgs),
     /// Pack tokenized documents into fixed-length rows with segment ids.
     Pack(cmd::pack::PackArgs),
     /// Run the built-in demo on default settings.
@@ -89,6 +103,11 @@ fn main() -> ExitCode {
         Command::Plan(a) => cmd::plan::run(a, &ctx),
         Command::Demo(a) => cmd::demo::run(a, &ctx),
         Command::Pack(a) => cmd::pack::run(a, &ctx),
+        Command::Cache(a) => cmd::cache::run(a, &ctx),
+        Command::Telemetry(a) => cmd::telemetry::run(a, &ctx),
+        Command::Attend(a) => cmd::attend::run(a, &ctx),
+        Command::Bench(a) => cmd::bench::run(a, &ctx),
+        Command::Env(a) => cmd::env::run(a, &ctx),
     };
     let code = match result {
         Ok(()) => 0,

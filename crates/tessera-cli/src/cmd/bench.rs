@@ -1,0 +1,207 @@
+//! `tessera bench`: the attention benchmark suite with measured machine peaks.
+//!
+//! Each case builds its plan, draws seeded Q/K/V, runs once to warm up, then `--reps` timed runs;
+//! the table reports the median, effective GFLOP/s over allowed pairs only, and the percentage of
+//! this machine's measured peak for the storage dtype.
+
+use crate::ctx::{print_json, Ctx};
+use crate::peak;
+use crate::workloads::{named_mask, random_tensor, MASK_NAMES};
+use std::time::{Duration, Instant};
+use tessera_attn::{AttnOptions, Backend, CpuBackend};
+use tessera_core::{DType, Error, Result};
+use tessera_plan::{PlanShape, TileShape};
+
+#[derive(clap::Args, Debug)]
+#[command(after_help = "Example:\n  tessera bench --masks causal,documents,window --lens 8192 --dims 64 --dtypes f32,bf16\n  tessera bench --quick --json")]
+pub struct BenchArgs {
+    /// Masks to run (full, causal, documents, window, prefix, chunked).
+    #[arg(long, value_delimiter = ',', default_values_t = MASK_NAMES.map(String::from))]
+    pub masks: Vec<String>,
+    /// Sequence lengths.
+    #[arg(long, value_delimiter = ',', default_values_t = [4096usize, 8192, 16384])]
+    pub lens: Vec<usize>,
+    /// Head dimensions (Dqk = Dv).
+    #[arg(long, value_delimiter = ',', default_values_t = [64usize, 128])]
+    pub dims: Vec<usize>,
+    /// Storage dtypes (f32, bf16).
+    #[arg(long, value_delimiter = ',', default_values_t = ["f32".to_string(), "bf16".to_string()])]
+    pub dtypes: Vec<String>,
+    /// Passes (fwd, bwd).
+    #[arg(long, value_delimiter = ',', default_values_t = ["fwd".to_string(), "bwd".to_string()])]
+    pub passes: Vec<String>,
+    /// Query heads (kv heads equal).
+    #[arg(long, default_value_t = 8)]
+    pub heads: usize,
+    /// Timed repetitions per case (the median is reported).
+    #[arg(long, default_value_t = 3)]
+    pub reps: usize,
+    /// Tile size QxK.
+    #[arg(long, default_value = "128x128")]
+    pub tile: String,
+    /// Small suite: causal, documents and window at 8K, D=64.
+    #[arg(long)]
+    pub quick: bool,
+    /// Skip the peak microbenchmark.
+    #[arg(long)]
+    pub no_peak: bool,
+}
+
+#[derive(serde::Serialize)]
+struct Row {
+    mask: String,
+    len: usize,
+    heads: usize,
+    dim: usize,
+    dtype: String,
+    pass: String,
+    median_ms: f64,
+    gflops: f64,
+    pct_peak: Option<f64>,
+    active_tiles: f64,
+}
+
+#[derive(serde::Serialize)]
+struct Report {
+    manifest: crate::manifest::Manifest,
+    peaks: Option<peak::Peaks>,
+    backend: String,
+    rows: Vec<Row>,
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+pub fn run(mut args: BenchArgs, ctx: &Ctx) -> Result<()> {
+    if args.quick {
+        args.masks = vec!["causal".into(), "documents".into(), "window".into()];
+        args.lens = vec![8192];
+        args.dims = vec![64];
+    }
+    if args.reps == 0 || args.heads == 0 {
+        return Err(Error::invalid("--reps/--heads", "positive values", 0));
+    }
+    let dtypes: Vec<DType> = args.dtypes.iter().map(|s| s.parse()).collect::<Result<_>>()?;
+    for p in &args.passes {
+        if p != "fwd" && p != "bwd" {
+            return Err(Error::invalid("--passes", "fwd and/or bwd", p));
+        }
+    }
+    let tile = TileShape::parse(&args.tile)?;
+    let backend = CpuBackend::new();
+    let peaks = (!args.no_peak).then(|| {
+        eprintln!("measuring machine peak ...");
+        peak::measure(Duration::from_millis(400))
+    });
+    let total = args.masks.len() * args.lens.len() * args.dims.len() * dtypes.len();
+    let progress = crate::progress::bar(total as u64, "bench");
+    let mut rows = Vec::new();
+    let opts = AttnOptions::default();
+    for name in &args.masks {
+        for &len in &args.lens {
+            let (label, mask) = named_mask(name, len)?;
+            let shape = PlanShape::new(1, args.heads, len, len)?;
+            let plan = ctx.plan(&mask, shape, tile)?;
+            for &d in &args.dims {
+                for &dt in &dtypes {
+                    let qs = vec![1, args.heads, len, d];
+                    let q = random_tensor(qs.clone(), dt, 1)?;
+                    let k = random_tensor(qs.clone(), dt, 2)?;
+                    let v = random_tensor(qs.clone(), dt, 3)?;
+                    let d_o = random_tensor(qs, dt, 4)?;
+                    let peak = peaks.map(|p| match dt {
+                        DType::BF16 => p.bf16_gflops.unwrap_or(p.f32_gflops),
+                        _ => p.f32_gflops,
+                    });
+                    let fwd = backend.forward(q.view(), k.view(), v.view(), &plan, &opts)?;
+                    let mut push = |pass: &str, times: Vec<f64>, flops: f64| {
+                        let ms = median(times) * 1e3;
+                        let gflops = flops / (ms / 1e3) / 1e9;
+                        rows.push(Row {
+                            mask: label.clone(),
+                            len,
+                            heads: args.heads,
+                            dim: d,
+                            dtype: dt.to_string(),
+                            pass: pass.into(),
+                            median_ms: ms,
+                            gflops,
+                            pct_peak: peak.map(|p| 100.0 * gflops / p),
+                            active_tiles: plan.stats.tile_density,
+                        });
+                    };
+                    if args.passes.iter().any(|p| p == "fwd") {
+                        let mut times = Vec::new();
+                        for _ in 0..args.reps {
+                            let t = Instant::now();
+                            backend.forward(q.view(), k.view(), v.view(), &plan, &opts)?;
+                            times.push(t.elapsed().as_secs_f64());
+                        }
+                        push("fwd", times, plan.forward_flops(d, d));
+                    }
+                    if args.passes.iter().any(|p| p == "bwd") {
+                        let mut times = Vec::new();
+                        for _ in 0..args.reps {
+                            let t = Instant::now();
+                            backend.backward(
+                                q.view(),
+                                k.view(),
+                                v.view(),
+                                fwd.o.view(),
+                                fwd.lse.view(),
+                                d_o.view(),
+                                &plan,
+                                &opts,
+                            )?;
+                            times.push(t.elapsed().as_secs_f64());
+                        }
+                        push("bwd", times, plan.backward_flops(d, d));
+                    }
+                    progress.inc(1);
+                }
+            }
+        }
+    }
+    progress.finish_and_clear();
+    let report = Report {
+        manifest: crate::manifest::collect(ctx.cache_dir().as_deref()),
+        peaks,
+        backend: format!("{} ({})", backend.name(), backend.isa().name()),
+        rows,
+    };
+    if ctx.json() {
+        return print_json(&report);
+    }
+    print!("{}", report.manifest.to_text());
+    if let Some(p) = peaks {
+        println!(
+            "measured peak: f32 {:.0} GFLOP/s ({}, {} threads), bf16 {}",
+            p.f32_gflops,
+            p.f32_path,
+            p.threads,
+            p.bf16_gflops.map_or("n/a".into(), |g| format!("{g:.0} GFLOP/s (avx512-bf16 dot)"))
+        );
+    }
+    println!("backend: {}", report.backend);
+    println!(
+        "{:<30} {:>6} {:>4} {:>5} {:>4} {:>10} {:>9} {:>7} {:>7}",
+        "mask", "len", "D", "dtype", "pass", "median ms", "GFLOP/s", "% peak", "tiles"
+    );
+    for r in &report.rows {
+        println!(
+            "{:<30} {:>6} {:>4} {:>5} {:>4} {:>10.2} {:>9.1} {:>7} {:>6.1}%",
+            r.mask,
+            r.len,
+            r.dim,
+            r.dtype,
+            r.pass,
+            r.median_ms,
+            r.gflops,
+            r.pct_peak.map_or("-".into(), |p| format!("{p:.1}")),
+            100.0 * r.active_tiles
+        );
+    }
+    Ok(())
+}
