@@ -35,7 +35,7 @@ enum Command {
     /// Plan a mask at tile granularity and print its statistics.
     Plan(cmd::plan::PlanArgs),
     /// Run exact attention (and gradients) on tensors from files.
-    Attend(cmd::attend::AttendArgs),
+    Attend(Box<cmd::attend::AttendArgs>),
     /// Benchmark attention over a suite of masks, lengths and dtypes.
     Bench(cmd::bench::BenchArgs),
     /// Plot attention telemetry (sink mass, max_logit) written as JSON lines.
@@ -105,7 +105,7 @@ fn main() -> ExitCode {
         Command::Pack(a) => cmd::pack::run(a, &ctx),
         Command::Cache(a) => cmd::cache::run(a, &ctx),
         Command::Telemetry(a) => cmd::telemetry::run(a, &ctx),
-        Command::Attend(a) => cmd::attend::run(a, &ctx),
+        Command::Attend(a) => cmd::attend::run(*a, &ctx),
         Command::Bench(a) => cmd::bench::run(a, &ctx),
         Command::Env(a) => cmd::env::run(a, &ctx),
     };

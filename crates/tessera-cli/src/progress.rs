@@ -9,7 +9,9 @@ pub fn bar(len: u64, what: &str) -> ProgressBar {
         return ProgressBar::with_draw_target(Some(len), ProgressDrawTarget::hidden());
     }
     let pb = ProgressBar::new(len);
-    if let Ok(style) = ProgressStyle::with_template("{msg} [{bar:40}] {pos}/{len} {elapsed_precise}") {
+    if let Ok(style) =
+        ProgressStyle::with_template("{msg} [{bar:40}] {pos}/{len} {elapsed_precise}")
+    {
         pb.set_style(style.progress_chars("=> "));
     }
     pb.set_message(what.to_string());

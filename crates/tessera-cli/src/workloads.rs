@@ -26,11 +26,23 @@ pub fn named_mask(name: &str, len: usize) -> Result<(String, Mask)> {
         "causal" => ("causal".into(), Mask::causal()),
         "documents" => {
             let segs = SegmentIds::shared(doc_segments(len, 7))?;
-            ("causal & document (~1K docs)".into(), Mask::causal() & Mask::document(Segments::shared(segs)))
+            (
+                "causal & document (~1K docs)".into(),
+                Mask::causal() & Mask::document(Segments::shared(segs)),
+            )
         }
-        "window" => ("window(1024) & causal".into(), Mask::window(1024, 0) & Mask::causal()),
-        "prefix" => ("causal | prefix(1024)".into(), Mask::causal() | Mask::prefix(1024)),
-        "chunked" => ("chunk(1024) & causal".into(), Mask::chunk(1024) & Mask::causal()),
+        "window" => (
+            "window(1024) & causal".into(),
+            Mask::window(1024, 0) & Mask::causal(),
+        ),
+        "prefix" => (
+            "causal | prefix(1024)".into(),
+            Mask::causal() | Mask::prefix(1024),
+        ),
+        "chunked" => (
+            "chunk(1024) & causal".into(),
+            Mask::chunk(1024) & Mask::causal(),
+        ),
         other => {
             return Err(Error::invalid(
                 "--masks",

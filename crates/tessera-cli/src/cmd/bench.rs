@@ -13,7 +13,9 @@ use tessera_core::{DType, Error, Result};
 use tessera_plan::{PlanShape, TileShape};
 
 #[derive(clap::Args, Debug)]
-#[command(after_help = "Example:\n  tessera bench --masks causal,documents,window --lens 8192 --dims 64 --dtypes f32,bf16\n  tessera bench --quick --json")]
+#[command(
+    after_help = "Example:\n  tessera bench --masks causal,documents,window --lens 8192 --dims 64 --dtypes f32,bf16\n  tessera bench --quick --json"
+)]
 pub struct BenchArgs {
     /// Masks to run (full, causal, documents, window, prefix, chunked).
     #[arg(long, value_delimiter = ',', default_values_t = MASK_NAMES.map(String::from))]
@@ -83,7 +85,11 @@ pub fn run(mut args: BenchArgs, ctx: &Ctx) -> Result<()> {
     if args.reps == 0 || args.heads == 0 {
         return Err(Error::invalid("--reps/--heads", "positive values", 0));
     }
-    let dtypes: Vec<DType> = args.dtypes.iter().map(|s| s.parse()).collect::<Result<_>>()?;
+    let dtypes: Vec<DType> = args
+        .dtypes
+        .iter()
+        .map(|s| s.parse())
+        .collect::<Result<_>>()?;
     for p in &args.passes {
         if p != "fwd" && p != "bwd" {
             return Err(Error::invalid("--passes", "fwd and/or bwd", p));
@@ -181,7 +187,9 @@ pub fn run(mut args: BenchArgs, ctx: &Ctx) -> Result<()> {
             p.f32_gflops,
             p.f32_path,
             p.threads,
-            p.bf16_gflops.map_or("n/a".into(), |g| format!("{g:.0} GFLOP/s (avx512-bf16 dot)"))
+            p.bf16_gflops.map_or("n/a".into(), |g| format!(
+                "{g:.0} GFLOP/s (avx512-bf16 dot)"
+            ))
         );
     }
     println!("backend: {}", report.backend);

@@ -129,7 +129,10 @@ pub fn run(args: PlanArgs, ctx: &Ctx) -> Result<()> {
     }
     for e in args.export.chunks(2) {
         let (kind, path) = match e {
-            [k, p] => (k.parse::<tessera_export::ExportKind>()?, std::path::Path::new(p)),
+            [k, p] => (
+                k.parse::<tessera_export::ExportKind>()?,
+                std::path::Path::new(p),
+            ),
             _ => return Err(Error::invalid("--export", "KIND F.npz", e.join(" "))),
         };
         tessera_export::export_npz(&plan, kind, path)?;
