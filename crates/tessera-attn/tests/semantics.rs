@@ -300,7 +300,7 @@ fn every_kernel_copy_passes_a_sample_of_the_suite() {
         .filter(|c| names.contains(&c.name.as_str()))
         .collect();
     assert_eq!(cases.len(), names.len());
-    for isa in [Isa::Portable, Isa::Avx2, Isa::Avx512] {
+    for isa in [Isa::Portable, Isa::Avx2, Isa::Avx512, Isa::Avx512Bf16] {
         let Ok(be) = CpuBackend::with_isa(isa) else {
             eprintln!("skipping {isa:?}: not supported here");
             continue;

@@ -2,20 +2,29 @@
 //!
 //! 1. Pre-pass per (batch, query head): `Δ_i = O_i·dO_i` (f64 accumulation) and the sink term
 //!    `Σ_i exp(σ_h - LSE_i)·Δ_i`.
-//! 2. dK/dV items (batch, kv head, kv-tile): `scale·Kᵀ` and `Vᵀ` of the tile are packed once; for
-//!    each query head of the GQA group in ascending order and each q tile of that head's kv-major
-//!    list `col(kt)` in ascending order: `S = Q·(scale·Kᵀ)`, `dP = dO·Vᵀ`, `P = exp(S - LSE)`,
-//!    `dS = P ⊙ (dP - Δ)` (times the softcap derivative), `dV += Pᵀ·dO`, `dK += dSᵀ·Q`.
-//! 3. dQ items (batch, query head, q-tile): `Qsᵀ` and `dOᵀ` packed once; for each kv tile of the
-//!    q-major list `row(qt)`: `Sᵀ = K·Qsᵀ`, `dPᵀ = V·dOᵀ`, `dSᵀ` as above, `dQ += dS·K`.
+//! 2. dK/dV/dQ items (batch, kv head, kv-tile): `scale·Kᵀ`, `Vᵀ` and `K` of the tile are packed
+//!    once; for each query head of the GQA group in ascending order and each q tile of that head's
+//!    kv-major list `col(kt)` in ascending order: `S = Q·(scale·Kᵀ)`, `dP = dO·Vᵀ`,
+//!    `P = exp(S - LSE)`, `dS = P ⊙ (dP - Δ)` (times the softcap derivative), `dV += Pᵀ·dO`,
+//!    `dK += dSᵀ·Q`, and the tile's dQ contribution `dS·K` written to its own scratch slot:
+//!    slot = (q tile, position of this kv tile in the q tile's forward row `row(qt)`). Five tile
+//!    products per active tile (the dQ pass no longer recomputes `S` and `dP`).
+//!    Partial tiles only compute their live 16 × 16 sub-blocks (`live`): `S`/`dP` per 16-query
+//!    block over its key span, `Pᵀ·dO`/`dSᵀ·Q` per 16-key block over its query span, `dS·K` per
+//!    16-query block over its key span; `P`/`dS` are zeroed outside the spans.
+//! 3. dQ reduce items (batch, query head, q-tile): the slots of the q tile summed in ascending
+//!    slot order (= ascending kv tile), times `scale`.
 //!
-//! Both kinds of items share one longest-first queue. Every output element is written by one item
-//! in a fixed order: no atomics, bit-identical results.
+//! The scratch holds `active tiles × tq × Dqk` f32 for the (batch, kv head) pairs of one chunk
+//! (chunks bounded by [`SCRATCH_FLOATS`], at least one pair each): O(active tiles), never dense.
+//! Every output element is written by one item in a fixed order: no atomics, bit-identical
+//! results for any thread count.
 
 use super::gemm::{gemm, product, round_up, RB};
+use super::live::{LiveBlocks, SB};
 use super::math::{self, Simd};
 use super::{
-    isa_entry, load_transposed, row_off, rows, run_items, Geometry, Isa, MasksT, Out, OutBuf, Src,
+    isa_entry, load_transposed, row_off, rows, run_items, Geometry, Isa, Out, OutBuf, Src,
 };
 use crate::{AttnOptions, BackwardOutput, Dims};
 use rayon::prelude::*;
@@ -23,6 +32,11 @@ use tessera_core::tensor::TensorView;
 use tessera_core::tensor::ViewData;
 use tessera_core::{Error, Result, Tensor};
 use tessera_plan::Plan;
+
+/// Upper bound on the dQ scratch of one chunk of (batch, kv head) pairs, in f32 elements
+/// (a single pair may exceed it). Small on purpose: one buffer reused chunk after chunk stays
+/// in cache and is page-faulted once per call (64 MB chunks measured ~20% slower on documents).
+const SCRATCH_FLOATS: usize = 4 << 20;
 
 pub(crate) struct BwdCtx<'a> {
     plan: &'a Plan,
@@ -34,47 +48,23 @@ pub(crate) struct BwdCtx<'a> {
     d_o: Src<'a>,
     lse: &'a [f32],
     delta: &'a [f32],
-    masks_t: MasksT,
+    live: LiveBlocks,
     scale: f32,
     softcap: Option<f32>,
     exact: bool,
-}
-
-pub(crate) enum BwdItem<'a> {
-    Dkv {
-        b: usize,
-        g: usize,
-        kt: usize,
-        dk: Out<'a>,
-        dv: Out<'a>,
-    },
-    Dq {
-        b: usize,
-        h: usize,
-        qt: usize,
-        dq: Out<'a>,
-    },
 }
 
 pub(crate) struct BwdWs {
     s: Vec<f32>,
     dp: Vec<f32>,
     tmp: Vec<f32>,
-    // dK/dV items
     kst: Vec<f32>,
     vt: Vec<f32>,
+    kbuf: Vec<f32>,
     qbuf: Vec<f32>,
     dobuf: Vec<f32>,
     dk: Vec<f32>,
     dv: Vec<f32>,
-    // dQ items
-    qt: Vec<f32>,
-    dot: Vec<f32>,
-    kbuf: Vec<f32>,
-    vbuf: Vec<f32>,
-    lse: Vec<f32>,
-    delta: Vec<f32>,
-    dq: Vec<f32>,
 }
 
 impl BwdWs {
@@ -86,17 +76,11 @@ impl BwdWs {
             tmp: z(d.d_qk.max(d.d_v)),
             kst: z(d.d_qk * g.tk),
             vt: z(d.d_v * g.tk),
+            kbuf: z(g.tk * g.dqkp),
             qbuf: z(g.tq * g.dqkp),
             dobuf: z(g.tq * g.dvp),
             dk: z(g.tk * g.dqkp),
             dv: z(g.tk * g.dvp),
-            qt: z(d.d_qk * g.tq),
-            dot: z(d.d_v * g.tq),
-            kbuf: z(g.tk * g.dqkp),
-            vbuf: z(g.tk * g.dvp),
-            lse: z(g.tq),
-            delta: z(g.tq),
-            dq: z(g.tq * g.dqkp),
         }
     }
 }
@@ -169,7 +153,7 @@ pub(crate) fn run(
         }
     };
 
-    // 2 + 3. dK/dV and dQ items.
+    // 2 + 3. dK/dV/dQ-slot items, then dQ reduce items, per chunk of (batch, kv head) pairs.
     let cx = BwdCtx {
         plan,
         d: *d,
@@ -180,7 +164,7 @@ pub(crate) fn run(
         d_o,
         lse,
         delta: &delta,
-        masks_t: MasksT::new(plan),
+        live: LiveBlocks::new(plan),
         scale: options.scale_for(d.d_qk),
         softcap: options.softcap,
         exact,
@@ -191,36 +175,119 @@ pub(crate) fn run(
     let mut dvb = OutBuf::poisoned(d.dtype, kv_rows * dv);
     let mut dq = OutBuf::poisoned(d.dtype, bh * lq * d.d_qk);
     {
-        let mut items: Vec<(usize, BwdItem<'_>)> = Vec::new();
-        let dk_p = dk.pieces(d.kv_len * d.d_qk, plan.tile.kv * d.d_qk);
-        let dv_p = dvb.pieces(d.kv_len * dv, plan.tile.kv * dv);
-        for (idx, (dk, dv)) in dk_p.into_iter().zip(dv_p).enumerate() {
-            let (b, gh, kt) = (idx / (hkv * nkt), (idx / nkt) % hkv, idx % nkt);
-            let len: usize = (gh * grp..(gh + 1) * grp)
-                .map(|h| plan.head_plan(b, h).col(kt).len())
-                .sum();
-            items.push((
-                4 * len,
-                BwdItem::Dkv {
-                    b,
-                    g: gh,
-                    kt,
-                    dk,
-                    dv,
-                },
-            ));
+        let sz = g.tq * g.dqkp;
+        fn take<T>(v: Vec<T>) -> Vec<Option<T>> {
+            v.into_iter().map(Some).collect()
         }
-        let dq_p = dq.pieces(lq * d.d_qk, plan.tile.q * d.d_qk);
-        for (idx, dq) in dq_p.into_iter().enumerate() {
-            let (b, h, qt) = (idx / (d.heads_q * nqt), (idx / nqt) % d.heads_q, idx % nqt);
-            let len = plan.head_plan(b, h).row(qt).len();
-            items.push((3 * len, BwdItem::Dq { b, h, qt, dq }));
+        let mut dk_p = take(dk.pieces(d.kv_len * d.d_qk, plan.tile.kv * d.d_qk));
+        let mut dv_p = take(dvb.pieces(d.kv_len * dv, plan.tile.kv * dv));
+        let mut dq_p = take(dq.pieces(lq * d.d_qk, plan.tile.q * d.d_qk));
+        // (batch, kv head) pairs in order, grouped into chunks of bounded scratch.
+        let pair_slots = |p: usize| -> usize {
+            let (b, gh) = (p / hkv, p % hkv);
+            (gh * grp..(gh + 1) * grp)
+                .map(|h| plan.head_plan(b, h).fwd.len())
+                .sum()
+        };
+        let mut chunks: Vec<(usize, usize, usize)> = Vec::new(); // (first pair, end pair, slots)
+        for p in 0..d.batch * hkv {
+            let n = pair_slots(p);
+            match chunks.last_mut() {
+                Some(c) if (c.2 + n) * sz <= SCRATCH_FLOATS => {
+                    c.1 = p + 1;
+                    c.2 += n;
+                }
+                _ => chunks.push((p, p + 1, n)),
+            }
         }
-        run_items(
-            items,
-            || BwdWs::new(&g, d),
-            |ws, it| entry(isa, &cx, ws, it),
-        );
+        let max_slots = chunks.iter().map(|c| c.2).max().unwrap_or(0);
+        let mut scratch = vec![0f32; max_slots * sz];
+        for &(p0, p1, n_slots) in &chunks {
+            // First slot of each (pair, head of its group).
+            let mut bases = Vec::with_capacity((p1 - p0) * grp);
+            let mut base = 0usize;
+            for p in p0..p1 {
+                let (b, gh) = (p / hkv, p % hkv);
+                for h in gh * grp..(gh + 1) * grp {
+                    bases.push(base);
+                    base += plan.head_plan(b, h).fwd.len();
+                }
+            }
+            debug_assert_eq!(base, n_slots);
+            {
+                let mut slots: Vec<Option<&mut [f32]>> = scratch[..n_slots * sz]
+                    .chunks_mut(sz.max(1))
+                    .map(Some)
+                    .collect();
+                let mut items: Vec<(usize, DkvItem<'_>)> = Vec::new();
+                for p in p0..p1 {
+                    let (b, gh) = (p / hkv, p % hkv);
+                    for kt in 0..nkt {
+                        let mut mine = Vec::new();
+                        for (hi, h) in (gh * grp..(gh + 1) * grp).enumerate() {
+                            let hp = plan.head_plan(b, h);
+                            let hb = bases[(p - p0) * grp + hi];
+                            for e in hp.col(kt) {
+                                let qt = e.tile as usize;
+                                let pos = hp
+                                    .row(qt)
+                                    .binary_search_by_key(&(kt as u32), |x| x.tile)
+                                    .expect("plan: kv-major entry missing from its q-major row");
+                                let s = hb + hp.fwd_offsets[qt] as usize + pos;
+                                mine.push(slots[s].take().expect("plan: dQ slot used twice"));
+                            }
+                        }
+                        let idx = p * nkt + kt;
+                        items.push((
+                            5 * mine.len(),
+                            DkvItem {
+                                b,
+                                g: gh,
+                                kt,
+                                dk: dk_p[idx].take().expect("dK piece"),
+                                dv: dv_p[idx].take().expect("dV piece"),
+                                dq: mine,
+                            },
+                        ));
+                    }
+                }
+                run_items(
+                    items,
+                    || BwdWs::new(&g, d),
+                    |ws, it| entry(isa, &cx, ws, it),
+                );
+            }
+            let scr = &scratch[..n_slots * sz];
+            let mut items: Vec<(usize, RedItem<'_>)> = Vec::new();
+            for p in p0..p1 {
+                let (b, gh) = (p / hkv, p % hkv);
+                for (hi, h) in (gh * grp..(gh + 1) * grp).enumerate() {
+                    let hp = plan.head_plan(b, h);
+                    let hb = bases[(p - p0) * grp + hi];
+                    for qt in 0..nqt {
+                        let (s0, s1) = (
+                            hb + hp.fwd_offsets[qt] as usize,
+                            hb + hp.fwd_offsets[qt + 1] as usize,
+                        );
+                        items.push((
+                            s1 - s0 + 1,
+                            RedItem {
+                                qt,
+                                slots: &scr[s0 * sz..s1 * sz],
+                                dq: dq_p[(b * d.heads_q + h) * nqt + qt]
+                                    .take()
+                                    .expect("dQ piece"),
+                            },
+                        ));
+                    }
+                }
+            }
+            run_items(
+                items,
+                || vec![0f32; sz],
+                |ws, it| reduce_entry(isa, &cx, ws, it),
+            );
+        }
     }
     Ok(BackwardOutput {
         dq: dq.into_tensor(vec![d.batch, d.heads_q, lq, d.d_qk])?,
@@ -230,43 +297,48 @@ pub(crate) fn run(
     })
 }
 
-isa_entry!(entry, item, (cx: &BwdCtx<'_>, ws: &mut BwdWs, it: BwdItem<'_>));
+pub(crate) struct DkvItem<'a> {
+    b: usize,
+    g: usize,
+    kt: usize,
+    dk: Out<'a>,
+    dv: Out<'a>,
+    /// dQ scratch slots, one per (query head of the group, q tile of `col(kt)`), in walk order.
+    dq: Vec<&'a mut [f32]>,
+}
 
+pub(crate) struct RedItem<'a> {
+    qt: usize,
+    /// The q tile's slots in ascending kv-tile order, `tq × dqkp` each.
+    slots: &'a [f32],
+    dq: Out<'a>,
+}
+
+isa_entry!(entry, dkv_item, (cx: &BwdCtx<'_>, ws: &mut BwdWs, it: DkvItem<'_>));
+isa_entry!(reduce_entry, reduce_item, (cx: &BwdCtx<'_>, acc: &mut [f32], it: RedItem<'_>));
+
+/// `dQ = scale · Σ slots` over the q tile's rows, slots in ascending order.
 #[inline(always)]
-fn item<S: Simd>(cx: &BwdCtx<'_>, ws: &mut BwdWs, it: BwdItem<'_>) {
-    match it {
-        BwdItem::Dkv { b, g, kt, dk, dv } => dkv_item::<S>(cx, ws, b, g, kt, dk, dv),
-        BwdItem::Dq { b, h, qt, dq } => dq_item::<S>(cx, ws, b, h, qt, dq),
+fn reduce_item<S: Simd>(cx: &BwdCtx<'_>, acc: &mut [f32], it: RedItem<'_>) {
+    let RedItem { qt, slots, mut dq } = it;
+    let (dqk, dqkp) = (cx.d.d_qk, cx.g.dqkp);
+    let (q0, q1) = cx.plan.q_range(qt);
+    let n = (q1 - q0) * dqkp;
+    let acc = &mut acc[..n];
+    acc.fill(0.0);
+    for slot in slots.chunks_exact(cx.g.tq * dqkp) {
+        for (a, &x) in acc.iter_mut().zip(&slot[..n]) {
+            *a += x;
+        }
+    }
+    for i in 0..q1 - q0 {
+        dq.store(i * dqk, &acc[i * dqkp..i * dqkp + dqk], cx.scale);
     }
 }
 
-/// Elementwise over a strip of one key row of `Sᵀ` (varying query): with `t = tanh(s/c)` under a
-/// softcap, `p = exp(c·t - lse_i)` (`exp(s - lse_i)` without), `ds = p·(dp - Δ_i)·(1 - t²)`;
-/// `s` becomes `p`, `dp` becomes `ds` (exactly 0 where `p` is 0, so `0·NaN` never appears).
-#[inline(always)]
-fn p_ds<S: Simd, const SOFTCAP: bool>(
-    s: &mut [f32],
-    dp: &mut [f32],
-    lse: &[f32],
-    delta: &[f32],
-    cap: f32,
-) {
-    let inv = 1.0 / cap;
-    for (((x, g), &l), &dl) in s.iter_mut().zip(dp.iter_mut()).zip(lse).zip(delta) {
-        let (v, dc) = if SOFTCAP {
-            let t = math::tanh::<S>(*x * inv);
-            (cap * t, 1.0 - t * t)
-        } else {
-            (*x, 1.0)
-        };
-        let p = math::exp::<S>(v - l);
-        let ds = p * (*g - dl) * dc;
-        *x = p;
-        *g = if p == 0.0 { 0.0 } else { ds };
-    }
-}
-
-/// Same as [`p_ds`] along one query row of `S` (varying key): one scalar LSE and Δ.
+/// Elementwise over a strip of one query row of `S` (varying key): with `t = tanh(s/c)` under a
+/// softcap, `p = exp(c·t - lse)` (`exp(s - lse)` without), `ds = p·(dp - Δ)·(1 - t²)`; `s` becomes
+/// `p`, `dp` becomes `ds` (exactly 0 where `p` is 0, so `0·NaN` never appears).
 #[inline(always)]
 fn p_ds_row<S: Simd, const SOFTCAP: bool>(
     s: &mut [f32],
@@ -290,17 +362,26 @@ fn p_ds_row<S: Simd, const SOFTCAP: bool>(
     }
 }
 
+/// [`p_ds_row`] with or without the softcap (not a closure: closures do not inherit the caller's
+/// target features).
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
-fn dkv_item<S: Simd>(
-    cx: &BwdCtx<'_>,
-    ws: &mut BwdWs,
-    b: usize,
-    gh: usize,
-    kt: usize,
-    mut dk_out: Out<'_>,
-    mut dv_out: Out<'_>,
-) {
+fn p_ds<S: Simd>(softcap: Option<f32>, s: &mut [f32], dp: &mut [f32], lse: f32, delta: f32) {
+    match softcap {
+        Some(cap) => p_ds_row::<S, true>(s, dp, lse, delta, cap),
+        None => p_ds_row::<S, false>(s, dp, lse, delta, 1.0),
+    }
+}
+
+#[inline(always)]
+fn dkv_item<S: Simd>(cx: &BwdCtx<'_>, ws: &mut BwdWs, it: DkvItem<'_>) {
+    let DkvItem {
+        b,
+        g: gh,
+        kt,
+        dk: mut dk_out,
+        dv: mut dv_out,
+        dq: mut dq_slots,
+    } = it;
     let (plan, d, g) = (cx.plan, &cx.d, &cx.g);
     let (dqk, dv, dqkp, dvp, tk) = (d.d_qk, d.d_v, g.dqkp, g.dvp, g.tk);
     let (k0, k1) = plan.kv_range(kt);
@@ -312,11 +393,11 @@ fn dkv_item<S: Simd>(
         tmp,
         kst,
         vt,
+        kbuf,
         qbuf,
         dobuf,
         dk,
         dv: dva,
-        ..
     } = ws;
     load_transposed(
         cx.k,
@@ -338,13 +419,22 @@ fn dkv_item<S: Simd>(
         vt,
         tk,
     );
+    let (ka, ldk) = rows(
+        cx.k,
+        row_off(b, gh, k0, d.heads_kv, d.kv_len, dqk),
+        nk,
+        mk,
+        dqk,
+        kbuf,
+    );
     dk[..mk * dqkp].fill(0.0);
     dva[..mk * dvp].fill(0.0);
-    let cap = cx.softcap.unwrap_or(1.0);
+    let mut slot_it = dq_slots.iter_mut();
     for h in gh * d.group()..(gh + 1) * d.group() {
         let hp = plan.head_plan(b, h);
         let bh = b * d.heads_q + h;
         for e in hp.col(kt) {
+            let slot: &mut [f32] = slot_it.next().expect("one dQ slot per entry");
             let (q0, q1) = plan.q_range(e.tile as usize);
             let nq = q1 - q0;
             let mq = round_up(nq, RB);
@@ -364,124 +454,127 @@ fn dkv_item<S: Simd>(
                 dv,
                 dobuf,
             );
-            gemm::<S, false, false>(mq, nkp, dqk, qa, ldq, kst, tk, s, tk);
-            gemm::<S, false, false>(mq, nkp, dv, da, ldd, vt, tk, dp, tk);
-            for i in 0..nq {
-                let (l, dl) = (
-                    cx.lse[bh * d.q_len + q0 + i],
-                    cx.delta[bh * d.q_len + q0 + i],
-                );
-                let (sr, dr) = (&mut s[i * tk..i * tk + nk], &mut dp[i * tk..i * tk + nk]);
-                if cx.softcap.is_some() {
-                    p_ds_row::<S, true>(sr, dr, l, dl, cap);
-                } else {
-                    p_ds_row::<S, false>(sr, dr, l, dl, cap);
+            let lse = &cx.lse[bh * d.q_len + q0..bh * d.q_len + q1];
+            let delta = &cx.delta[bh * d.q_len + q0..bh * d.q_len + q1];
+            if e.is_full() {
+                gemm::<S, false, false>(mq, nkp, dqk, qa, ldq, kst, tk, s, tk);
+                gemm::<S, false, false>(mq, nkp, dv, da, ldd, vt, tk, dp, tk);
+                for i in 0..nq {
+                    let (sr, dr) = (&mut s[i * tk..i * tk + nk], &mut dp[i * tk..i * tk + nk]);
+                    p_ds::<S>(cx.softcap, sr, dr, lse[i], delta[i]);
                 }
-                if !e.is_full() {
-                    let bits = plan.partials.row(e.mask, i);
-                    math::mask_row(sr, bits, 0.0);
-                    math::mask_row(dr, bits, 0.0);
-                }
+                product::<S, true, true>(cx.exact, mk, dvp, nq, s, tk, da, ldd, dva, dvp);
+                product::<S, true, true>(cx.exact, mk, dqkp, nq, dp, tk, qa, ldq, dk, dqkp);
+                product::<S, false, false>(cx.exact, mq, dqkp, nk, dp, tk, ka, ldk, slot, dqkp);
+                continue;
             }
-            product::<S, true, true>(cx.exact, mk, dvp, nq, s, tk, da, ldd, dva, dvp);
-            product::<S, true, true>(cx.exact, mk, dqkp, nq, dp, tk, qa, ldq, dk, dqkp);
+            // Partial tile: per 16-query block, S/dP/P/dS over its key span only, zero outside;
+            // dQ slot rows = dS·K over the span.
+            for i0 in (0..mq).step_by(SB) {
+                let m = (mq - i0).min(SB);
+                let (r0, r1) = cx.live.keys(e.mask, i0 / SB);
+                let r1 = r1.min(nk);
+                if r0 >= r1 {
+                    s[i0 * tk..(i0 + m) * tk].fill(0.0);
+                    dp[i0 * tk..(i0 + m) * tk].fill(0.0);
+                    slot[i0 * dqkp..(i0 + m) * dqkp].fill(0.0);
+                    continue;
+                }
+                let (n0, n1) = (r0 / SB * SB, round_up(r1, SB));
+                gemm::<S, false, false>(
+                    m,
+                    n1 - n0,
+                    dqk,
+                    &qa[i0 * ldq..],
+                    ldq,
+                    &kst[n0..],
+                    tk,
+                    &mut s[i0 * tk + n0..],
+                    tk,
+                );
+                gemm::<S, false, false>(
+                    m,
+                    n1 - n0,
+                    dv,
+                    &da[i0 * ldd..],
+                    ldd,
+                    &vt[n0..],
+                    tk,
+                    &mut dp[i0 * tk + n0..],
+                    tk,
+                );
+                for i in i0..i0 + m {
+                    let (sr, dr) = (&mut s[i * tk..i * tk + nkp], &mut dp[i * tk..i * tk + nkp]);
+                    sr[..n0].fill(0.0);
+                    dr[..n0].fill(0.0);
+                    sr[n1..].fill(0.0);
+                    dr[n1..].fill(0.0);
+                    if i < nq {
+                        p_ds::<S>(
+                            cx.softcap,
+                            &mut sr[n0..r1],
+                            &mut dr[n0..r1],
+                            lse[i],
+                            delta[i],
+                        );
+                        // From the 64-key word holding n0 on (the keys before n0 are 0 already).
+                        let (w0, bits) = (n0 / 64, plan.partials.row(e.mask, i));
+                        math::mask_row(&mut sr[w0 * 64..r1], &bits[w0..], 0.0);
+                        math::mask_row(&mut dr[w0 * 64..r1], &bits[w0..], 0.0);
+                    }
+                    sr[r1..n1].fill(0.0);
+                    dr[r1..n1].fill(0.0);
+                }
+                product::<S, false, false>(
+                    cx.exact,
+                    m,
+                    dqkp,
+                    r1 - r0,
+                    &dp[i0 * tk + r0..],
+                    tk,
+                    &ka[r0 * ldk..],
+                    ldk,
+                    &mut slot[i0 * dqkp..],
+                    dqkp,
+                );
+            }
+            // dV += Pᵀ·dO, dK += dSᵀ·Q per 16-key block over its query span.
+            for j0 in (0..mk).step_by(SB) {
+                let m = (mk - j0).min(SB);
+                let (c0, c1) = cx.live.cols(e.mask, j0 / SB);
+                let c1 = c1.min(nq);
+                if c0 >= c1 {
+                    continue;
+                }
+                product::<S, true, true>(
+                    cx.exact,
+                    m,
+                    dvp,
+                    c1 - c0,
+                    &s[c0 * tk + j0..],
+                    tk,
+                    &da[c0 * ldd..],
+                    ldd,
+                    &mut dva[j0 * dvp..],
+                    dvp,
+                );
+                product::<S, true, true>(
+                    cx.exact,
+                    m,
+                    dqkp,
+                    c1 - c0,
+                    &dp[c0 * tk + j0..],
+                    tk,
+                    &qa[c0 * ldq..],
+                    ldq,
+                    &mut dk[j0 * dqkp..],
+                    dqkp,
+                );
+            }
         }
     }
     for j in 0..nk {
         dk_out.store(j * dqk, &dk[j * dqkp..j * dqkp + dqk], cx.scale);
         dv_out.store(j * dv, &dva[j * dvp..j * dvp + dv], 1.0);
-    }
-}
-
-#[inline(always)]
-fn dq_item<S: Simd>(
-    cx: &BwdCtx<'_>,
-    ws: &mut BwdWs,
-    b: usize,
-    h: usize,
-    qt_idx: usize,
-    mut dq_out: Out<'_>,
-) {
-    let (plan, d, g) = (cx.plan, &cx.d, &cx.g);
-    let (dqk, dv, dqkp, tq) = (d.d_qk, d.d_v, g.dqkp, g.tq);
-    let kvh = h / d.group();
-    let (q0, q1) = plan.q_range(qt_idx);
-    let nq = q1 - q0;
-    let (mq, nqp) = (round_up(nq, RB), round_up(nq, 16));
-    let BwdWs {
-        s,
-        dp,
-        tmp,
-        qt,
-        dot,
-        kbuf,
-        vbuf,
-        lse,
-        delta,
-        dq,
-        ..
-    } = ws;
-    let bh = b * d.heads_q + h;
-    load_transposed(
-        cx.q,
-        row_off(b, h, q0, d.heads_q, d.q_len, dqk),
-        nq,
-        dqk,
-        cx.scale,
-        tmp,
-        qt,
-        tq,
-    );
-    load_transposed(
-        cx.d_o,
-        row_off(b, h, q0, d.heads_q, d.q_len, dv),
-        nq,
-        dv,
-        1.0,
-        tmp,
-        dot,
-        tq,
-    );
-    lse[..nq].copy_from_slice(&cx.lse[bh * d.q_len + q0..bh * d.q_len + q1]);
-    delta[..nq].copy_from_slice(&cx.delta[bh * d.q_len + q0..bh * d.q_len + q1]);
-    dq[..mq * dqkp].fill(0.0);
-    let cap = cx.softcap.unwrap_or(1.0);
-    for e in plan.head_plan(b, h).row(qt_idx) {
-        let (k0, k1) = plan.kv_range(e.tile as usize);
-        let nk = k1 - k0;
-        let mk = round_up(nk, RB);
-        let (ka, ldk) = rows(
-            cx.k,
-            row_off(b, kvh, k0, d.heads_kv, d.kv_len, dqk),
-            nk,
-            mk,
-            dqk,
-            kbuf,
-        );
-        let (va, ldv) = rows(
-            cx.v,
-            row_off(b, kvh, k0, d.heads_kv, d.kv_len, dv),
-            nk,
-            mk,
-            dv,
-            vbuf,
-        );
-        gemm::<S, false, false>(mk, nqp, dqk, ka, ldk, qt, tq, s, tq);
-        gemm::<S, false, false>(mk, nqp, dv, va, ldv, dot, tq, dp, tq);
-        for j in 0..nk {
-            let (sr, dr) = (&mut s[j * tq..j * tq + nq], &mut dp[j * tq..j * tq + nq]);
-            if cx.softcap.is_some() {
-                p_ds::<S, true>(sr, dr, &lse[..nq], &delta[..nq], cap);
-            } else {
-                p_ds::<S, false>(sr, dr, &lse[..nq], &delta[..nq], cap);
-            }
-            if !e.is_full() {
-                math::mask_row(dr, cx.masks_t.row(e.mask, j), 0.0);
-            }
-        }
-        product::<S, true, true>(cx.exact, mq, dqkp, nk, dp, tq, ka, ldk, dq, dqkp);
-    }
-    for i in 0..nq {
-        dq_out.store(i * dqk, &dq[i * dqkp..i * dqkp + dqk], cx.scale);
     }
 }

@@ -75,6 +75,43 @@ pub(crate) fn gemm<S: Simd, const ACC: bool, const AT: bool>(
     c: &mut [f32],
     ldc: usize,
 ) {
+    gemm_impl::<S, ACC, AT, false>(m, n, k, a, lda, b, ldb, c, ldc, std::ptr::null_mut())
+}
+
+/// `C = A·B` and, fused into the store, `cm[x] = max(cm[x], max_r C[r][x])` for `x < n`
+/// (NaN ignored, like the separate column-max pass it replaces).
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+pub(crate) fn gemm_colmax<S: Simd>(
+    m: usize,
+    n: usize,
+    k: usize,
+    a: &[f32],
+    lda: usize,
+    b: &[f32],
+    ldb: usize,
+    c: &mut [f32],
+    ldc: usize,
+    cm: &mut [f32],
+) {
+    assert!(cm.len() >= n, "gemm: column max too short");
+    gemm_impl::<S, false, false, true>(m, n, k, a, lda, b, ldb, c, ldc, cm.as_mut_ptr())
+}
+
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn gemm_impl<S: Simd, const ACC: bool, const AT: bool, const MAX: bool>(
+    m: usize,
+    n: usize,
+    k: usize,
+    a: &[f32],
+    lda: usize,
+    b: &[f32],
+    ldb: usize,
+    c: &mut [f32],
+    ldc: usize,
+    cm: *mut f32,
+) {
     check::<AT>(m, n, k, a, lda, b, ldb, c, ldc);
     let (ap, bp, cp) = (a.as_ptr(), b.as_ptr(), c.as_mut_ptr());
     let mut i = 0;
@@ -86,19 +123,37 @@ pub(crate) fn gemm<S: Simd, const ACC: bool, const AT: bool>(
             let a0 = ap.add(a_off);
             if S::WIDE {
                 while j + 64 <= n {
-                    micro::<S, ACC, AT, 64>(k, a0, lda, bp.add(j), ldb, cp.add(i * ldc + j), ldc);
+                    micro::<S, ACC, AT, MAX, 64>(
+                        k,
+                        a0,
+                        lda,
+                        bp.add(j),
+                        ldb,
+                        cp.add(i * ldc + j),
+                        ldc,
+                        cm.wrapping_add(j),
+                    );
                     j += 64;
                 }
-                let (b0, c0) = (bp.add(j), cp.add(i * ldc + j));
+                let (b0, c0, m0) = (bp.add(j), cp.add(i * ldc + j), cm.wrapping_add(j));
                 match n - j {
-                    48 => micro::<S, ACC, AT, 48>(k, a0, lda, b0, ldb, c0, ldc),
-                    32 => micro::<S, ACC, AT, 32>(k, a0, lda, b0, ldb, c0, ldc),
-                    16 => micro::<S, ACC, AT, 16>(k, a0, lda, b0, ldb, c0, ldc),
+                    48 => micro::<S, ACC, AT, MAX, 48>(k, a0, lda, b0, ldb, c0, ldc, m0),
+                    32 => micro::<S, ACC, AT, MAX, 32>(k, a0, lda, b0, ldb, c0, ldc, m0),
+                    16 => micro::<S, ACC, AT, MAX, 16>(k, a0, lda, b0, ldb, c0, ldc, m0),
                     _ => {}
                 }
             } else {
                 while j < n {
-                    micro::<S, ACC, AT, 16>(k, a0, lda, bp.add(j), ldb, cp.add(i * ldc + j), ldc);
+                    micro::<S, ACC, AT, MAX, 16>(
+                        k,
+                        a0,
+                        lda,
+                        bp.add(j),
+                        ldb,
+                        cp.add(i * ldc + j),
+                        ldc,
+                        cm.wrapping_add(j),
+                    );
                     j += 16;
                 }
             }
@@ -111,9 +166,10 @@ pub(crate) fn gemm<S: Simd, const ACC: bool, const AT: bool>(
 ///
 /// # Safety
 /// `a` must be readable at `r*lda + kk` (`kk*lda + r` when `AT`), `b` at `kk*ldb + x`, `c` at `r*ldc + x` for
-/// `r < RB`, `kk < k`, `x < NB`.
+/// `r < RB`, `kk < k`, `x < NB`; with `MAX`, `cm` readable and writable at `x < NB`.
 #[inline(always)]
-unsafe fn micro<S: Simd, const ACC: bool, const AT: bool, const NB: usize>(
+#[allow(clippy::too_many_arguments)]
+unsafe fn micro<S: Simd, const ACC: bool, const AT: bool, const MAX: bool, const NB: usize>(
     k: usize,
     a: *const f32,
     lda: usize,
@@ -121,6 +177,7 @@ unsafe fn micro<S: Simd, const ACC: bool, const AT: bool, const NB: usize>(
     ldb: usize,
     c: *mut f32,
     ldc: usize,
+    cm: *mut f32,
 ) {
     let mut acc = [[0f32; NB]; RB];
     if ACC {
@@ -145,6 +202,15 @@ unsafe fn micro<S: Simd, const ACC: bool, const AT: bool, const NB: usize>(
             for x in 0..NB {
                 row[x] = S::madd(av, bv[x], row[x]);
             }
+        }
+    }
+    if MAX {
+        for x in 0..NB {
+            let mut mx = *cm.add(x);
+            for row in acc.iter() {
+                mx = if row[x] > mx { row[x] } else { mx };
+            }
+            *cm.add(x) = mx;
         }
     }
     for (r, row) in acc.iter().enumerate() {
@@ -214,6 +280,28 @@ pub(crate) fn product<S: Simd, const ACC: bool, const AT: bool>(
 mod tests {
     use super::super::math::Portable;
     use super::*;
+
+    #[test]
+    fn fused_column_max_matches_a_separate_pass() {
+        for &(m, n, k) in &[(8, 112, 37), (12, 64, 64), (4, 16, 3)] {
+            let (lda, ldc) = (k + 1, n + 3);
+            let a: Vec<f32> = (0..m * lda).map(|i| ((i * 7 % 13) as f32) - 6.0).collect();
+            let b: Vec<f32> = (0..k * n).map(|i| ((i * 5 % 11) as f32) - 5.0).collect();
+            let mut c = vec![0f32; m * ldc];
+            let mut cm = vec![f32::NEG_INFINITY; n];
+            cm[0] = 1e30;
+            gemm_colmax::<Portable>(m, n, k, &a, lda, &b, n, &mut c, ldc, &mut cm);
+            let mut want = vec![0f32; m * ldc];
+            gemm::<Portable, false, false>(m, n, k, &a, lda, &b, n, &mut want, ldc);
+            assert_eq!(c, want);
+            for (x, &got) in cm.iter().enumerate() {
+                let col = (0..m)
+                    .map(|r| want[r * ldc + x])
+                    .fold(f32::NEG_INFINITY, f32::max);
+                assert_eq!(got, if x == 0 { 1e30 } else { col }, "column {x}");
+            }
+        }
+    }
 
     #[test]
     fn gemm_matches_naive() {

@@ -1,0 +1,667 @@
+//! bf16 forward kernel on AVX512-BF16 (`vdpbf16ps`), used by [`Isa::Avx512Bf16`] for bf16
+//! storage when every input is finite (otherwise the f32 kernels with the exact zero-skipping
+//! products run).
+//!
+//! Layout: K and V are packed once per call into bf16 pairs (`u32` = two bf16), per kv tile:
+//! K `[tkp × ⌈Dqk/2⌉]` (pairs along D), V `[tkp/2 × Dvp]` (pairs of consecutive keys). Per item
+//! the unscaled Q tile is packed `[⌈Dqk/2⌉ × tq]` (pairs along D, queries contiguous). For each kv
+//! tile: `Sᵀ = K·Qᵀ` by `vdpbf16ps` (f32 accumulation; rows = keys, 4 × 64 register blocks),
+//! the scale is folded into the exponent (`exp(scale·s − m)`), the online softmax runs in f32
+//! exactly as in the f32 kernel, and `P` is rounded to bf16 pairs along the keys (`[tk/2 × tq]`)
+//! for `O += P·V` by `vdpbf16ps` (f32 accumulators in `O`). The column sums `l` use the f32 `P`.
+//! Partial tiles use the same live sub-block spans as the f32 kernel ([`super::live`]).
+//!
+//! Accuracy: products of bf16 inputs are exact in f32, so S matches the f32 kernel up to
+//! summation order; rounding P to bf16 adds ≤ 2⁻⁹ relative error per weight (FlashAttention does
+//! the same); O stays well inside the 1e-2 bf16 tolerance. Deterministic: fixed loop order, no
+//! atomics, each output written by one item.
+
+#[cfg(target_arch = "x86_64")]
+pub(crate) use imp::run;
+
+#[cfg(not(target_arch = "x86_64"))]
+pub(crate) fn run(
+    d: &crate::Dims,
+    q: tessera_core::tensor::TensorView<'_>,
+    k: tessera_core::tensor::TensorView<'_>,
+    v: tessera_core::tensor::TensorView<'_>,
+    plan: &tessera_plan::Plan,
+    options: &crate::AttnOptions,
+) -> tessera_core::Result<crate::ForwardOutput> {
+    super::forward::run(super::Isa::Portable, d, q, k, v, plan, options)
+}
+
+#[cfg(target_arch = "x86_64")]
+mod imp {
+    use super::super::forward;
+    use super::super::gemm::{round_up, RB};
+    use super::super::live::{self, LiveBlocks, SB};
+    use super::super::math::{self, Avx512, Simd};
+    use super::super::{f32_pieces, row_off, run_items, Isa, MasksT, Out, OutBuf, Src};
+    use crate::{AttnOptions, Dims, ForwardOutput};
+    use half::bf16;
+    use rayon::prelude::*;
+    use std::arch::x86_64::*;
+    use tessera_core::tensor::TensorView;
+    use tessera_core::{Result, Tensor};
+    use tessera_plan::Plan;
+
+    const NEG_INF: f32 = f32::NEG_INFINITY;
+
+    /// Two bf16 bit patterns as one `u32` (`lo` in the low half).
+    #[inline(always)]
+    fn pair(lo: u16, hi: u16) -> u32 {
+        lo as u32 | (hi as u32) << 16
+    }
+
+    /// The 32 bf16 lanes of a 512-bit integer vector.
+    #[inline(always)]
+    fn as_bh(x: __m512i) -> __m512bh {
+        // SAFETY: both are 64-byte plain vector types; every bit pattern is valid.
+        unsafe { std::mem::transmute::<__m512i, __m512bh>(x) }
+    }
+
+    /// Round-to-nearest-even bf16 bits of a finite f32.
+    #[inline(always)]
+    fn round_bits(x: f32) -> u32 {
+        let b = x.to_bits();
+        (b.wrapping_add(0x7FFF + ((b >> 16) & 1))) >> 16
+    }
+
+    struct Ctx<'a> {
+        plan: &'a Plan,
+        d: Dims,
+        tq: usize,
+        tkp: usize,
+        dpair: usize,
+        dvp: usize,
+        q: &'a [bf16],
+        kp: Vec<u32>,
+        vp: Vec<u32>,
+        /// Per kv block, the non-finite V entries (empty when V is finite).
+        fix: Vec<Vec<Fixup>>,
+        masks_t: MasksT,
+        live: LiveBlocks,
+        scale: f32,
+        softcap: Option<f32>,
+        sinks: Option<&'a [f32]>,
+    }
+
+    /// A non-finite V entry: key pair `jp`, `half` (0: even key), column `col`, value `val`.
+    #[derive(Clone, Copy)]
+    struct Fixup {
+        jp: usize,
+        half: usize,
+        col: usize,
+        val: f32,
+    }
+
+    struct Item<'a> {
+        b: usize,
+        h: usize,
+        qt: usize,
+        o: Out<'a>,
+        lse: &'a mut [f32],
+        max_logit: &'a mut f32,
+    }
+
+    struct Ws {
+        qp: Vec<u32>,
+        s: Vec<f32>,
+        pp: Vec<u32>,
+        o: Vec<f32>,
+        m: Vec<f32>,
+        l: Vec<f32>,
+        m_use: Vec<f32>,
+        alpha: Vec<f32>,
+        col: Vec<f32>,
+        raw_max: Vec<f32>,
+    }
+
+    pub(crate) fn run(
+        d: &Dims,
+        q: TensorView<'_>,
+        k: TensorView<'_>,
+        v: TensorView<'_>,
+        plan: &Plan,
+        options: &AttnOptions,
+    ) -> Result<ForwardOutput> {
+        let (qs, ks, vs) = (Src::new(&q)?, Src::new(&k)?, Src::new(&v)?);
+        let (Src::BF16(qx), Src::BF16(kx), Src::BF16(vx)) = (qs, ks, vs) else {
+            return forward::run(Isa::Avx512, d, q, k, v, plan, options);
+        };
+        let tq = round_up(plan.tile.q, 16);
+        let tkp = round_up(plan.tile.kv, 16);
+        let dpair = d.d_qk.div_ceil(2);
+        let dvp = round_up(d.d_v, 16);
+        let nkt = plan.kv_tiles;
+        let blocks = d.batch * d.heads_kv * nkt;
+        // Pack K and V once: per kv tile, zero padded to tkp keys.
+        let mut kp = vec![0u32; blocks * tkp * dpair];
+        let mut vp = vec![0u32; blocks * (tkp / 2) * dvp];
+        let (dqk, dv) = (d.d_qk, d.d_v);
+        kp.par_chunks_mut(tkp * dpair)
+            .zip(vp.par_chunks_mut(tkp / 2 * dvp))
+            .enumerate()
+            .for_each(|(blk, (kd, vd))| {
+                let (bg, kt) = (blk / nkt, blk % nkt);
+                let (k0, k1) = plan.kv_range(kt);
+                let nk = k1 - k0;
+                let bits = |x: &bf16| x.to_bits();
+                for j in 0..nk {
+                    let off = (bg * d.kv_len + k0 + j) * dqk;
+                    let (src, dst) = (&kx[off..off + dqk], &mut kd[j * dpair..(j + 1) * dpair]);
+                    // Pairs along D are the row's own bytes: a straight (vectorized) copy.
+                    for (o, p) in dst.iter_mut().zip(src.chunks_exact(2)) {
+                        *o = pair(bits(&p[0]), bits(&p[1]));
+                    }
+                    if dqk % 2 == 1 {
+                        dst[dpair - 1] = pair(bits(&src[dqk - 1]), 0);
+                    }
+                }
+                for jp in 0..nk.div_ceil(2) {
+                    let off0 = (bg * d.kv_len + k0 + 2 * jp) * dv;
+                    let dst = &mut vd[jp * dvp..jp * dvp + dv];
+                    let v0 = &vx[off0..off0 + dv];
+                    if 2 * jp + 1 < nk {
+                        let v1 = &vx[off0 + dv..off0 + 2 * dv];
+                        for ((o, a), b) in dst.iter_mut().zip(v0).zip(v1) {
+                            *o = pair(bits(a), bits(b));
+                        }
+                    } else {
+                        for (o, a) in dst.iter_mut().zip(v0) {
+                            *o = pair(bits(a), 0);
+                        }
+                    }
+                }
+            });
+        // Non-finite V values (only V matters: a non-finite logit from Q or K is masked to an
+        // exact 0 or propagates through P, as in the f32 kernel) are packed as 0 and added back
+        // per tile for the queries whose bf16 P weight on that key is nonzero, so 0·NaN never
+        // appears and rows that cannot attend the key keep the bits of a clean run.
+        let mut fix: Vec<Vec<Fixup>> = Vec::new();
+        if !vs.all_finite() {
+            fix = vec![Vec::new(); blocks];
+            for (idx, x) in vx.iter().enumerate() {
+                if x.is_finite() {
+                    continue;
+                }
+                let (bg, row, col) = (idx / (d.kv_len * dv), (idx / dv) % d.kv_len, idx % dv);
+                let kt = row / plan.tile.kv;
+                let j = row - plan.kv_range(kt).0;
+                let blk = bg * nkt + kt;
+                let half = j % 2;
+                let w = &mut vp[(blk * (tkp / 2) + j / 2) * dvp + col];
+                *w &= if half == 0 { 0xFFFF_0000 } else { 0x0000_FFFF };
+                fix[blk].push(Fixup {
+                    jp: j / 2,
+                    half,
+                    col,
+                    val: x.to_f32(),
+                });
+            }
+        }
+        let cx = Ctx {
+            plan,
+            d: *d,
+            tq,
+            tkp,
+            dpair,
+            dvp,
+            q: qx,
+            kp,
+            vp,
+            fix,
+            masks_t: MasksT::new(plan),
+            live: LiveBlocks::new(plan),
+            scale: options.scale_for(d.d_qk),
+            softcap: options.softcap,
+            sinks: options.sinks.as_deref(),
+        };
+        let (bh, nqt) = (d.batch * d.heads_q, plan.q_tiles);
+        let mut o = OutBuf::poisoned(d.dtype, bh * d.q_len * d.d_v);
+        let mut lse = vec![f32::NAN; bh * d.q_len];
+        let mut maxes = vec![f32::NAN; bh * nqt];
+        {
+            let o_pieces = o.pieces(d.q_len * d.d_v, plan.tile.q * d.d_v);
+            let l_pieces = f32_pieces(&mut lse, d.q_len, plan.tile.q);
+            let items: Vec<(usize, Item<'_>)> = o_pieces
+                .into_iter()
+                .zip(l_pieces)
+                .zip(maxes.iter_mut())
+                .enumerate()
+                .map(|(idx, ((o, lse), max_logit))| {
+                    let (b, h, qt) = (idx / (d.heads_q * nqt), (idx / nqt) % d.heads_q, idx % nqt);
+                    let cost = plan.head_plan(b, h).row(qt).len();
+                    (
+                        cost,
+                        Item {
+                            b,
+                            h,
+                            qt,
+                            o,
+                            lse,
+                            max_logit,
+                        },
+                    )
+                })
+                .collect();
+            let z = |n: usize| vec![0f32; n];
+            run_items(
+                items,
+                || Ws {
+                    qp: vec![0u32; dpair * tq],
+                    s: z(tkp * tq),
+                    pp: vec![0u32; tkp / 2 * tq],
+                    o: z(tq * dvp),
+                    m: z(tq),
+                    l: z(tq),
+                    m_use: z(tq),
+                    alpha: z(tq),
+                    col: z(tq),
+                    raw_max: z(tq),
+                },
+                // SAFETY: this kernel is only selected as `Isa::Avx512Bf16`, which is handed out
+                // only when the CPU has AVX-512F/BW/VL, FMA and AVX512-BF16.
+                |ws, it| unsafe { item(&cx, ws, it) },
+            );
+        }
+        let max_logit: Vec<f32> = maxes
+            .chunks(nqt)
+            .map(|c| {
+                c.iter().fold(NEG_INF, |a, &x| {
+                    if x.is_nan() || a.is_nan() {
+                        f32::NAN
+                    } else {
+                        a.max(x)
+                    }
+                })
+            })
+            .collect();
+        Ok(ForwardOutput {
+            o: o.into_tensor(vec![d.batch, d.heads_q, d.q_len, d.d_v])?,
+            lse: Tensor::from_f32(vec![d.batch, d.heads_q, d.q_len], lse)?,
+            max_logit: Tensor::from_f32(vec![d.batch, d.heads_q], max_logit)?,
+        })
+    }
+
+    /// `C[r][x] = Σ_dp K[r][dp] · Q[dp][x]` over bf16 pairs for `r < RB`, `x < 16·NV`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,fma")]
+    #[allow(clippy::needless_range_loop)]
+    unsafe fn s_micro<const MAX: bool, const NV: usize>(
+        dpair: usize,
+        k: *const u32,
+        q: *const u32,
+        tq: usize,
+        c: *mut f32,
+        ldc: usize,
+        cm: *mut f32,
+    ) {
+        unsafe {
+            let mut acc = [[_mm512_setzero_ps(); NV]; RB];
+            for dp in 0..dpair {
+                let mut qv = [_mm512_setzero_si512(); NV];
+                for x in 0..NV {
+                    qv[x] = _mm512_loadu_si512(q.add(dp * tq + 16 * x).cast());
+                }
+                for r in 0..RB {
+                    let kb = as_bh(_mm512_set1_epi32(*k.add(r * dpair + dp) as i32));
+                    for x in 0..NV {
+                        acc[r][x] = _mm512_dpbf16_ps(acc[r][x], kb, as_bh(qv[x]));
+                    }
+                }
+            }
+            for r in 0..RB {
+                for x in 0..NV {
+                    _mm512_storeu_ps(c.add(r * ldc + 16 * x), acc[r][x]);
+                }
+            }
+            if MAX {
+                for x in 0..NV {
+                    let mut mx = _mm512_loadu_ps(cm.add(16 * x));
+                    for r in 0..RB {
+                        mx = _mm512_max_ps(acc[r][x], mx);
+                    }
+                    _mm512_storeu_ps(cm.add(16 * x), mx);
+                }
+            }
+        }
+    }
+
+    /// `Sᵀ[r0..r0+m][c0..c1) = K·Qᵀ`; with `MAX`, also `cm[x] = max(cm[x], max_r Sᵀ[r][x])` for
+    /// `x` in `[c0, c1)` (finite inputs only). (`m` a multiple of RB, `c0`, `c1` multiples of 16).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,fma")]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn s_gemm<const MAX: bool>(
+        cm: &mut [f32],
+        k: &[u32],
+        dpair: usize,
+        qp: &[u32],
+        tq: usize,
+        s: &mut [f32],
+        r0: usize,
+        m: usize,
+        c0: usize,
+        c1: usize,
+    ) {
+        assert!(m.is_multiple_of(RB) && c0.is_multiple_of(16) && c1.is_multiple_of(16));
+        assert!(c1 <= tq);
+        assert!((r0 + m) * dpair <= k.len() && (r0 + m) * tq <= s.len());
+        assert!(dpair * tq <= qp.len() && (!MAX || c1 <= cm.len()));
+        let (kp, qq, sp, mp) = (k.as_ptr(), qp.as_ptr(), s.as_mut_ptr(), cm.as_mut_ptr());
+        let mut r = r0;
+        while r < r0 + m {
+            let mut c = c0;
+            // SAFETY: the asserts above bound every access.
+            unsafe {
+                let kr = kp.add(r * dpair);
+                while c + 64 <= c1 {
+                    s_micro::<MAX, 4>(dpair, kr, qq.add(c), tq, sp.add(r * tq + c), tq, mp.add(c));
+                    c += 64;
+                }
+                let (qc, sc, mc) = (qq.add(c), sp.add(r * tq + c), mp.add(c));
+                match c1 - c {
+                    48 => s_micro::<MAX, 3>(dpair, kr, qc, tq, sc, tq, mc),
+                    32 => s_micro::<MAX, 2>(dpair, kr, qc, tq, sc, tq, mc),
+                    16 => s_micro::<MAX, 1>(dpair, kr, qc, tq, sc, tq, mc),
+                    _ => {}
+                }
+            }
+            r += RB;
+        }
+    }
+
+    /// `O[r][x] += Σ_jp P[jp][r] · V[jp][x]` over bf16 pairs for `r < RB`, `x < 16·NV`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,fma")]
+    #[allow(clippy::needless_range_loop)]
+    unsafe fn pv_micro<const NV: usize>(
+        npair: usize,
+        p: *const u32,
+        tq: usize,
+        v: *const u32,
+        dvp: usize,
+        o: *mut f32,
+    ) {
+        unsafe {
+            let mut acc = [[_mm512_setzero_ps(); NV]; RB];
+            for r in 0..RB {
+                for x in 0..NV {
+                    acc[r][x] = _mm512_loadu_ps(o.add(r * dvp + 16 * x));
+                }
+            }
+            for jp in 0..npair {
+                let mut vv = [_mm512_setzero_si512(); NV];
+                for x in 0..NV {
+                    vv[x] = _mm512_loadu_si512(v.add(jp * dvp + 16 * x).cast());
+                }
+                for r in 0..RB {
+                    let pb = as_bh(_mm512_set1_epi32(*p.add(jp * tq + r) as i32));
+                    for x in 0..NV {
+                        acc[r][x] = _mm512_dpbf16_ps(acc[r][x], pb, as_bh(vv[x]));
+                    }
+                }
+            }
+            for r in 0..RB {
+                for x in 0..NV {
+                    _mm512_storeu_ps(o.add(r * dvp + 16 * x), acc[r][x]);
+                }
+            }
+        }
+    }
+
+    /// `O[i0..i0+m] += P[.., jp0..jp1]·V[jp0..jp1]` (pairs of keys; `m` a multiple of RB).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,fma")]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn pv_gemm(
+        pp: &[u32],
+        tq: usize,
+        vp: &[u32],
+        dvp: usize,
+        o: &mut [f32],
+        i0: usize,
+        m: usize,
+        jp0: usize,
+        jp1: usize,
+    ) {
+        assert!(m.is_multiple_of(RB) && dvp.is_multiple_of(16) && i0 + m <= tq);
+        assert!(jp1 * tq <= pp.len() && jp1 * dvp <= vp.len() && (i0 + m) * dvp <= o.len());
+        if jp0 >= jp1 {
+            return;
+        }
+        let n = jp1 - jp0;
+        let (p, v, op) = (pp.as_ptr(), vp.as_ptr(), o.as_mut_ptr());
+        let mut i = i0;
+        while i < i0 + m {
+            let mut x = 0;
+            // SAFETY: the asserts above bound every access.
+            unsafe {
+                let pr = p.add(jp0 * tq + i);
+                while x + 64 <= dvp {
+                    pv_micro::<4>(n, pr, tq, v.add(jp0 * dvp + x), dvp, op.add(i * dvp + x));
+                    x += 64;
+                }
+                let (vx, ox) = (v.add(jp0 * dvp + x), op.add(i * dvp + x));
+                match dvp - x {
+                    48 => pv_micro::<3>(n, pr, tq, vx, dvp, ox),
+                    32 => pv_micro::<2>(n, pr, tq, vx, dvp, ox),
+                    16 => pv_micro::<1>(n, pr, tq, vx, dvp, ox),
+                    _ => {}
+                }
+            }
+            i += RB;
+        }
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,fma")]
+    unsafe fn item(cx: &Ctx<'_>, ws: &mut Ws, mut it: Item<'_>) {
+        let (plan, d) = (cx.plan, &cx.d);
+        let (b, h) = (it.b, it.h);
+        let kvh = h / d.group();
+        let (q0, q1) = plan.q_range(it.qt);
+        let nq = q1 - q0;
+        let (mq, nqp) = (round_up(nq, RB), round_up(nq, 16));
+        let (dqk, dv, dvp, tq, tkp, dpair) = (d.d_qk, d.d_v, cx.dvp, cx.tq, cx.tkp, cx.dpair);
+        let nkt = plan.kv_tiles;
+        let Ws {
+            qp,
+            s,
+            pp,
+            o,
+            m,
+            l,
+            m_use,
+            alpha,
+            col,
+            raw_max,
+        } = ws;
+        // Q pairs along D, queries contiguous; padding queries zero.
+        let q_off = row_off(b, h, q0, d.heads_q, d.q_len, dqk);
+        for dp in 0..dpair {
+            let row = &mut qp[dp * tq..(dp + 1) * tq];
+            for (i, x) in row[..nq].iter_mut().enumerate() {
+                let off = q_off + i * dqk + 2 * dp;
+                let hi = if 2 * dp + 1 < dqk {
+                    cx.q[off + 1].to_bits()
+                } else {
+                    0
+                };
+                *x = pair(cx.q[off].to_bits(), hi);
+            }
+            row[nq..nqp].fill(0);
+        }
+        o[..mq * dvp].fill(0.0);
+        m[..nq].fill(NEG_INF);
+        l[..nq].fill(0.0);
+        raw_max[..nq].fill(NEG_INF);
+
+        for e in plan.head_plan(b, h).row(it.qt) {
+            let kt = e.tile as usize;
+            let (k0, k1) = plan.kv_range(kt);
+            let nk = k1 - k0;
+            let mk = round_up(nk, RB);
+            let blk = (b * d.heads_kv + kvh) * nkt + kt;
+            let kp = &cx.kp[blk * tkp * dpair..(blk + 1) * tkp * dpair];
+            let vp = &cx.vp[blk * (tkp / 2) * dvp..(blk + 1) * (tkp / 2) * dvp];
+            let full = e.is_full();
+            let span = |j: usize| -> (usize, usize) {
+                if full {
+                    (0, nq)
+                } else {
+                    let (a, b) = cx.live.cols(e.mask, j / SB);
+                    let b = b.min(nq);
+                    (a.min(b), b)
+                }
+            };
+            // Full tiles without padding key rows get the raw column max fused into the product.
+            let fused_max = full && mk == nk;
+            col[..nqp].fill(NEG_INF);
+            if fused_max {
+                s_gemm::<true>(col, kp, dpair, qp, tq, s, 0, mk, 0, nqp);
+            } else if full {
+                s_gemm::<false>(col, kp, dpair, qp, tq, s, 0, mk, 0, nqp);
+            } else {
+                for jb in 0..nk.div_ceil(SB) {
+                    let (c0, c1) = cx.live.cols(e.mask, jb);
+                    if c0 < c1 {
+                        let (r0, r1) = (jb * SB, (jb * SB + SB).min(mk));
+                        s_gemm::<false>(col, kp, dpair, qp, tq, s, r0, r1 - r0, c0, c1);
+                    }
+                }
+                for j in 0..nk {
+                    let (a, bb) = span(j);
+                    live::mask_span(&mut s[j * tq..j * tq + bb], cx.masks_t.row(e.mask, j), a);
+                }
+            }
+            // Max of the raw logits; the scale (> 0) commutes with the max.
+            let mut sc = cx.scale;
+            if cx.softcap.is_some() {
+                for j in 0..nk {
+                    let (a, bb) = span(j);
+                    math::scale_row(&mut s[j * tq + a..j * tq + bb], cx.scale);
+                }
+                sc = 1.0;
+            }
+            if !fused_max {
+                for j in 0..nk {
+                    let (a, bb) = span(j);
+                    live::col_max_span(&s[j * tq..j * tq + bb], &mut col[..bb], a);
+                }
+            }
+            // The fused max is of the unscaled logits; the pass above saw them scaled in place
+            // when a softcap is on.
+            let cfac = if fused_max { cx.scale } else { sc };
+            for (c, r) in col[..nq].iter_mut().zip(raw_max[..nq].iter_mut()) {
+                *c *= cfac;
+                *r = if *c > *r { *c } else { *r };
+            }
+            if let Some(cap) = cx.softcap {
+                col[..nq].fill(NEG_INF);
+                for j in 0..nk {
+                    let (a, bb) = span(j);
+                    math::softcap_row::<Avx512>(&mut s[j * tq + a..j * tq + bb], cap);
+                    live::col_max_span(&s[j * tq..j * tq + bb], &mut col[..bb], a);
+                }
+            }
+            for i in 0..nq {
+                let m_old = m[i];
+                let m_new = if col[i] > m_old { col[i] } else { m_old };
+                let u = if m_new == NEG_INF { 0.0 } else { m_new };
+                m_use[i] = u;
+                alpha[i] = if m_old == u {
+                    1.0
+                } else {
+                    math::exp::<Avx512>(m_old - u)
+                };
+                m[i] = m_new;
+            }
+            col[..nqp].fill(0.0);
+            m_use[nq..nqp].fill(0.0);
+            // P = exp(sc·s − m) in f32 for the sums, rounded to bf16 pairs of keys for P·V.
+            for jp in 0..nk.div_ceil(2) {
+                let (j0, j1) = (2 * jp, 2 * jp + 1);
+                let (a, bb) = span(j0);
+                let has1 = j1 < nk;
+                let bp = round_up(bb, 16);
+                let prow = &mut pp[jp * tq..jp * tq + nqp];
+                prow[..a].fill(0);
+                prow[bp..].fill(0);
+                let (r0, r1) = s.split_at(j1 * tq);
+                let (r0, r1) = (&r0[j0 * tq..j0 * tq + bp], &r1[..bp]);
+                let lanes = prow[a..bp]
+                    .iter_mut()
+                    .zip(col[a..bp].iter_mut())
+                    .zip(r0[a..bp].iter().zip(&r1[a..bp]))
+                    .zip(&m_use[a..bp])
+                    .enumerate();
+                for (k, (((pv, c), (&x0, &x1)), &u)) in lanes {
+                    let live_i = a + k < bb;
+                    let p0 = math::exp::<Avx512>(Avx512::madd(x0, sc, -u));
+                    let p1 = math::exp::<Avx512>(Avx512::madd(x1, sc, -u));
+                    let p0 = if live_i { p0 } else { 0.0 };
+                    let p1 = if live_i && has1 { p1 } else { 0.0 };
+                    *c += p0 + p1;
+                    *pv = round_bits(p0) | round_bits(p1) << 16;
+                }
+            }
+            for i in 0..nq {
+                l[i] = l[i] * alpha[i] + col[i];
+                if alpha[i] != 1.0 {
+                    math::scale_row(&mut o[i * dvp..i * dvp + dv], alpha[i]);
+                }
+            }
+            if full {
+                pv_gemm(pp, tq, vp, dvp, o, 0, mq, 0, nk.div_ceil(2));
+            } else {
+                for ib in 0..nq.div_ceil(SB) {
+                    let (r0, r1) = cx.live.keys(e.mask, ib);
+                    if r0 < r1 {
+                        let (i0, i1) = (ib * SB, (ib * SB + SB).min(mq));
+                        pv_gemm(pp, tq, vp, dvp, o, i0, i1 - i0, r0 / 2, r1.div_ceil(2));
+                    }
+                }
+            }
+            for f in cx.fix.get(blk).map_or(&[][..], |v| &v[..]) {
+                let row = &pp[f.jp * tq..f.jp * tq + nq];
+                for (i, &w) in row.iter().enumerate() {
+                    let pb = (w >> (16 * f.half)) & 0xFFFF;
+                    if pb != 0 {
+                        o[i * dvp + f.col] += f32::from_bits(pb << 16) * f.val;
+                    }
+                }
+            }
+        }
+
+        let sink = cx.sinks.map(|x| x[h] as f64);
+        let mut any_nan = false;
+        for i in 0..nq {
+            let (li, mi) = (l[i] as f64, m[i] as f64);
+            let orow = &mut o[i * dvp..i * dvp + dv];
+            let (factor, lse) = if li == 0.0 {
+                orow.fill(0.0);
+                (0.0, sink.unwrap_or(f64::NEG_INFINITY))
+            } else {
+                let a = mi + li.ln();
+                match sink {
+                    None => (1.0 / li, a),
+                    Some(sg) => {
+                        let hi = a.max(sg);
+                        let lse = hi + ((a - hi).exp() + (sg - hi).exp()).ln();
+                        ((mi - lse).exp(), lse)
+                    }
+                }
+            };
+            it.o.store(i * dv, orow, factor as f32);
+            it.lse[i] = lse as f32;
+            any_nan |= lse.is_nan();
+        }
+        *it.max_logit = if any_nan {
+            f32::NAN
+        } else {
+            math::max_row(&raw_max[..nq])
+        };
+    }
+}
