@@ -31,9 +31,12 @@
 pub mod conformance;
 pub mod cpu;
 pub mod reference;
+mod telemetry;
 mod validate;
 
 pub use cpu::CpuBackend;
+pub use telemetry::{forward_logged, TelemetryInput};
+pub use tessera_telemetry::AttnSummary;
 pub use validate::{check_backward, check_forward, check_inputs, Dims};
 
 use tessera_core::{Result, Tensor};
@@ -97,6 +100,28 @@ pub trait Backend: Send + Sync {
         plan: &Plan,
         options: &AttnOptions,
     ) -> Result<ForwardOutput>;
+
+    /// The forward of a telemetry logging step (SPEC §6): the same outputs as
+    /// [`Backend::forward`] (bit-identical) plus the step's summary (`tel.streams` say which
+    /// fields; `max_logit` always). Most callers want [`forward_logged`], which picks this or the
+    /// plain forward per step. The default implementation returns [`Error::Unsupported`].
+    ///
+    /// [`Error::Unsupported`]: tessera_core::Error::Unsupported
+    fn forward_with_telemetry(
+        &self,
+        q: TensorView<'_>,
+        k: TensorView<'_>,
+        v: TensorView<'_>,
+        plan: &Plan,
+        options: &AttnOptions,
+        tel: &TelemetryInput<'_>,
+    ) -> Result<(ForwardOutput, AttnSummary)> {
+        let _ = (q, k, v, plan, options, tel);
+        Err(tessera_core::Error::Unsupported(format!(
+            "backend {} has no telemetry forward",
+            self.name()
+        )))
+    }
 
     /// dQ, dK, dV (and dsinks) given the forward's O and LSE and the output gradient dO.
     #[allow(clippy::too_many_arguments)]

@@ -19,7 +19,10 @@ fn bad(args: &[&str], dir: &Path, needle: &str) {
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
     assert_eq!(err.trim_end().lines().count(), 1, "{args:?}: {err}");
-    assert!(err.contains(needle), "{args:?}: expected '{needle}' in: {err}");
+    assert!(
+        err.contains(needle),
+        "{args:?}: expected '{needle}' in: {err}"
+    );
     assert!(!err.contains("panicked"), "{err}");
 }
 
@@ -33,7 +36,11 @@ fn write(dir: &Path, name: &str, shape: Vec<usize>, data: TensorData) -> String 
 fn demo_runs_and_writes_its_picture() {
     let d = tempfile::tempdir().unwrap();
     let out = tessera(&["demo", "--seq-len", "4096"], d.path());
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains("partial"), "{text}");
     let png = image::open(d.path().join("tessera-demo/plan.png")).unwrap();
@@ -43,28 +50,54 @@ fn demo_runs_and_writes_its_picture() {
 #[test]
 fn plan_json_states_and_png() {
     let d = tempfile::tempdir().unwrap();
-    let ids: Vec<i64> = (0..2).flat_map(|b| (0..300).map(move |i| if i >= 290 { -1 } else { i / (40 + 30 * b) })).collect();
+    let ids: Vec<i64> = (0..2)
+        .flat_map(|b| (0..300).map(move |i| if i >= 290 { -1 } else { i / (40 + 30 * b) }))
+        .collect();
     let segs = write(d.path(), "segs.npy", vec![2, 300], TensorData::I64(ids));
     let out = tessera(
         &[
-            "plan", "--mask", "causal & document", "--q-len", "300", "--batch", "2", "--heads", "3",
-            "--segments", &segs, "--tile", "32x64", "--json", "--dump-states", "s.npy", "--png", "p.png",
+            "plan",
+            "--mask",
+            "causal & document",
+            "--q-len",
+            "300",
+            "--batch",
+            "2",
+            "--heads",
+            "3",
+            "--segments",
+            &segs,
+            "--tile",
+            "32x64",
+            "--json",
+            "--dump-states",
+            "s.npy",
+            "--png",
+            "p.png",
         ],
         d.path(),
     );
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["q_tiles"], 10);
     assert_eq!(v["kv_tiles"], 5);
     assert_eq!(v["groups"], serde_json::json!([2, 1]));
     let states = tessera_io::read_tensor(d.path().join("s.npy").to_str().unwrap(), None).unwrap();
     assert_eq!(states.shape(), &[2, 1, 10, 5]);
-    let TensorData::I8(s) = states.data() else { panic!("dtype {}", states.dtype()) };
+    let TensorData::I8(s) = states.data() else {
+        panic!("dtype {}", states.dtype())
+    };
     // Upper triangle is empty, a diagonal tile partial, and only 0/1/2 appear.
     assert_eq!(s[4], 0);
     assert_eq!(s[0], 1);
     assert!(s.iter().all(|&x| (0..=2).contains(&x)));
-    let total = v["empty_tiles"].as_u64().unwrap() + v["partial_tiles"].as_u64().unwrap() + v["full_tiles"].as_u64().unwrap();
+    let total = v["empty_tiles"].as_u64().unwrap()
+        + v["partial_tiles"].as_u64().unwrap()
+        + v["full_tiles"].as_u64().unwrap();
     assert_eq!(total, 100);
     assert!(image::open(d.path().join("p.png")).is_ok());
 }
@@ -77,19 +110,101 @@ fn bad_inputs_exit_2_with_one_line() {
     let dense_bad_shape = write(p, "d1.npy", vec![4, 5], TensorData::Bool(vec![true; 20]));
     let dense_f32 = write(p, "d2.npy", vec![8, 8], TensorData::F32(vec![1.0; 64]));
     std::fs::write(p.join("garbage.npy"), b"not an npy file at all").unwrap();
-    bad(&["plan", "--mask", "causal & wndow(3)", "--q-len", "8"], p, "column 10");
-    bad(&["plan", "--mask", "causal & wndow(3)", "--q-len", "8"], p, "unknown leaf");
-    bad(&["plan", "--mask", "causal & (full", "--q-len", "8"], p, "expected ')'");
-    bad(&["plan", "--mask", "causal", "--q-len", "8", "--tile", "24x16"], p, "tile");
-    bad(&["plan", "--mask", "causal", "--q-len", "8", "--tile", "big"], p, "tile");
+    bad(
+        &["plan", "--mask", "causal & wndow(3)", "--q-len", "8"],
+        p,
+        "column 10",
+    );
+    bad(
+        &["plan", "--mask", "causal & wndow(3)", "--q-len", "8"],
+        p,
+        "unknown leaf",
+    );
+    bad(
+        &["plan", "--mask", "causal & (full", "--q-len", "8"],
+        p,
+        "expected ')'",
+    );
+    bad(
+        &[
+            "plan", "--mask", "causal", "--q-len", "8", "--tile", "24x16",
+        ],
+        p,
+        "tile",
+    );
+    bad(
+        &["plan", "--mask", "causal", "--q-len", "8", "--tile", "big"],
+        p,
+        "tile",
+    );
     bad(&["plan", "--mask", "causal", "--q-len", "0"], p, "q-len");
-    bad(&["plan", "--mask", "document", "--q-len", "12", "--segments", &segs10], p, "length 12");
-    bad(&["plan", "--mask", "document", "--q-len", "10"], p, "--segments");
-    bad(&["plan", "--mask", &format!("dense({dense_bad_shape})"), "--q-len", "8"], p, "[.., 8, 8]");
-    bad(&["plan", "--mask", &format!("dense({dense_f32})"), "--q-len", "8"], p, "bool or uint8");
-    bad(&["plan", "--mask", "dense(missing.npy)", "--q-len", "8"], p, "missing.npy");
-    bad(&["plan", "--mask", "dense(garbage.npy)", "--q-len", "8"], p, "garbage.npy");
-    bad(&["plan", "--mask", "heads(causal, full)", "--q-len", "8", "--heads", "3"], p, "3 expressions");
+    bad(
+        &[
+            "plan",
+            "--mask",
+            "document",
+            "--q-len",
+            "12",
+            "--segments",
+            &segs10,
+        ],
+        p,
+        "length 12",
+    );
+    bad(
+        &["plan", "--mask", "document", "--q-len", "10"],
+        p,
+        "--segments",
+    );
+    bad(
+        &[
+            "plan",
+            "--mask",
+            &format!("dense({dense_bad_shape})"),
+            "--q-len",
+            "8",
+        ],
+        p,
+        "[.., 8, 8]",
+    );
+    bad(
+        &[
+            "plan",
+            "--mask",
+            &format!("dense({dense_f32})"),
+            "--q-len",
+            "8",
+        ],
+        p,
+        "bool or uint8",
+    );
+    bad(
+        &["plan", "--mask", "dense(missing.npy)", "--q-len", "8"],
+        p,
+        "missing.npy",
+    );
+    bad(
+        &["plan", "--mask", "dense(garbage.npy)", "--q-len", "8"],
+        p,
+        "garbage.npy",
+    );
+    bad(
+        &[
+            "plan",
+            "--mask",
+            "heads(causal, full)",
+            "--q-len",
+            "8",
+            "--heads",
+            "3",
+        ],
+        p,
+        "3 expressions",
+    );
     bad(&["plan", "--mask", "causal"], p, "--q-len");
-    bad(&["plan", "--mask", "chunk(0)", "--q-len", "8"], p, "column 7");
+    bad(
+        &["plan", "--mask", "chunk(0)", "--q-len", "8"],
+        p,
+        "column 7",
+    );
 }

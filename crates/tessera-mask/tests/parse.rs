@@ -46,11 +46,17 @@ fn precedence_and_grouping() {
     // `!` > `&` > `|`.
     assert_eq!(
         p("causal | prefix(2) & !full"),
-        Mask::Or(vec![Mask::causal(), Mask::And(vec![Mask::prefix(2), !Mask::Full])])
+        Mask::Or(vec![
+            Mask::causal(),
+            Mask::And(vec![Mask::prefix(2), !Mask::Full])
+        ])
     );
     assert_eq!(
         p("(causal | prefix(2)) & full"),
-        Mask::And(vec![Mask::Or(vec![Mask::causal(), Mask::prefix(2)]), Mask::Full])
+        Mask::And(vec![
+            Mask::Or(vec![Mask::causal(), Mask::prefix(2)]),
+            Mask::Full
+        ])
     );
 }
 
@@ -67,7 +73,11 @@ fn canonical_form_ignores_spelling_but_not_meaning() {
     ] {
         assert_eq!(a.canonical(), p(same).canonical(), "{same}");
     }
-    for different in ["causal & window(65)", "causal | window(64)", "causal(1) & window(64)"] {
+    for different in [
+        "causal & window(65)",
+        "causal | window(64)",
+        "causal(1) & window(64)",
+    ] {
         assert_ne!(a.canonical(), p(different).canonical(), "{different}");
     }
 }
@@ -95,7 +105,11 @@ fn display_round_trips() {
 
 fn err(s: &str) -> (usize, String) {
     match parse(s, &NoData) {
-        Err(Error::Parse { column, expected, found }) => (column, format!("{expected} / {found}")),
+        Err(Error::Parse {
+            column,
+            expected,
+            found,
+        }) => (column, format!("{expected} / {found}")),
         Err(e) => (0, e.to_string()),
         Ok(m) => panic!("{s} parsed as {m:?}"),
     }
@@ -124,8 +138,16 @@ fn validation_checks_shapes() {
     let segs = Segments::shared(SegmentIds::new(2, 3, vec![0, 0, 1, 0, 1, 1]).unwrap());
     let m = Mask::document(segs);
     assert!(m.validate(2, 1, 3, 3).is_ok());
-    assert!(m.validate(3, 1, 3, 3).unwrap_err().to_string().contains("1 or 3 rows"));
-    assert!(m.validate(2, 1, 4, 4).unwrap_err().to_string().contains("length 4"));
+    assert!(m
+        .validate(3, 1, 3, 3)
+        .unwrap_err()
+        .to_string()
+        .contains("1 or 3 rows"));
+    assert!(m
+        .validate(2, 1, 4, 4)
+        .unwrap_err()
+        .to_string()
+        .contains("length 4"));
     let d = DenseMask::new(&[2, 3, 4], &[true; 24], "d.npy").unwrap();
     assert!(Mask::dense(d.clone()).validate(1, 2, 3, 4).is_ok());
     assert!(Mask::dense(d).validate(1, 4, 3, 4).is_err());

@@ -8,7 +8,8 @@
 //! contiguous over Dv. The item finishes with the sink, the normalisation, LSE and the item's
 //! pre-softcap max logit.
 
-use super::gemm::{gemm, product, round_up, RB};
+use super::gemm::{gemm, gemm_colmax, product, round_up, RB};
+use super::live::{self, LiveBlocks, SB};
 use super::math::{self, Simd};
 use super::{
     f32_pieces, isa_entry, load_transposed, row_off, rows, run_items, Geometry, Isa, MasksT, Out,
@@ -22,28 +23,34 @@ use tessera_plan::Plan;
 const NEG_INF: f32 = f32::NEG_INFINITY;
 
 /// Compile-time hook into the forward kernel. The production kernel uses [`NoTelemetry`] (every
-/// hook is an empty inline function, so it compiles to nothing); a telemetry variant (per-row sink
-/// mass, entropy) implements the hooks and is instantiated as a separate kernel copy.
-pub(crate) trait TileObserver: Default {
-    /// After the exponentials of one kv tile: `p_t[j * ld + i]` (`j < nk`, `i < nq`) holds
-    /// `exp(s_ij - m_use[i])` for key `kv0 + j`, and the item's running sums were rescaled by `alpha`.
+/// hook is an empty inline function, so it compiles to nothing); the telemetry variant
+/// (`super::telemetry`: per-row sink mass, entropy) implements the hooks and is instantiated as a
+/// separate kernel copy. Hooks only read kernel state; they never change what the kernel computes.
+pub(crate) trait TileObserver {
+    /// Before the exponentials of one key row of a kv tile, over the row's live query span
+    /// `a..b` (every query outside it is masked for this key): `Some(acc)` (`b − a` entries)
+    /// makes the kernel run its fused exponential loop, which also does
+    /// `acc[i − a] += p_i · max(s_i − m_use_i, −88)` (`p_i ln p_i` without a logarithm; the clamp
+    /// only turns masked pairs, `p = 0`, into 0). `None` (production) keeps the plain loop.
     #[inline(always)]
-    #[allow(clippy::too_many_arguments)]
-    fn on_tile(
-        &mut self,
-        _kv0: usize,
-        _p_t: &[f32],
-        _ld: usize,
-        _nk: usize,
-        _nq: usize,
-        _m_use: &[f32],
-        _alpha: &[f32],
-    ) {
+    fn entropy_terms(&mut self, _a: usize, _b: usize) -> Option<&mut [f32]> {
+        None
     }
 
-    /// After row `i` of the item is final.
+    /// After them: `p[i − a] = exp(s_i − m_use_i)` for queries `a..a + p.len()`, `key` the
+    /// absolute key index.
     #[inline(always)]
-    fn on_row(&mut self, _i: usize, _lse: f32) {}
+    fn after_exp(&mut self, _key: usize, _a: usize, _p: &[f32]) {}
+
+    /// After the exponentials of one kv tile (one entry per query row of the item): `col[i]` is
+    /// the tile's `Σ_j exp(s_ij − m_use[i])`, and the kernel rescaled its running sums from the
+    /// previous max to `m_use` by `alpha`.
+    #[inline(always)]
+    fn on_tile(&mut self, _col: &[f32], _m_use: &[f32], _alpha: &[f32]) {}
+
+    /// After row `i` of the item is final, with its LSE (f64, before rounding to the output).
+    #[inline(always)]
+    fn on_row(&mut self, _i: usize, _lse: f64) {}
 }
 
 /// The production forward kernel: no telemetry work at all.
@@ -59,6 +66,7 @@ pub(crate) struct FwdCtx<'a> {
     k: Src<'a>,
     v: Src<'a>,
     masks_t: MasksT,
+    live: LiveBlocks,
     scale: f32,
     softcap: Option<f32>,
     sinks: Option<&'a [f32]>,
@@ -67,9 +75,9 @@ pub(crate) struct FwdCtx<'a> {
 }
 
 pub(crate) struct FwdItem<'a> {
-    b: usize,
-    h: usize,
-    qt: usize,
+    pub(super) b: usize,
+    pub(super) h: usize,
+    pub(super) qt: usize,
     o: Out<'a>,
     lse: &'a mut [f32],
     max_logit: &'a mut f32,
@@ -124,22 +132,57 @@ pub(crate) fn run(
     plan: &Plan,
     options: &AttnOptions,
 ) -> Result<ForwardOutput> {
-    let g = Geometry::new(plan, d);
-    let (q, k, v) = (Src::new(&q)?, Src::new(&k)?, Src::new(&v)?);
-    let exact = !(q.all_finite() && k.all_finite() && v.all_finite());
-    let cx = FwdCtx {
-        plan,
-        d: *d,
-        g,
-        q,
-        k,
-        v,
-        masks_t: MasksT::new(plan),
-        scale: options.scale_for(d.d_qk),
-        softcap: options.softcap,
-        sinks: options.sinks.as_deref(),
-        exact,
-    };
+    let cx = FwdCtx::new(d, q, k, v, plan, options)?;
+    run_with(&cx, || cx.workspace(), |ws, it| entry(isa, &cx, ws, it))
+}
+
+impl<'a> FwdCtx<'a> {
+    /// The per-call state every item reads (inputs, transposed masks, options).
+    pub(super) fn new(
+        d: &Dims,
+        q: TensorView<'a>,
+        k: TensorView<'a>,
+        v: TensorView<'a>,
+        plan: &'a Plan,
+        options: &'a AttnOptions,
+    ) -> Result<Self> {
+        let g = Geometry::new(plan, d);
+        let (q, k, v) = (Src::new(&q)?, Src::new(&k)?, Src::new(&v)?);
+        // Only V needs the zero-skipping product: a non-finite logit (from Q or K) is either
+        // masked (set to -inf, so P is exactly 0) or propagates through P as it must, and a
+        // zero P times a finite V row is 0. Skipping the Q/K scans saves two full input reads.
+        let exact = !v.all_finite();
+        Ok(FwdCtx {
+            plan,
+            d: *d,
+            g,
+            q,
+            k,
+            v,
+            masks_t: MasksT::new(plan),
+            live: LiveBlocks::new(plan),
+            scale: options.scale_for(d.d_qk),
+            softcap: options.softcap,
+            sinks: options.sinks.as_deref(),
+            exact,
+        })
+    }
+
+    /// A fresh per-worker workspace.
+    pub(super) fn workspace(&self) -> FwdWs {
+        FwdWs::new(&self.g, &self.d)
+    }
+}
+
+/// Splits O, LSE and the per-item max logits into work items (batch, query head, q-tile) and runs
+/// `work` on every item on the rayon pool (longest first), each worker with its own workspace
+/// from `make_ws`; assembles the outputs.
+pub(super) fn run_with<W>(
+    cx: &FwdCtx<'_>,
+    make_ws: impl Fn() -> W + Sync,
+    work: impl Fn(&mut W, FwdItem<'_>) + Sync,
+) -> Result<ForwardOutput> {
+    let (plan, d) = (cx.plan, &cx.d);
     let (bh, nqt) = (d.batch * d.heads_q, plan.q_tiles);
     let mut o = OutBuf::poisoned(d.dtype, bh * d.q_len * d.d_v);
     let mut lse = vec![f32::NAN; bh * d.q_len];
@@ -168,11 +211,7 @@ pub(crate) fn run(
                 )
             })
             .collect();
-        run_items(
-            items,
-            || FwdWs::new(&g, d),
-            |ws, it| entry(isa, &cx, ws, it),
-        );
+        run_items(items, make_ws, work);
     }
     let max_logit: Vec<f32> = maxes
         .chunks(nqt)
@@ -197,11 +236,16 @@ isa_entry!(entry, item, (cx: &FwdCtx<'_>, ws: &mut FwdWs, it: FwdItem<'_>));
 
 #[inline(always)]
 fn item<S: Simd>(cx: &FwdCtx<'_>, ws: &mut FwdWs, it: FwdItem<'_>) {
-    item_with::<S, NoTelemetry>(cx, ws, it)
+    item_with::<S, NoTelemetry>(cx, ws, it, &mut NoTelemetry)
 }
 
 #[inline(always)]
-fn item_with<S: Simd, T: TileObserver>(cx: &FwdCtx<'_>, ws: &mut FwdWs, mut it: FwdItem<'_>) {
+pub(super) fn item_with<S: Simd, T: TileObserver>(
+    cx: &FwdCtx<'_>,
+    ws: &mut FwdWs,
+    mut it: FwdItem<'_>,
+    obs: &mut T,
+) {
     let (plan, d, g) = (cx.plan, &cx.d, &cx.g);
     let (b, h) = (it.b, it.h);
     let kvh = h / d.group();
@@ -229,7 +273,6 @@ fn item_with<S: Simd, T: TileObserver>(cx: &FwdCtx<'_>, ws: &mut FwdWs, mut it: 
     m[..nq].fill(NEG_INF);
     l[..nq].fill(0.0);
     raw_max[..nq].fill(NEG_INF);
-    let mut obs = T::default();
 
     for e in plan.head_plan(b, h).row(it.qt) {
         let (k0, k1) = plan.kv_range(e.tile as usize);
@@ -243,27 +286,65 @@ fn item_with<S: Simd, T: TileObserver>(cx: &FwdCtx<'_>, ws: &mut FwdWs, mut it: 
             dqk,
             kbuf,
         );
-        gemm::<S, false, false>(mk, nqp, dqk, ka, lda, qt, tq, s, tq);
-
-        if !e.is_full() {
+        let full = e.is_full();
+        // Live query-column span of key row `j` (whole tile for full tiles; per 16-key block of
+        // the partial mask otherwise, see `live`).
+        let span = |j: usize| -> (usize, usize) {
+            if full {
+                (0, nq)
+            } else {
+                let (a, b) = cx.live.cols(e.mask, j / SB);
+                let b = b.min(nq);
+                (a.min(b), b)
+            }
+        };
+        // Full tiles without padding key rows get the column max fused into the product.
+        let fused_max = full && mk == nk;
+        col[..nqp].fill(NEG_INF);
+        if fused_max {
+            gemm_colmax::<S>(mk, nqp, dqk, ka, lda, qt, tq, s, tq, &mut col[..nqp]);
+        } else if full {
+            gemm::<S, false, false>(mk, nqp, dqk, ka, lda, qt, tq, s, tq);
+        } else {
+            for jb in 0..nk.div_ceil(SB) {
+                let (c0, c1) = cx.live.cols(e.mask, jb);
+                if c0 < c1 {
+                    let (r0, r1) = (jb * SB, (jb * SB + SB).min(mk));
+                    gemm::<S, false, false>(
+                        r1 - r0,
+                        c1 - c0,
+                        dqk,
+                        &ka[r0 * lda..],
+                        lda,
+                        &qt[c0..],
+                        tq,
+                        &mut s[r0 * tq + c0..],
+                        tq,
+                    );
+                }
+            }
             for j in 0..nk {
-                math::mask_row(
-                    &mut s[j * tq..j * tq + nq],
-                    cx.masks_t.row(e.mask, j),
-                    NEG_INF,
-                );
+                let (a, b) = span(j);
+                live::mask_span(&mut s[j * tq..j * tq + b], cx.masks_t.row(e.mask, j), a);
             }
         }
         let col = &mut col[..nq];
-        col_max(s, tq, nk, col);
+        if !fused_max {
+            for j in 0..nk {
+                let (a, b) = span(j);
+                live::col_max_span(&s[j * tq..j * tq + b], &mut col[..b], a);
+            }
+        }
         for (r, &c) in raw_max[..nq].iter_mut().zip(col.iter()) {
             *r = if c > *r { c } else { *r };
         }
         if let Some(cap) = cx.softcap {
+            col.fill(NEG_INF);
             for j in 0..nk {
-                math::softcap_row::<S>(&mut s[j * tq..j * tq + nq], cap);
+                let (a, b) = span(j);
+                math::softcap_row::<S>(&mut s[j * tq + a..j * tq + b], cap);
+                live::col_max_span(&s[j * tq..j * tq + b], &mut col[..b], a);
             }
-            col_max(s, tq, nk, col);
         }
         for i in 0..nq {
             let m_old = m[i];
@@ -282,12 +363,36 @@ fn item_with<S: Simd, T: TileObserver>(cx: &FwdCtx<'_>, ws: &mut FwdWs, mut it: 
         col.fill(0.0);
         let mu = &m_use[..nq];
         for j in 0..nk {
+            let (a, b) = span(j);
             let row = &mut s[j * tq..j * tq + nq];
-            for ((x, &u), c) in row.iter_mut().zip(mu).zip(col.iter_mut()) {
-                let p = math::exp::<S>(*x - u);
-                *x = p;
-                *c += p;
+            // Outside the live span every pair is masked: P is exactly 0 there.
+            row[..a].fill(0.0);
+            row[b..].fill(0.0);
+            if let Some(acc) = obs.entropy_terms(a, b) {
+                // Telemetry copy only (see `TileObserver::entropy_terms`); P exactly as below.
+                let lanes = row[a..b]
+                    .iter_mut()
+                    .zip(&mu[a..b])
+                    .zip(col[a..b].iter_mut());
+                for (((x, &u), c), e) in lanes.zip(acc.iter_mut()) {
+                    let d = *x - u;
+                    let p = math::exp::<S>(d);
+                    *x = p;
+                    *c += p;
+                    *e += p * if d > -88.0 { d } else { -88.0 };
+                }
+            } else {
+                for ((x, &u), c) in row[a..b]
+                    .iter_mut()
+                    .zip(&mu[a..b])
+                    .zip(col[a..b].iter_mut())
+                {
+                    let p = math::exp::<S>(*x - u);
+                    *x = p;
+                    *c += p;
+                }
             }
+            obs.after_exp(k0 + j, a, &row[a..b]);
         }
         for i in 0..nq {
             l[i] = l[i] * alpha[i] + col[i];
@@ -295,7 +400,7 @@ fn item_with<S: Simd, T: TileObserver>(cx: &FwdCtx<'_>, ws: &mut FwdWs, mut it: 
                 math::scale_row(&mut o[i * dvp..i * dvp + dv], alpha[i]);
             }
         }
-        obs.on_tile(k0, s, tq, nk, nq, mu, &alpha[..nq]);
+        obs.on_tile(col, mu, &alpha[..nq]);
         let (vb, ldv) = rows(
             cx.v,
             row_off(b, kvh, k0, d.heads_kv, d.kv_len, dv),
@@ -304,7 +409,28 @@ fn item_with<S: Simd, T: TileObserver>(cx: &FwdCtx<'_>, ws: &mut FwdWs, mut it: 
             dv,
             vbuf,
         );
-        product::<S, true, true>(cx.exact, mq, dvp, nk, s, tq, vb, ldv, o, dvp);
+        if full {
+            product::<S, true, true>(cx.exact, mq, dvp, nk, s, tq, vb, ldv, o, dvp);
+        } else {
+            for ib in 0..nq.div_ceil(SB) {
+                let (r0, r1) = cx.live.keys(e.mask, ib);
+                if r0 < r1 {
+                    let (i0, i1) = (ib * SB, (ib * SB + SB).min(mq));
+                    product::<S, true, true>(
+                        cx.exact,
+                        i1 - i0,
+                        dvp,
+                        r1 - r0,
+                        &s[r0 * tq + i0..],
+                        tq,
+                        &vb[r0 * ldv..],
+                        ldv,
+                        &mut o[i0 * dvp..],
+                        dvp,
+                    );
+                }
+            }
+        }
     }
 
     let sink = cx.sinks.map(|x| x[h] as f64);
@@ -330,23 +456,11 @@ fn item_with<S: Simd, T: TileObserver>(cx: &FwdCtx<'_>, ws: &mut FwdWs, mut it: 
         it.o.store(i * dv, orow, factor as f32);
         it.lse[i] = lse as f32;
         any_nan |= lse.is_nan();
-        obs.on_row(i, lse as f32);
+        obs.on_row(i, lse);
     }
     *it.max_logit = if any_nan {
         f32::NAN
     } else {
         math::max_row(&raw_max[..nq])
     };
-}
-
-/// `col[i] = max_j s[j * ld + i]` over `j < nk` (NaN ignored), vectorized over `i`.
-#[inline(always)]
-fn col_max(s: &[f32], ld: usize, nk: usize, col: &mut [f32]) {
-    let n = col.len();
-    col.fill(NEG_INF);
-    for j in 0..nk {
-        for (c, &x) in col.iter_mut().zip(&s[j * ld..j * ld + n]) {
-            *c = if x > *c { x } else { *c };
-        }
-    }
 }

@@ -5,20 +5,28 @@
 //!   (empty tiles are never touched, full tiles do no masking work, partial tiles apply their
 //!   bitmask) and writes its own disjoint slice of O and LSE.
 //! - Backward runs a Δ pre-pass, then dK/dV items (batch, kv head, kv-tile) walking the kv-major
-//!   lists of every query head of the GQA group in a fixed order, then dQ items (batch, query head,
-//!   q-tile) walking the q-major lists. No atomics; each output element is produced by exactly one
-//!   item in a fixed order, so results are bit-identical run to run (for any thread count).
+//!   lists of every query head of the GQA group in a fixed order and writing each tile's dQ
+//!   contribution to its own scratch slot, then dQ items (batch, query head, q-tile) summing
+//!   their slots in q-major list order. No atomics; each output element is produced by exactly
+//!   one item in a fixed order, so results are bit-identical run to run (for any thread count).
 //! - Items run on the rayon pool, longest work list first (dynamic pull from a sorted queue).
 //! - Per-thread workspace is bounded by the tile sizes and head dims; nothing of size Lq·Lkv.
 //! - Hot loops are generic code compiled three times (AVX-512F/BW/VL+FMA, AVX2+FMA, portable)
-//!   and selected at run time; [`Isa`] names the copy in use.
+//!   and selected at run time; [`Isa`] names the copy in use. With AVX512-BF16
+//!   ([`Isa::Avx512Bf16`]) bf16 forward calls with finite inputs run a dedicated `vdpbf16ps`
+//!   kernel (`bf16dot`: bf16 Q/K/V and P, f32 softmax and accumulation).
+//! - Partial tiles only compute their live 16 × 16 sub-blocks (`live`, precomputed per plan
+//!   call from the deduplicated partial masks); masked pairs inside are still excluded exactly.
 //! - Output buffers are filled with NaN before any work, so an element a kernel forgot to write is
 //!   visible to the conformance suite.
 
 mod backward;
+mod bf16dot;
 mod forward;
 mod gemm;
+mod live;
 mod math;
+mod telemetry;
 
 use crate::{
     check_backward, check_forward, AttnOptions, Backend, BackwardOutput, Dims, ForwardOutput,
@@ -36,6 +44,9 @@ use tessera_plan::Plan;
 /// Instruction set of the kernel copy a [`CpuBackend`] runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Isa {
+    /// AVX-512F, BW, VL, FMA and AVX512-BF16: the f32 kernels of [`Isa::Avx512`], plus the bf16
+    /// forward kernel on `vdpbf16ps` (bf16 Q, K, V and P, f32 softmax and accumulation).
+    Avx512Bf16,
     /// AVX-512F, BW, VL and FMA.
     Avx512,
     /// AVX2 and FMA.
@@ -54,6 +65,9 @@ impl Isa {
                 && is_x86_feature_detected!("avx512vl")
                 && is_x86_feature_detected!("fma")
             {
+                if is_x86_feature_detected!("avx512bf16") {
+                    return Isa::Avx512Bf16;
+                }
                 return Isa::Avx512;
             }
             if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
@@ -68,7 +82,9 @@ impl Isa {
         match self {
             Isa::Portable => true,
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 => Isa::detect() == Isa::Avx512,
+            Isa::Avx512Bf16 => Isa::detect() == Isa::Avx512Bf16,
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => matches!(Isa::detect(), Isa::Avx512 | Isa::Avx512Bf16),
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 => is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"),
             #[cfg(not(target_arch = "x86_64"))]
@@ -78,6 +94,7 @@ impl Isa {
 
     pub fn name(self) -> &'static str {
         match self {
+            Isa::Avx512Bf16 => "avx512-bf16",
             Isa::Avx512 => "avx512",
             Isa::Avx2 => "avx2",
             Isa::Portable => "portable",
@@ -134,9 +151,25 @@ impl Backend for CpuBackend {
     ) -> Result<ForwardOutput> {
         let d = check_forward(&q, &k, &v, plan, options)?;
         let start = Instant::now();
-        let out = forward::run(self.isa, &d, q, k, v, plan, options)?;
+        let out = if self.isa == Isa::Avx512Bf16 && d.dtype == DType::BF16 {
+            bf16dot::run(&d, q, k, v, plan, options)?
+        } else {
+            forward::run(self.isa, &d, q, k, v, plan, options)?
+        };
         metrics::record_kernel(&format!("cpu.forward.{}", d.dtype), start.elapsed());
         Ok(out)
+    }
+
+    fn forward_with_telemetry(
+        &self,
+        q: TensorView<'_>,
+        k: TensorView<'_>,
+        v: TensorView<'_>,
+        plan: &Plan,
+        options: &AttnOptions,
+        tel: &crate::TelemetryInput<'_>,
+    ) -> Result<(ForwardOutput, crate::AttnSummary)> {
+        telemetry::forward(self, q, k, v, plan, options, tel)
     }
 
     fn backward(
@@ -195,12 +228,18 @@ impl<'a> Src<'a> {
     /// Whether every element is finite.
     fn all_finite(self) -> bool {
         match self {
-            Src::F32(x) => x
-                .par_chunks(1 << 16)
-                .all(|c| c.iter().all(|v| v.is_finite())),
-            Src::BF16(x) => x
-                .par_chunks(1 << 16)
-                .all(|c| c.iter().all(|v| v.is_finite())),
+            // Branch-free folds over the exponent bits (vectorize; an early exit per element
+            // does not): a value is non-finite when its exponent field is all ones.
+            Src::F32(x) => x.par_chunks(1 << 16).all(|c| {
+                c.iter().fold(0u32, |a, v| {
+                    a | u32::from(v.to_bits() & 0x7F80_0000 == 0x7F80_0000)
+                }) == 0
+            }),
+            Src::BF16(x) => x.par_chunks(1 << 16).all(|c| {
+                c.iter()
+                    .fold(0u16, |a, v| a | u16::from(v.to_bits() & 0x7F80 == 0x7F80))
+                    == 0
+            }),
         }
     }
 }
@@ -239,9 +278,19 @@ pub(crate) enum OutBuf {
 
 impl OutBuf {
     pub(crate) fn poisoned(dtype: DType, n: usize) -> Self {
+        // Zeroed allocation (fresh pages, no serial write), then the poison fill on every
+        // thread, so the page faults and the fill of a large output are spread over the pool.
         match dtype {
-            DType::BF16 => OutBuf::BF16(vec![bf16::NAN; n]),
-            _ => OutBuf::F32(vec![f32::NAN; n]),
+            DType::BF16 => {
+                let mut v = vec![bf16::ZERO; n];
+                v.par_chunks_mut(1 << 16).for_each(|c| c.fill(bf16::NAN));
+                OutBuf::BF16(v)
+            }
+            _ => {
+                let mut v = vec![0f32; n];
+                v.par_chunks_mut(1 << 16).for_each(|c| c.fill(f32::NAN));
+                OutBuf::F32(v)
+            }
         }
     }
 
@@ -452,7 +501,7 @@ macro_rules! isa_entry {
                 // SAFETY: `Isa::detect`/`CpuBackend::with_isa` only hand out copies whose
                 // features this CPU has.
                 #[cfg(target_arch = "x86_64")]
-                crate::cpu::Isa::Avx512 => unsafe { avx512($($arg),*) },
+                crate::cpu::Isa::Avx512 | crate::cpu::Isa::Avx512Bf16 => unsafe { avx512($($arg),*) },
                 #[cfg(target_arch = "x86_64")]
                 crate::cpu::Isa::Avx2 => unsafe { avx2($($arg),*) },
                 _ => $body::<crate::cpu::math::Portable>($($arg),*),

@@ -2,19 +2,24 @@
 //!
 //! A thin layer: read Q, K, V (and dO, sinks), plan the mask through `MaskArgs` (plan cache),
 //! run the CPU backend of `tessera-attn`, write every requested output atomically, print one
-//! summary line (or one JSON object with `--json`). All checking of shapes, dtypes and options is
+//! summary line (or one JSON object with `--json`). With `--telemetry F.jsonl` the forward is a
+//! logging step (step 0, layer 0) of the gated telemetry (`tessera_attn::forward_logged`) and its
+//! record is written to F (and included in the `--json` report). All checking of shapes, dtypes and options is
 //! the library's (SPEC §10); this file only checks how the flags combine.
 
 use crate::ctx::{print_json, Ctx};
 use crate::maskload::MaskArgs;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
-use tessera_attn::{effective_gflops, AttnOptions, Backend, CpuBackend};
+use tessera_attn::{effective_gflops, forward_logged, AttnOptions, Backend, CpuBackend};
 use tessera_core::{DType, Error, Result, Tensor};
+use tessera_telemetry::{
+    Telemetry, TelemetryConfig, TelemetryRecord, TelemetrySink, DEFAULT_SINK_TOKENS,
+};
 
 #[derive(clap::Args, Debug)]
 #[command(
-    after_help = "Example:\n  tessera attend --q q.npy --k k.npy --v v.npy --mask 'causal & document' --segments seg.npy --out o.npy --lse lse.npy\n  tessera attend --q qkv.safetensors:q --k qkv.safetensors:k --v qkv.safetensors:v --mask 'window(1024) & causal' \\\n      --softcap 30 --sinks sinks.npy --out o.safetensors --grad-out do.npy --dq dq.npy --dk dk.npy --dv dv.npy --dsinks dsinks.npy\n  tessera attend --q q.npy --k k.npy --v v.npy --mask causal --dtype bf16 --out o.npy   # npy <u2 files as bf16"
+    after_help = "Example:\n  tessera attend --q q.npy --k k.npy --v v.npy --mask 'causal & document' --segments seg.npy --out o.npy --lse lse.npy\n  tessera attend --q qkv.safetensors:q --k qkv.safetensors:k --v qkv.safetensors:v --mask 'window(1024) & causal' \\\n      --softcap 30 --sinks sinks.npy --out o.safetensors --grad-out do.npy --dq dq.npy --dk dk.npy --dv dv.npy --dsinks dsinks.npy\n  tessera attend --q q.npy --k k.npy --v v.npy --mask causal --dtype bf16 --out o.npy   # npy <u2 files as bf16\n  tessera attend --q q.npy --k k.npy --v v.npy --mask 'causal & document' --segments seg.npy --out o.npy \\\n      --telemetry telemetry.jsonl --sink-tokens 4   # also one telemetry record (step 0, layer 0)"
 )]
 pub struct AttendArgs {
     /// Queries [B, Hq, Lq, Dqk] (.npy, or FILE.safetensors[:NAME]).
@@ -64,6 +69,13 @@ pub struct AttendArgs {
     /// Storage dtype of the inputs: f32 or bf16 (bf16 reads npy `<u2` files as raw bf16 bits).
     #[arg(long, value_name = "DTYPE")]
     pub dtype: Option<String>,
+    /// Also write the attention telemetry of this forward (sink mass, entropy, max_logit,
+    /// outliers of O per head) as one JSON line, step 0 layer 0 (replacing the file).
+    #[arg(long, value_name = "F.jsonl")]
+    pub telemetry: Option<PathBuf>,
+    /// Sink keys per document (per sequence without a `document` mask) for --telemetry.
+    #[arg(long, value_name = "N")]
+    pub sink_tokens: Option<usize>,
 }
 
 /// The summary printed by `attend`.
@@ -83,6 +95,7 @@ struct AttendReport {
     backward_ms: Option<f64>,
     backward_gflops: Option<f64>,
     written: Vec<String>,
+    telemetry: Option<TelemetryRecord>,
 }
 
 fn rank4(t: &Tensor, flag: &str) -> Result<[usize; 4]> {
@@ -124,6 +137,13 @@ fn check_flags(args: &AttendArgs) -> Result<()> {
     if args.dsinks.is_some() && args.sinks.is_none() {
         return Err(Error::invalid("--dsinks", "--sinks as well", "no --sinks"));
     }
+    if args.sink_tokens.is_some() && args.telemetry.is_none() {
+        return Err(Error::invalid(
+            "--sink-tokens",
+            "--telemetry as well",
+            "no --telemetry",
+        ));
+    }
     Ok(())
 }
 
@@ -162,7 +182,7 @@ pub fn run(args: AttendArgs, ctx: &Ctx) -> Result<()> {
             Some(t.to_f32_vec()?)
         }
     };
-    let (_mask, plan) = args.mask.plan(ctx, b, hq, lq, lkv)?;
+    let (mask, plan) = args.mask.plan(ctx, b, hq, lq, lkv)?;
     let opts = AttnOptions {
         scale: args.scale,
         softcap: args.softcap,
@@ -170,10 +190,35 @@ pub fn run(args: AttendArgs, ctx: &Ctx) -> Result<()> {
     };
     let backend = CpuBackend::new();
 
+    // One step (0) that logs when --telemetry is given, else a plain forward.
+    let config = TelemetryConfig {
+        every: u64::from(args.telemetry.is_some()),
+        sink_tokens: args.sink_tokens.unwrap_or(DEFAULT_SINK_TOKENS),
+        ..TelemetryConfig::default()
+    };
+    let tel = Telemetry::new(config.clone())?;
+    let mut sink = TelemetrySink::new(config);
+
     let t0 = Instant::now();
-    let f = backend.forward(q.view(), k.view(), v.view(), &plan, &opts)?;
+    let f = forward_logged(
+        &backend,
+        q.view(),
+        k.view(),
+        v.view(),
+        &plan,
+        &opts,
+        &tel,
+        &mask,
+        0,
+        &mut sink,
+    )?;
     let forward_s = t0.elapsed().as_secs_f64();
     let mut written = Vec::new();
+    let records = sink.flush();
+    if let Some(path) = &args.telemetry {
+        write_jsonl(path, &records)?;
+        written.push(path.display().to_string());
+    }
     write(&args.out, &f.o, &mut written)?;
     if let Some(p) = &args.lse {
         write(p, &f.lse, &mut written)?;
@@ -222,6 +267,7 @@ pub fn run(args: AttendArgs, ctx: &Ctx) -> Result<()> {
         backward_ms: backward_s.map(|s| s * 1e3),
         backward_gflops: backward_s.map(|s| effective_gflops(plan.backward_flops(dqk, dv), s)),
         written,
+        telemetry: records.into_iter().next(),
     };
     if ctx.json() {
         return print_json(&report);
@@ -245,6 +291,55 @@ pub fn run(args: AttendArgs, ctx: &Ctx) -> Result<()> {
             ", backward {ms:.2} ms ({gf:.1} GFLOP/s effective)"
         ));
     }
+    if let (Some(rec), Some(path)) = (&report.telemetry, &args.telemetry) {
+        line.push_str(&format!(
+            "; telemetry: {} -> {}",
+            telemetry_brief(std::slice::from_ref(rec)),
+            path.display()
+        ));
+    }
     println!("{line}");
     Ok(())
+}
+
+/// Writes telemetry records as JSON lines, atomically (replacing `path`).
+pub(crate) fn write_jsonl(path: &Path, records: &[TelemetryRecord]) -> Result<()> {
+    let mut text = String::new();
+    for r in records {
+        text.push_str(&r.to_json_line()?);
+        text.push('\n');
+    }
+    tessera_io::atomic_write(path, |w| {
+        w.write_all(text.as_bytes()).map_err(|e| Error::io(path, e))
+    })
+}
+
+/// `sink mass mean 0.41 (rate 0.50), max_logit max 3.2, entropy mean 5.1` over every head of
+/// every record (`n/a` where nothing is defined).
+pub(crate) fn telemetry_brief(records: &[TelemetryRecord]) -> String {
+    fn mean(v: impl Iterator<Item = f64>) -> Option<f64> {
+        let (n, s) = v.fold((0usize, 0f64), |(n, s), x| (n + 1, s + x));
+        (n > 0).then(|| s / n as f64)
+    }
+    let per_head = |f: fn(&TelemetryRecord) -> Option<&Vec<Option<f64>>>| {
+        mean(records.iter().filter_map(f).flatten().flatten().copied())
+    };
+    let fmt = |x: Option<f64>, digits: usize| match x {
+        Some(x) => format!("{x:.digits$}"),
+        None => "n/a".to_string(),
+    };
+    let sink_mass = per_head(|r| r.sink_mass.as_ref());
+    let entropy = per_head(|r| r.entropy.as_ref());
+    let rate = mean(records.iter().filter_map(|r| r.sink_rate));
+    let max_logit = records
+        .iter()
+        .flat_map(|r| r.max_logit.iter().flatten().copied())
+        .reduce(f64::max);
+    format!(
+        "sink mass mean {} (rate {}), max_logit max {}, entropy mean {}",
+        fmt(sink_mass, 2),
+        fmt(rate, 2),
+        fmt(max_logit, 1),
+        fmt(entropy, 1)
+    )
 }

@@ -1,10 +1,10 @@
 //! One module per subcommand.
 
-pub mod demo;
-pub mod plan;
-pub mod pack;
-pub mod cache;
-pub mod env;
 pub mod attend;
 pub mod bench;
+pub mod cache;
+pub mod demo;
+pub mod env;
+pub mod pack;
+pub mod plan;
 pub mod telemetry;

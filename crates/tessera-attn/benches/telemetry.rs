@@ -1,0 +1,223 @@
+//! Cost of gated telemetry (SPEC §6) on the CPU forward at 8K tokens, H = 8, D = 64, B = 1, f32,
+//! causal within ~1K-token documents (the `causal_documents` mask of the `attention` bench),
+//! default 128x128 tiles:
+//! - `plain`: `Backend::forward`, the production kernel (telemetry compiled out: the
+//!   `NoTelemetry` copy);
+//! - `off_step`: `forward_logged` on a step that does not log (should equal `plain`);
+//! - `log_step`: `forward_logged` on a logging step, both streams (sink-stream kernel variant plus
+//!   the outlier pass over O), including the flush of the record.
+//!
+//! Criterion measures each variant in its own time window, so slow drift of the machine (other
+//! jobs, clocks) shows up as a difference between them. After the criterion groups a `paired`
+//! run interleaves the three variants (rotating their order every round) and prints per-variant
+//! medians and the median of the per-round ratios to `plain`, the robust overhead figure.
+//!
+//! Run: `cargo bench -p tessera-attn --bench telemetry` (only the paired run:
+//! `cargo bench -p tessera-attn --bench telemetry -- paired`).
+
+use criterion::{criterion_group, Criterion};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use std::time::{Duration, Instant};
+use tessera_attn::{
+    forward_logged, AttnOptions, Backend, CpuBackend, ForwardOutput, TelemetryInput,
+};
+use tessera_core::Tensor;
+use tessera_mask::{Mask, SegmentIds, Segments};
+use tessera_plan::{build_plan, Plan, PlanShape, TileShape};
+use tessera_telemetry::{
+    document_kv_segments, sink_key_flags, Streams, Telemetry, TelemetryConfig, TelemetrySink,
+};
+
+const L: usize = 8192;
+const H: usize = 8;
+const D: usize = 64;
+
+fn documents() -> Mask {
+    // Documents of 512..1536 tokens (mean ~1K), seeded (as in the `attention` bench).
+    let mut rng = ChaCha8Rng::seed_from_u64(7);
+    let mut ids = Vec::with_capacity(L);
+    let mut doc = 0i64;
+    while ids.len() < L {
+        let n = rng.gen_range(512..=1536).min(L - ids.len());
+        ids.extend(std::iter::repeat_n(doc, n));
+        doc += 1;
+    }
+    let seg = SegmentIds::shared(ids).expect("segments");
+    Mask::causal() & Mask::document(Segments::shared(seg))
+}
+
+fn tensor(rng: &mut ChaCha8Rng) -> Tensor {
+    let v: Vec<f32> = (0..H * L * D)
+        .map(|_| rng.gen_range(-1.7f32..1.7))
+        .collect();
+    Tensor::from_f32(vec![1, H, L, D], v).expect("tensor")
+}
+
+/// The problem and the three ways to run its forward.
+struct Setup {
+    mask: Mask,
+    plan: Plan,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    backend: CpuBackend,
+    opts: AttnOptions,
+    log_step: Telemetry,
+    off_step: Telemetry,
+}
+
+impl Setup {
+    fn new() -> Self {
+        let mask = documents();
+        let plan = build_plan(
+            &mask,
+            PlanShape::new(1, H, L, L).expect("shape"),
+            TileShape::default(),
+        )
+        .expect("plan");
+        let mut rng = ChaCha8Rng::seed_from_u64(1);
+        let (q, k, v) = (tensor(&mut rng), tensor(&mut rng), tensor(&mut rng));
+        let log_step = Telemetry::new(TelemetryConfig::every(2)).expect("telemetry");
+        let mut off_step = log_step.clone();
+        off_step.advance();
+        assert!(log_step.should_log() && !off_step.should_log());
+        Setup {
+            mask,
+            plan,
+            q,
+            k,
+            v,
+            backend: CpuBackend::new(),
+            opts: AttnOptions::default(),
+            log_step,
+            off_step,
+        }
+    }
+
+    fn plain(&self) -> ForwardOutput {
+        self.backend
+            .forward(
+                self.q.view(),
+                self.k.view(),
+                self.v.view(),
+                &self.plan,
+                &self.opts,
+            )
+            .expect("forward")
+    }
+
+    /// `forward_logged` at `tel`'s step; flushes the sink (the logging boundary).
+    fn logged(&self, tel: &Telemetry, sink: &mut TelemetrySink) -> ForwardOutput {
+        let out = forward_logged(
+            &self.backend,
+            self.q.view(),
+            self.k.view(),
+            self.v.view(),
+            &self.plan,
+            &self.opts,
+            tel,
+            &self.mask,
+            0,
+            sink,
+        )
+        .expect("forward");
+        sink.flush();
+        out
+    }
+}
+
+fn bench(c: &mut Criterion) {
+    let x = Setup::new();
+    let mut sink = TelemetrySink::new(x.log_step.config.clone());
+    let mut g = c.benchmark_group("telemetry/f32/causal_documents");
+    g.bench_function("plain", |b| b.iter(|| x.plain()));
+    g.bench_function("off_step", |b| b.iter(|| x.logged(&x.off_step, &mut sink)));
+    g.bench_function("log_step", |b| b.iter(|| x.logged(&x.log_step, &mut sink)));
+    // The two streams alone (breakdown of `log_step`).
+    let flags = sink_key_flags(document_kv_segments(&x.mask), 1, L, 1).expect("flags");
+    for (name, sink, outlier) in [
+        ("sink_stream", true, false),
+        ("outlier_stream", false, true),
+    ] {
+        let mut input = TelemetryInput::new(&flags, 0, 0, &x.log_step.config);
+        input.streams = Streams { sink, outlier };
+        g.bench_function(name, |b| {
+            b.iter(|| {
+                x.backend
+                    .forward_with_telemetry(
+                        x.q.view(),
+                        x.k.view(),
+                        x.v.view(),
+                        &x.plan,
+                        &x.opts,
+                        &input,
+                    )
+                    .expect("forward")
+            })
+        });
+    }
+    g.finish();
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default()
+        .sample_size(10)
+        .warm_up_time(Duration::from_secs(1))
+        .measurement_time(Duration::from_secs(5));
+    targets = bench
+}
+
+/// Interleaved timing of the three variants; prints medians and per-round ratios.
+fn paired() {
+    const ROUNDS: usize = 30;
+    let x = Setup::new();
+    let mut sink = TelemetrySink::new(x.log_step.config.clone());
+    let names = ["plain", "off_step", "log_step"];
+    let mut ms: Vec<Vec<f64>> = (0..3).map(|_| Vec::with_capacity(ROUNDS)).collect();
+    for round in 0..ROUNDS + 2 {
+        for slot in 0..3 {
+            let which = (slot + round) % 3;
+            let t = Instant::now();
+            std::hint::black_box(match which {
+                0 => x.plain(),
+                1 => x.logged(&x.off_step, &mut sink),
+                _ => x.logged(&x.log_step, &mut sink),
+            });
+            if round >= 2 {
+                ms[which].push(t.elapsed().as_secs_f64() * 1e3);
+            }
+        }
+    }
+    let median = |v: &[f64]| {
+        let mut v = v.to_vec();
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    println!("telemetry/f32/causal_documents/paired ({ROUNDS} interleaved rounds)");
+    for (i, name) in names.iter().enumerate() {
+        let ratio: Vec<f64> = ms[i].iter().zip(&ms[0]).map(|(a, p)| a / p).collect();
+        println!(
+            "  {name:<9} median {:7.2} ms   vs plain (median of per-round ratios) {:+6.2}%",
+            median(&ms[i]),
+            100.0 * (median(&ratio) - 1.0)
+        );
+    }
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let filter = args
+        .iter()
+        .find(|a| !a.starts_with('-'))
+        .map(String::as_str);
+    if filter != Some("paired") {
+        benches();
+    }
+    // Only under `cargo bench` (`--bench`), not when `cargo test` smoke-runs the benches.
+    if args.iter().any(|a| a == "--bench") && matches!(filter, None | Some("paired")) {
+        paired();
+    }
+    Criterion::default().configure_from_args().final_summary();
+}

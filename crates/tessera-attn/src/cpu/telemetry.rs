@@ -1,0 +1,302 @@
+//! The telemetry variant of the forward kernel (SPEC §6, sink stream).
+//!
+//! The same generic item kernel as production (`forward::item_with`), instantiated with
+//! [`TelObserver`] instead of `NoTelemetry`, so O, LSE and max_logit are bit-identical to the plain
+//! forward. Per query row the observer keeps, relative to the kernel's running max `m`, the online
+//! sums of `tessera_telemetry::RowSums`:
+//! - `l = Σ e^{s−m}`, `sink_l = Σ_{sink keys} e^{s−m}`, `es = Σ e^{s−m}·(s−m)`.
+//!
+//! Per key row of a kv tile the kernel runs its fused exponential loop (`entropy_terms`), which
+//! also accumulates `p·(s − m_use)` (the `p ln p` of the entropy without a logarithm, with the
+//! `s − m` already at hand) into a per-tile f32 column sum; for sink keys only, `after_exp` adds
+//! `p` into another. At the end of the tile (`on_tile`, vectorized over the rows) the f64 row sums
+//! are moved to the tile's max (`l ← α l`, `sink_l ← α sink_l`, `es ← α es + α ln(α) l`, with the
+//! kernel's α and `ln α = m_old − m_new` exactly) and the column sums (the kernel's `Σ p` among
+//! them) added. When a row is final (`on_row`) its sink mass,
+//! learned-sink mass and entropy follow as in `RowSums::finish` (what `finish_row` adds), with
+//! the kernel's f64 LSE of the row in place of a recomputed one (no logarithm per row). They are
+//! summed in f64 in row order over the item's rows; each item then adds its three sums and its
+//! valid-row count to the `HeadAccum` of its (b, h), and those merge per query head. `HeadAccum`
+//! additions are exact, so their order never matters: the summary is bit-identical run to run and
+//! for any thread count, and the summaries of batch shards (same tiles) merge into the whole
+//! batch's bit for bit. The outlier stream is `AttnSummary::add_output` with the (b, h) slices on
+//! the rayon pool (the same statistics, bit for bit).
+//!
+//! The one kernel the observer does not hook is the AVX512-BF16 bf16 forward (`bf16dot`): when
+//! the plain forward would run it, the logging step runs that kernel for the outputs (so they stay
+//! bit-identical to a non-logging step) and the hooked generic kernel for the summary, about twice
+//! the forward cost on logging steps of bf16 calls on such CPUs.
+
+use super::forward::{self, FwdCtx, FwdItem, FwdWs, TileObserver};
+use super::math::Simd;
+use super::{isa_entry, CpuBackend, Geometry, Isa};
+use crate::{check_forward, AttnOptions, Backend, Dims, ForwardOutput, TelemetryInput};
+use rayon::prelude::*;
+use std::sync::Mutex;
+use std::time::Instant;
+use tessera_core::tensor::TensorView;
+use tessera_core::{metrics, DType, Error, Result, Tensor, TensorData};
+use tessera_plan::Plan;
+use tessera_telemetry::{AttnSummary, HeadAccum, OutlierStats};
+
+/// Per-worker scratch of the observer, `tq` entries each.
+pub(super) struct TelWs {
+    /// Column sums of the current kv tile: `Σ p·(s − m_use)`, `Σ_{sink keys} p` (`Σ p` is the
+    /// kernel's own).
+    es_col: Vec<f32>,
+    sink_col: Vec<f32>,
+    /// The item's row sums (the fields of `tessera_telemetry::RowSums`, one array each so the
+    /// tile update vectorizes).
+    m: Vec<f64>,
+    l: Vec<f64>,
+    sink_l: Vec<f64>,
+    es: Vec<f64>,
+}
+
+impl TelWs {
+    fn new(tq: usize) -> Self {
+        TelWs {
+            es_col: vec![0.0; tq],
+            sink_col: vec![0.0; tq],
+            m: vec![f64::NEG_INFINITY; tq],
+            l: vec![0.0; tq],
+            sink_l: vec![0.0; tq],
+            es: vec![0.0; tq],
+        }
+    }
+}
+
+/// The sink-stream observer of one work item.
+pub(super) struct TelObserver<'w> {
+    /// Sink-key flags of the item's batch row (`Lkv` entries).
+    flags: &'w [bool],
+    /// The head's learned sink logit.
+    sigma: Option<f64>,
+    ws: &'w mut TelWs,
+    /// The item's valid rows and their f64 sums (in row order) of sink mass, learned-sink mass
+    /// and entropy; added to the (b, h) accumulator once per item.
+    valid: u64,
+    sums: [f64; 3],
+}
+
+impl<'w> TelObserver<'w> {
+    fn new(flags: &'w [bool], sigma: Option<f64>, ws: &'w mut TelWs) -> Self {
+        ws.es_col.fill(0.0);
+        ws.sink_col.fill(0.0);
+        ws.m.fill(f64::NEG_INFINITY);
+        ws.l.fill(0.0);
+        ws.sink_l.fill(0.0);
+        ws.es.fill(0.0);
+        TelObserver {
+            flags,
+            sigma,
+            ws,
+            valid: 0,
+            sums: [0.0; 3],
+        }
+    }
+
+    /// Adds the item's rows to `acc`.
+    fn add_to(&self, acc: &mut HeadAccum) {
+        acc.valid_rows += self.valid;
+        acc.sink_mass_sum.add(self.sums[0]);
+        acc.learned_sink_mass_sum.add(self.sums[1]);
+        acc.entropy_sum.add(self.sums[2]);
+    }
+}
+
+impl TileObserver for TelObserver<'_> {
+    #[inline(always)]
+    fn entropy_terms(&mut self, a: usize, b: usize) -> Option<&mut [f32]> {
+        Some(&mut self.ws.es_col[a..b])
+    }
+
+    #[inline(always)]
+    fn after_exp(&mut self, key: usize, a: usize, p: &[f32]) {
+        if self.flags[key] {
+            for (c, &p) in self.ws.sink_col[a..a + p.len()].iter_mut().zip(p) {
+                *c += p;
+            }
+        }
+    }
+
+    #[inline(always)]
+    fn on_tile(&mut self, col: &[f32], m_use: &[f32], alpha: &[f32]) {
+        let ws = &mut *self.ws;
+        let n = col.len();
+        let (m_use, alpha) = (&m_use[..n], &alpha[..n]);
+        let (sink_col, es_col) = (&ws.sink_col[..n], &ws.es_col[..n]);
+        let (m, l) = (&mut ws.m[..n], &mut ws.l[..n]);
+        let (sink_l, es) = (&mut ws.sink_l[..n], &mut ws.es[..n]);
+        // Branch-free, so it vectorizes: rows whose max moved (and that hold something) are
+        // rescaled by the kernel's α = e^{m − u} (f32, a few ulp; m is the kernel's old max,
+        // finite since l > 0), with ln α = m − u exactly; `es` gains the α·ln(α)·l term.
+        for i in 0..n {
+            let u = m_use[i] as f64;
+            let rescale = u != m[i] && l[i] != 0.0;
+            let a = if rescale { alpha[i] as f64 } else { 1.0 };
+            let ln_a = if rescale { m[i] - u } else { 0.0 };
+            es[i] = a * es[i] + a * ln_a * l[i] + es_col[i] as f64;
+            l[i] = a * l[i] + col[i] as f64;
+            sink_l[i] = a * sink_l[i] + sink_col[i] as f64;
+            m[i] = u;
+        }
+        ws.es_col[..n].fill(0.0);
+        ws.sink_col[..n].fill(0.0);
+    }
+
+    #[inline(always)]
+    fn on_row(&mut self, i: usize, lse: f64) {
+        let ws = &*self.ws;
+        let (m, l) = (ws.m[i], ws.l[i]);
+        if l == 0.0 {
+            return; // not a valid row
+        }
+        // `RowSums::finish` (what `finish_row` adds) with the kernel's LSE of the row, the same
+        // quantity, instead of recomputing it (no logarithm per row): with `w = e^{m − LSE}`
+        // (`1/l` without a learned sink), sink mass `w·sink_l`, `p_sink = e^{σ − LSE}`, entropy
+        // `−w·es + w·l·(LSE − m) + p_sink·(LSE − σ)`. The item's rows are summed in f64 (row
+        // order) and added exactly once per item.
+        let (w, p_sink, sigma_term) = match self.sigma {
+            None => (1.0 / l, 0.0, 0.0),
+            Some(sg) => {
+                let p = (sg - lse).exp();
+                let term = if p > 0.0 { p * (lse - sg) } else { 0.0 };
+                ((m - lse).exp(), p, term)
+            }
+        };
+        let keys = w * l;
+        let key_term = if keys > 0.0 { keys * (lse - m) } else { 0.0 };
+        self.valid += 1;
+        self.sums[0] += w * ws.sink_l[i];
+        self.sums[1] += p_sink;
+        self.sums[2] += -w * ws.es[i] + key_term + sigma_term;
+    }
+}
+
+isa_entry!(entry, item, (cx: &FwdCtx<'_>, ws: &mut FwdWs, it: FwdItem<'_>, obs: &mut TelObserver<'_>));
+
+#[inline(always)]
+fn item<S: Simd>(cx: &FwdCtx<'_>, ws: &mut FwdWs, it: FwdItem<'_>, obs: &mut TelObserver<'_>) {
+    forward::item_with::<S, TelObserver<'_>>(cx, ws, it, obs)
+}
+
+/// The hooked generic forward: outputs plus one sink-stream accumulator per query head.
+/// `sink_flags` is `[B, Lkv]` (checked by the caller).
+#[allow(clippy::too_many_arguments)]
+fn run(
+    isa: Isa,
+    d: &Dims,
+    q: TensorView<'_>,
+    k: TensorView<'_>,
+    v: TensorView<'_>,
+    plan: &Plan,
+    options: &AttnOptions,
+    sink_flags: &[bool],
+) -> Result<(ForwardOutput, Vec<HeadAccum>)> {
+    let cx = FwdCtx::new(d, q, k, v, plan, options)?;
+    let tq = Geometry::new(plan, d).tq;
+    let (hq, lkv) = (d.heads_q, d.kv_len);
+    // One accumulator per (b, h); each item adds its sums (exact additions, so order-free).
+    let slots: Vec<Mutex<HeadAccum>> = (0..d.batch * hq)
+        .map(|_| Mutex::new(HeadAccum::default()))
+        .collect();
+    let sinks = options.sinks.as_deref();
+    let out = forward::run_with(
+        &cx,
+        || (cx.workspace(), TelWs::new(tq)),
+        |(ws, tws), it| {
+            let (b, h) = (it.b, it.h);
+            let flags = &sink_flags[b * lkv..(b + 1) * lkv];
+            let mut obs = TelObserver::new(flags, sinks.map(|s| s[h] as f64), tws);
+            entry(isa, &cx, ws, it, &mut obs);
+            let mut slot = slots[b * hq + h]
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner());
+            obs.add_to(&mut slot);
+        },
+    )?;
+    let mut heads = vec![HeadAccum::default(); hq];
+    for (idx, slot) in slots.into_iter().enumerate() {
+        let acc = slot
+            .into_inner()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        heads[idx % hq].merge(&acc);
+    }
+    Ok((out, heads))
+}
+
+/// Whether [`CpuBackend::forward`] runs a kernel without the telemetry hooks for this call (the
+/// AVX512-BF16 bf16 kernel; keep in step with the dispatch there).
+fn plain_kernel_is_unhooked(isa: Isa, dtype: DType) -> bool {
+    isa == Isa::Avx512Bf16 && dtype == DType::BF16
+}
+
+/// [`Backend::forward_with_telemetry`] of the CPU backend.
+pub(super) fn forward(
+    be: &CpuBackend,
+    q: TensorView<'_>,
+    k: TensorView<'_>,
+    v: TensorView<'_>,
+    plan: &Plan,
+    options: &AttnOptions,
+    tel: &TelemetryInput<'_>,
+) -> Result<(ForwardOutput, AttnSummary)> {
+    let d = check_forward(&q, &k, &v, plan, options)?;
+    tel.check(d.batch, d.kv_len)?;
+    let mut summary = AttnSummary::new(tel.step, tel.layer, d.heads_q, options.sinks.is_some());
+    let out = if tel.streams.sink {
+        let start = Instant::now();
+        let (out, heads) = run(be.isa(), &d, q, k, v, plan, options, tel.sink_flags)?;
+        metrics::record_kernel(
+            &format!("cpu.forward.telemetry.{}", d.dtype),
+            start.elapsed(),
+        );
+        for (acc, h) in summary.heads.iter_mut().zip(&heads) {
+            acc.merge(h);
+        }
+        if plain_kernel_is_unhooked(be.isa(), d.dtype) {
+            be.forward(q, k, v, plan, options)?
+        } else {
+            out
+        }
+    } else {
+        be.forward(q, k, v, plan, options)?
+    };
+    summary.absorb_max_logit(&out.max_logit.view())?;
+    if tel.streams.outlier {
+        add_output(&mut summary, &out.o, tel.outlier_ratio)?;
+    }
+    Ok((out, summary))
+}
+
+/// [`AttnSummary::add_output`] with the (b, h) slices of O on the rayon pool: the same
+/// per-slice statistics ([`OutlierStats::of_f32`]) merged exactly, so the same result bit for bit.
+fn add_output(summary: &mut AttnSummary, o: &Tensor, ratio: f64) -> Result<()> {
+    let [_, hq, lq, dv] = *o.shape() else {
+        return Err(Error::Internal(format!("O shape {:?}", o.shape())));
+    };
+    if ratio.is_nan() || ratio < 0.0 || ratio.is_infinite() || hq != summary.heads.len() {
+        // Let the sequential path produce the error.
+        return summary.add_output(&o.view(), ratio);
+    }
+    let slice = lq * dv;
+    let stats: Vec<OutlierStats> = match o.data() {
+        TensorData::F32(x) => x
+            .par_chunks(slice)
+            .map(|c| OutlierStats::of_f32(c, ratio))
+            .collect(),
+        TensorData::BF16(x) => x
+            .par_chunks(slice)
+            .map(|c| {
+                let c: Vec<f32> = c.iter().map(|v| v.to_f32()).collect();
+                OutlierStats::of_f32(&c, ratio)
+            })
+            .collect(),
+        _ => return summary.add_output(&o.view(), ratio),
+    };
+    for (idx, st) in stats.iter().enumerate() {
+        summary.heads[idx % hq].out.merge(st);
+    }
+    Ok(())
+}

@@ -1,0 +1,243 @@
+//! End-to-end tests of the telemetry outputs of `tessera attend --telemetry` and `tessera demo`
+//! through the built binary.
+
+use std::path::Path;
+use std::process::{Command, Output};
+use tessera_core::{Tensor, TensorData};
+use tessera_mask::{Mask, SegmentIds, Segments};
+use tessera_telemetry::{read_jsonl, reference_summary, sink_key_flags, ReferenceInput};
+
+fn tessera(args: &[&str], dir: &Path) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_tessera"))
+        .args(args)
+        .arg("--no-cache")
+        .current_dir(dir)
+        .output()
+        .expect("run tessera")
+}
+
+fn ok(args: &[&str], dir: &Path) -> String {
+    let out = tessera(args, dir);
+    assert!(
+        out.status.success(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Seeded values in [-1, 1).
+fn values(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    (0..n)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect()
+}
+
+fn save(dir: &Path, name: &str, t: &Tensor) -> String {
+    let p = dir.join(name);
+    tessera_io::write_tensor(&p, t).unwrap();
+    p.to_string_lossy().into_owned()
+}
+
+#[test]
+fn attend_writes_one_telemetry_record_matching_the_reference() {
+    let d = tempfile::tempdir().unwrap();
+    let p = d.path();
+    let (b, hq, hkv, l, dim) = (2usize, 4usize, 2usize, 90usize, 16usize);
+    let qv = values(b * hq * l * dim, 1);
+    let kv = values(b * hkv * l * dim, 2);
+    let vv = values(b * hkv * l * dim, 3);
+    let q = Tensor::from_f32(vec![b, hq, l, dim], qv.clone()).unwrap();
+    let k = Tensor::from_f32(vec![b, hkv, l, dim], kv.clone()).unwrap();
+    let v = Tensor::from_f32(vec![b, hkv, l, dim], vv.clone()).unwrap();
+    let ids: Vec<i64> = (0..b)
+        .flat_map(|r| {
+            (0..l).map(move |i| {
+                if i >= 80 {
+                    -1
+                } else {
+                    (i / (17 + 9 * r)) as i64
+                }
+            })
+        })
+        .collect();
+    let segs = Tensor::new(vec![b, l], TensorData::I64(ids.clone())).unwrap();
+    let (qf, kf, vf, sf) = (
+        save(p, "q.npy", &q),
+        save(p, "k.npy", &k),
+        save(p, "v.npy", &v),
+        save(p, "seg.npy", &segs),
+    );
+    let text = ok(
+        &[
+            "attend",
+            "--q",
+            &qf,
+            "--k",
+            &kf,
+            "--v",
+            &vf,
+            "--mask",
+            "causal & document",
+            "--segments",
+            &sf,
+            "--tile",
+            "16x16",
+            "--out",
+            "o.npy",
+            "--telemetry",
+            "t.jsonl",
+            "--sink-tokens",
+            "2",
+        ],
+        p,
+    );
+    assert!(text.contains("telemetry: sink mass mean"), "{text}");
+    assert_eq!(text.trim_end().lines().count(), 1, "{text}");
+    let recs = read_jsonl(p.join("t.jsonl")).unwrap();
+    assert_eq!(recs.len(), 1);
+    let r = &recs[0];
+    assert_eq!((r.step, r.layer, r.heads()), (0, 0, hq));
+
+    let seg = SegmentIds::new(b, l, ids).unwrap();
+    let mask = Mask::causal() & Mask::document(Segments::shared(seg.clone()));
+    let flags = sink_key_flags(Some(&seg), b, l, 2).unwrap();
+    let f64s = |x: &[f32]| x.iter().map(|&a| a as f64).collect::<Vec<f64>>();
+    let (q64, k64, v64) = (f64s(&qv), f64s(&kv), f64s(&vv));
+    let want = reference_summary(
+        &ReferenceInput {
+            q: &q64,
+            k: &k64,
+            v: &v64,
+            batch: b,
+            heads_q: hq,
+            heads_kv: hkv,
+            q_len: l,
+            kv_len: l,
+            d_qk: dim,
+            d_v: dim,
+            mask: &mask,
+            scale: 1.0 / (dim as f64).sqrt(),
+            softcap: None,
+            sinks: None,
+            sink_flags: &flags,
+            outlier_ratio: tessera_telemetry::DEFAULT_OUTLIER_RATIO,
+        },
+        0,
+        0,
+    )
+    .unwrap()
+    .summary
+    .record(&tessera_telemetry::TelemetryConfig::every(1));
+    let close = |a: &[Option<f64>], b: &[Option<f64>], tol: f64| {
+        a.iter()
+            .zip(b)
+            .all(|(x, y)| (x.unwrap() - y.unwrap()).abs() <= tol * y.unwrap().abs())
+    };
+    let (got_m, want_m) = (
+        r.sink_mass.as_ref().unwrap(),
+        want.sink_mass.as_ref().unwrap(),
+    );
+    assert!(close(got_m, want_m, 1e-5), "{got_m:?} vs {want_m:?}");
+    let (got_e, want_e) = (r.entropy.as_ref().unwrap(), want.entropy.as_ref().unwrap());
+    assert!(close(got_e, want_e, 1e-5), "{got_e:?} vs {want_e:?}");
+    assert_eq!(r.valid_rows, want.valid_rows);
+    assert!(close(&r.max_logit, &want.max_logit, 1e-5));
+
+    // --json carries the record; without --telemetry it is null and no file is written.
+    let json = ok(
+        &[
+            "attend",
+            "--q",
+            &qf,
+            "--k",
+            &kf,
+            "--v",
+            &vf,
+            "--mask",
+            "causal",
+            "--out",
+            "o2.npy",
+            "--telemetry",
+            "t2.jsonl",
+            "--json",
+        ],
+        p,
+    );
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(v["telemetry"]["step"], 0);
+    assert_eq!(v["telemetry"]["sink_mass"].as_array().unwrap().len(), hq);
+    let json = ok(
+        &[
+            "attend", "--q", &qf, "--k", &kf, "--v", &vf, "--mask", "causal", "--out", "o3.npy",
+            "--json",
+        ],
+        p,
+    );
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert!(v["telemetry"].is_null());
+
+    // The file plots.
+    ok(
+        &["telemetry", "plot", "--in", "t.jsonl", "--out", "t.png"],
+        p,
+    );
+    assert!(p.join("t.png").exists());
+
+    // --sink-tokens needs --telemetry.
+    let out = tessera(
+        &[
+            "attend",
+            "--q",
+            &qf,
+            "--k",
+            &kf,
+            "--v",
+            &vf,
+            "--mask",
+            "causal",
+            "--out",
+            "o4.npy",
+            "--sink-tokens",
+            "3",
+        ],
+        p,
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("--sink-tokens") && err.contains("--telemetry"),
+        "{err}"
+    );
+}
+
+#[test]
+fn demo_logs_every_other_step_and_plots_them() {
+    let d = tempfile::tempdir().unwrap();
+    let text = ok(&["demo", "--seq-len", "4096", "--heads", "1"], d.path());
+    let line: Vec<&str> = text
+        .lines()
+        .filter(|l| l.starts_with("[telemetry]"))
+        .collect();
+    assert_eq!(line.len(), 1, "{text}");
+    assert!(line[0].contains("3 of 6 steps logged"), "{}", line[0]);
+    let recs = read_jsonl(d.path().join("tessera-demo/telemetry.jsonl")).unwrap();
+    assert_eq!(
+        recs.iter().map(|r| r.step).collect::<Vec<_>>(),
+        vec![0, 2, 4]
+    );
+    // The sink keys gain mass over the run, most on the last head.
+    let mass = |r: usize, h: usize| recs[r].sink_mass.as_ref().unwrap()[h].unwrap();
+    assert!(mass(2, 3) > mass(0, 3) && mass(2, 3) > mass(2, 0));
+    let png = d.path().join("tessera-demo/telemetry.png");
+    let bytes = std::fs::read(png).unwrap();
+    assert!(bytes.starts_with(b"\x89PNG"));
+}
