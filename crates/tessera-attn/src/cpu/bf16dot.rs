@@ -37,13 +37,13 @@ mod imp {
     use super::super::gemm::{round_up, RB};
     use super::super::live::{self, LiveBlocks, SB};
     use super::super::math::{self, Avx512, Simd};
-    use super::super::{f32_pieces, row_off, run_items, Isa, MasksT, Out, OutBuf, Src};
+    use super::super::{row_off, Isa, MasksT, Src};
     use crate::{AttnOptions, Dims, ForwardOutput};
     use half::bf16;
     use rayon::prelude::*;
     use std::arch::x86_64::*;
     use tessera_core::tensor::TensorView;
-    use tessera_core::{Result, Tensor};
+    use tessera_core::Result;
     use tessera_plan::Plan;
 
     const NEG_INF: f32 = f32::NEG_INFINITY;
@@ -94,15 +94,6 @@ mod imp {
         half: usize,
         col: usize,
         val: f32,
-    }
-
-    struct Item<'a> {
-        b: usize,
-        h: usize,
-        qt: usize,
-        o: Out<'a>,
-        lse: &'a mut [f32],
-        max_logit: &'a mut f32,
     }
 
     struct Ws {
@@ -218,71 +209,26 @@ mod imp {
             softcap: options.softcap,
             sinks: options.sinks.as_deref(),
         };
-        let (bh, nqt) = (d.batch * d.heads_q, plan.q_tiles);
-        let mut o = OutBuf::poisoned(d.dtype, bh * d.q_len * d.d_v);
-        let mut lse = vec![f32::NAN; bh * d.q_len];
-        let mut maxes = vec![f32::NAN; bh * nqt];
-        {
-            let o_pieces = o.pieces(d.q_len * d.d_v, plan.tile.q * d.d_v);
-            let l_pieces = f32_pieces(&mut lse, d.q_len, plan.tile.q);
-            let items: Vec<(usize, Item<'_>)> = o_pieces
-                .into_iter()
-                .zip(l_pieces)
-                .zip(maxes.iter_mut())
-                .enumerate()
-                .map(|(idx, ((o, lse), max_logit))| {
-                    let (b, h, qt) = (idx / (d.heads_q * nqt), (idx / nqt) % d.heads_q, idx % nqt);
-                    let cost = plan.head_plan(b, h).row(qt).len();
-                    (
-                        cost,
-                        Item {
-                            b,
-                            h,
-                            qt,
-                            o,
-                            lse,
-                            max_logit,
-                        },
-                    )
-                })
-                .collect();
-            let z = |n: usize| vec![0f32; n];
-            run_items(
-                items,
-                || Ws {
-                    qp: vec![0u32; dpair * tq],
-                    s: z(tkp * tq),
-                    pp: vec![0u32; tkp / 2 * tq],
-                    o: z(tq * dvp),
-                    m: z(tq),
-                    l: z(tq),
-                    m_use: z(tq),
-                    alpha: z(tq),
-                    col: z(tq),
-                    raw_max: z(tq),
-                },
-                // SAFETY: this kernel is only selected as `Isa::Avx512Bf16`, which is handed out
-                // only when the CPU has AVX-512F/BW/VL, FMA and AVX512-BF16.
-                |ws, it| unsafe { item(&cx, ws, it) },
-            );
-        }
-        let max_logit: Vec<f32> = maxes
-            .chunks(nqt)
-            .map(|c| {
-                c.iter().fold(NEG_INF, |a, &x| {
-                    if x.is_nan() || a.is_nan() {
-                        f32::NAN
-                    } else {
-                        a.max(x)
-                    }
-                })
-            })
-            .collect();
-        Ok(ForwardOutput {
-            o: o.into_tensor(vec![d.batch, d.heads_q, d.q_len, d.d_v])?,
-            lse: Tensor::from_f32(vec![d.batch, d.heads_q, d.q_len], lse)?,
-            max_logit: Tensor::from_f32(vec![d.batch, d.heads_q], max_logit)?,
-        })
+        let z = |n: usize| vec![0f32; n];
+        forward::schedule(
+            plan,
+            d,
+            || Ws {
+                qp: vec![0u32; dpair * tq],
+                s: z(tkp * tq),
+                pp: vec![0u32; tkp / 2 * tq],
+                o: z(tq * dvp),
+                m: z(tq),
+                l: z(tq),
+                m_use: z(tq),
+                alpha: z(tq),
+                col: z(tq),
+                raw_max: z(tq),
+            },
+            // SAFETY: this kernel is only selected as `Isa::Avx512Bf16`, which is handed out
+            // only when the CPU has AVX-512F/BW/VL, FMA and AVX512-BF16.
+            |ws, it| unsafe { item(&cx, ws, it) },
+        )
     }
 
     /// `C[r][x] = Σ_dp K[r][dp] · Q[dp][x]` over bf16 pairs for `r < RB`, `x < 16·NV`.
@@ -457,7 +403,7 @@ mod imp {
     }
 
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,fma")]
-    unsafe fn item(cx: &Ctx<'_>, ws: &mut Ws, mut it: Item<'_>) {
+    unsafe fn item(cx: &Ctx<'_>, ws: &mut Ws, mut it: forward::FwdItem<'_>) {
         let (plan, d) = (cx.plan, &cx.d);
         let (b, h) = (it.b, it.h);
         let kvh = h / d.group();

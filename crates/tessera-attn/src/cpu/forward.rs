@@ -78,9 +78,9 @@ pub(crate) struct FwdItem<'a> {
     pub(super) b: usize,
     pub(super) h: usize,
     pub(super) qt: usize,
-    o: Out<'a>,
-    lse: &'a mut [f32],
-    max_logit: &'a mut f32,
+    pub(super) o: Out<'a>,
+    pub(super) lse: &'a mut [f32],
+    pub(super) max_logit: &'a mut f32,
 }
 
 pub(crate) struct FwdWs {
@@ -182,7 +182,18 @@ pub(super) fn run_with<W>(
     make_ws: impl Fn() -> W + Sync,
     work: impl Fn(&mut W, FwdItem<'_>) + Sync,
 ) -> Result<ForwardOutput> {
-    let (plan, d) = (cx.plan, &cx.d);
+    schedule(cx.plan, &cx.d, make_ws, work)
+}
+
+/// The scheduling shared by every forward kernel: poisoned outputs split into one item per
+/// (batch, query head, q tile), run longest first on the rayon pool, max logits reduced per
+/// (batch, head) with NaN propagated.
+pub(super) fn schedule<W>(
+    plan: &Plan,
+    d: &Dims,
+    make_ws: impl Fn() -> W + Sync,
+    work: impl Fn(&mut W, FwdItem<'_>) + Sync,
+) -> Result<ForwardOutput> {
     let (bh, nqt) = (d.batch * d.heads_q, plan.q_tiles);
     let mut o = OutBuf::poisoned(d.dtype, bh * d.q_len * d.d_v);
     let mut lse = vec![f32::NAN; bh * d.q_len];
