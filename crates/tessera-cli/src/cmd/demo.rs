@@ -120,13 +120,22 @@ pub fn run(args: DemoArgs, ctx: &Ctx) -> Result<()> {
     let segs = SegmentIds::new(packed.rows, packed.seq_len, ids)?;
     let mask = Mask::causal() & Mask::document(Segments::shared(segs.clone()));
     let tile = TileShape::default();
+    let built_before = tessera_core::metrics::snapshot().plans_built;
     let plan = ctx.plan(
         &mask,
         PlanShape::new(packed.rows, 1, packed.seq_len, packed.seq_len)?,
         tile,
     )?;
     println!("\n[plan] causal & document over all {} rows", packed.rows);
-    println!("{}", PlanReport::new(&plan, args.head_dim).to_text());
+    println!(
+        "{}",
+        PlanReport::new(
+            &plan,
+            args.head_dim,
+            tessera_core::metrics::snapshot().plans_built == built_before,
+        )
+        .to_text()
+    );
     let png = dir.join("plan.png");
     crate::picture::plan_picture(
         &plan,

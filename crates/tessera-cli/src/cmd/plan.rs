@@ -55,12 +55,14 @@ pub struct PlanReport<'a> {
     pub kv_tiles: usize,
     pub groups: [usize; 2],
     pub forward_gflop: f64,
+    /// True when the plan was loaded from the cache instead of built by this call.
+    pub from_cache: bool,
     #[serde(flatten)]
     pub stats: &'a tessera_plan::PlanStats,
 }
 
 impl<'a> PlanReport<'a> {
-    pub fn new(plan: &'a Plan, head_dim: usize) -> Self {
+    pub fn new(plan: &'a Plan, head_dim: usize, from_cache: bool) -> Self {
         PlanReport {
             contract: plan.contract.hex(),
             mask: &plan.mask,
@@ -73,6 +75,7 @@ impl<'a> PlanReport<'a> {
             kv_tiles: plan.kv_tiles,
             groups: [plan.batch_groups, plan.head_groups],
             forward_gflop: plan.forward_flops(head_dim, head_dim) / 1e9,
+            from_cache,
             stats: &plan.stats,
         }
     }
@@ -80,7 +83,7 @@ impl<'a> PlanReport<'a> {
     pub fn to_text(&self) -> String {
         let s = self.stats;
         format!(
-            "plan {}\n  mask      {}\n  shape     B={} H={} Lq={} Lkv={}  tile {}  grid {}x{}  groups B'={} H'={}\n  tiles     {} total: {} full, {} partial ({} unique masks), {} empty\n  density   pairs {:.5}  tiles {:.5}  grid width {}\n  work      {} allowed pairs, {:.2} GFLOP forward\n  plan      {} bytes, {} head plan(s), built in {:.3} ms",
+            "plan {}\n  mask      {}\n  shape     B={} H={} Lq={} Lkv={}  tile {}  grid {}x{}  groups B'={} H'={}\n  tiles     {} total: {} full, {} partial ({} unique masks), {} empty\n  density   pairs {:.5}  tiles {:.5}  grid width {}\n  work      {} allowed pairs, {:.2} GFLOP forward\n  plan      {} bytes, {} head plan(s), {} {:.3} ms",
             &self.contract[..16],
             self.mask,
             self.batch,
@@ -104,8 +107,9 @@ impl<'a> PlanReport<'a> {
             self.forward_gflop,
             s.plan_bytes,
             s.head_plans,
+            if self.from_cache { "loaded from cache (first built in" } else { "built in" },
             s.build_ms
-        )
+        ) + if self.from_cache { ")" } else { "" }
     }
 }
 
@@ -121,9 +125,11 @@ pub fn run(args: PlanArgs, ctx: &Ctx) -> Result<()> {
     if args.head_dim == 0 {
         return Err(Error::invalid("--head-dim", "a positive value", 0));
     }
+    let built_before = tessera_core::metrics::snapshot().plans_built;
     let (_mask, plan) = args
         .mask
         .plan(ctx, args.batch, args.heads, args.q_len, kv_len)?;
+    let from_cache = tessera_core::metrics::snapshot().plans_built == built_before;
     if let Some(p) = &args.dump_states {
         dump_states(&plan, p)?;
     }
@@ -140,7 +146,7 @@ pub fn run(args: PlanArgs, ctx: &Ctx) -> Result<()> {
     if let Some(p) = &args.png {
         crate::picture::plan_picture(&plan, 0, 0, &args.mask.mask, p)?;
     }
-    let report = PlanReport::new(&plan, args.head_dim);
+    let report = PlanReport::new(&plan, args.head_dim, from_cache);
     if ctx.json() {
         print_json(&report)
     } else {
