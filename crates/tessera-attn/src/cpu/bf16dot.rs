@@ -584,22 +584,8 @@ mod imp {
         let sink = cx.sinks.map(|x| x[h] as f64);
         let mut any_nan = false;
         for i in 0..nq {
-            let (li, mi) = (l[i] as f64, m[i] as f64);
             let orow = &mut o[i * dvp..i * dvp + dv];
-            let (factor, lse) = if li == 0.0 {
-                orow.fill(0.0);
-                (0.0, sink.unwrap_or(f64::NEG_INFINITY))
-            } else {
-                let a = mi + li.ln();
-                match sink {
-                    None => (1.0 / li, a),
-                    Some(sg) => {
-                        let hi = a.max(sg);
-                        let lse = hi + ((a - hi).exp() + (sg - hi).exp()).ln();
-                        ((mi - lse).exp(), lse)
-                    }
-                }
-            };
+            let (factor, lse) = forward::finish_row(l[i], m[i], sink, orow);
             it.o.store(i * dv, orow, factor as f32);
             it.lse[i] = lse as f32;
             any_nan |= lse.is_nan();

@@ -185,6 +185,27 @@ pub(super) fn run_with<W>(
     schedule(cx.plan, &cx.d, make_ws, work)
 }
 
+/// Normalization of one finished row from its running max `m` and sum `l`: returns the factor
+/// that turns the accumulated `orow` into O, and the row's LSE (the sink joins the denominator).
+/// A row with no allowed key gets O = 0 (`orow` is zeroed) and LSE = σ, or -inf without a sink.
+#[inline]
+pub(super) fn finish_row(l: f32, m: f32, sink: Option<f64>, orow: &mut [f32]) -> (f64, f64) {
+    let (li, mi) = (l as f64, m as f64);
+    if li == 0.0 {
+        orow.fill(0.0);
+        return (0.0, sink.unwrap_or(f64::NEG_INFINITY));
+    }
+    let a = mi + li.ln();
+    match sink {
+        None => (1.0 / li, a),
+        Some(sg) => {
+            let hi = a.max(sg);
+            let lse = hi + ((a - hi).exp() + (sg - hi).exp()).ln();
+            ((mi - lse).exp(), lse)
+        }
+    }
+}
+
 /// The scheduling shared by every forward kernel: poisoned outputs split into one item per
 /// (batch, query head, q tile), run longest first on the rayon pool, max logits reduced per
 /// (batch, head) with NaN propagated.
@@ -447,23 +468,8 @@ pub(super) fn item_with<S: Simd, T: TileObserver>(
     let sink = cx.sinks.map(|x| x[h] as f64);
     let mut any_nan = false;
     for i in 0..nq {
-        let (li, mi) = (l[i] as f64, m[i] as f64);
         let orow = &mut o[i * dvp..i * dvp + dv];
-        let (factor, lse) = if li == 0.0 {
-            // No allowed key: O = 0, LSE = log(exp(σ)) = σ, or -inf without a sink.
-            orow.fill(0.0);
-            (0.0, sink.unwrap_or(f64::NEG_INFINITY))
-        } else {
-            let a = mi + li.ln();
-            match sink {
-                None => (1.0 / li, a),
-                Some(sg) => {
-                    let hi = a.max(sg);
-                    let lse = hi + ((a - hi).exp() + (sg - hi).exp()).ln();
-                    ((mi - lse).exp(), lse)
-                }
-            }
-        };
+        let (factor, lse) = finish_row(l[i], m[i], sink, orow);
         it.o.store(i * dv, orow, factor as f32);
         it.lse[i] = lse as f32;
         any_nan |= lse.is_nan();
