@@ -512,18 +512,12 @@ mod imp {
                     live::col_max_span(&s[j * tq..j * tq + bb], &mut col[..bb], a);
                 }
             }
-            for i in 0..nq {
-                let m_old = m[i];
-                let m_new = if col[i] > m_old { col[i] } else { m_old };
-                let u = if m_new == NEG_INF { 0.0 } else { m_new };
-                m_use[i] = u;
-                alpha[i] = if m_old == u {
-                    1.0
-                } else {
-                    math::exp::<Avx512>(m_old - u)
-                };
-                m[i] = m_new;
-            }
+            forward::update_max::<Avx512>(
+                &col[..nq],
+                &mut m[..nq],
+                &mut m_use[..nq],
+                &mut alpha[..nq],
+            );
             col[..nqp].fill(0.0);
             m_use[nq..nqp].fill(0.0);
             // P = exp(sc·s − m) in f32 for the sums, rounded to bf16 pairs of keys for P·V.

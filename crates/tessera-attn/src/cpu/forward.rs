@@ -185,6 +185,32 @@ pub(super) fn run_with<W>(
     schedule(cx.plan, &cx.d, make_ws, work)
 }
 
+/// Online-softmax step shared by the forward kernels: folds this tile's column maxima `col` into
+/// the running maxima `m`, and gives the exponent base `m_use` and the rescale factor `alpha` of
+/// the previous sums for every row.
+#[inline(always)]
+pub(super) fn update_max<S: Simd>(
+    col: &[f32],
+    m: &mut [f32],
+    m_use: &mut [f32],
+    alpha: &mut [f32],
+) {
+    for i in 0..col.len() {
+        let m_old = m[i];
+        let m_new = if col[i] > m_old { col[i] } else { m_old };
+        // A row with nothing allowed yet keeps -inf as its max but exponentiates against 0,
+        // so masked logits give exactly 0 and NaN logits stay NaN.
+        let u = if m_new == NEG_INF { 0.0 } else { m_new };
+        m_use[i] = u;
+        alpha[i] = if m_old == u {
+            1.0
+        } else {
+            math::exp::<S>(m_old - u)
+        };
+        m[i] = m_new;
+    }
+}
+
 /// Normalization of one finished row from its running max `m` and sum `l`: returns the factor
 /// that turns the accumulated `orow` into O, and the row's LSE (the sink joins the denominator).
 /// A row with no allowed key gets O = 0 (`orow` is zeroed) and LSE = σ, or -inf without a sink.
@@ -378,20 +404,7 @@ pub(super) fn item_with<S: Simd, T: TileObserver>(
                 live::col_max_span(&s[j * tq..j * tq + b], &mut col[..b], a);
             }
         }
-        for i in 0..nq {
-            let m_old = m[i];
-            let m_new = if col[i] > m_old { col[i] } else { m_old };
-            // A row with nothing allowed yet keeps -inf as its max but exponentiates against 0,
-            // so masked logits give exactly 0 and NaN logits stay NaN.
-            let u = if m_new == NEG_INF { 0.0 } else { m_new };
-            m_use[i] = u;
-            alpha[i] = if m_old == u {
-                1.0
-            } else {
-                math::exp::<S>(m_old - u)
-            };
-            m[i] = m_new;
-        }
+        update_max::<S>(&col[..nq], &mut m[..nq], &mut m_use[..nq], &mut alpha[..nq]);
         col.fill(0.0);
         let mu = &m_use[..nq];
         for j in 0..nk {
