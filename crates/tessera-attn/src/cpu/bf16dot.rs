@@ -33,6 +33,7 @@ pub(crate) fn run(
 
 #[cfg(target_arch = "x86_64")]
 mod imp {
+    use super::super::bf16gemm::{dot_gemm, pair, round_bits};
     use super::super::forward;
     use super::super::gemm::{round_up, RB};
     use super::super::live::{self, LiveBlocks, SB};
@@ -41,32 +42,11 @@ mod imp {
     use crate::{AttnOptions, Dims, ForwardOutput};
     use half::bf16;
     use rayon::prelude::*;
-    use std::arch::x86_64::*;
     use tessera_core::tensor::TensorView;
     use tessera_core::Result;
     use tessera_plan::Plan;
 
     const NEG_INF: f32 = f32::NEG_INFINITY;
-
-    /// Two bf16 bit patterns as one `u32` (`lo` in the low half).
-    #[inline(always)]
-    fn pair(lo: u16, hi: u16) -> u32 {
-        lo as u32 | (hi as u32) << 16
-    }
-
-    /// The 32 bf16 lanes of a 512-bit integer vector.
-    #[inline(always)]
-    fn as_bh(x: __m512i) -> __m512bh {
-        // SAFETY: both are 64-byte plain vector types; every bit pattern is valid.
-        unsafe { std::mem::transmute::<__m512i, __m512bh>(x) }
-    }
-
-    /// Round-to-nearest-even bf16 bits of a finite f32.
-    #[inline(always)]
-    fn round_bits(x: f32) -> u32 {
-        let b = x.to_bits();
-        (b.wrapping_add(0x7FFF + ((b >> 16) & 1))) >> 16
-    }
 
     struct Ctx<'a> {
         plan: &'a Plan,
@@ -231,177 +211,6 @@ mod imp {
         )
     }
 
-    /// `C[r][x] = Σ_dp K[r][dp] · Q[dp][x]` over bf16 pairs for `r < RB`, `x < 16·NV`.
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,fma")]
-    #[allow(clippy::needless_range_loop)]
-    unsafe fn s_micro<const MAX: bool, const NV: usize>(
-        dpair: usize,
-        k: *const u32,
-        q: *const u32,
-        tq: usize,
-        c: *mut f32,
-        ldc: usize,
-        cm: *mut f32,
-    ) {
-        unsafe {
-            let mut acc = [[_mm512_setzero_ps(); NV]; RB];
-            for dp in 0..dpair {
-                let mut qv = [_mm512_setzero_si512(); NV];
-                for x in 0..NV {
-                    qv[x] = _mm512_loadu_si512(q.add(dp * tq + 16 * x).cast());
-                }
-                for r in 0..RB {
-                    let kb = as_bh(_mm512_set1_epi32(*k.add(r * dpair + dp) as i32));
-                    for x in 0..NV {
-                        acc[r][x] = _mm512_dpbf16_ps(acc[r][x], kb, as_bh(qv[x]));
-                    }
-                }
-            }
-            for r in 0..RB {
-                for x in 0..NV {
-                    _mm512_storeu_ps(c.add(r * ldc + 16 * x), acc[r][x]);
-                }
-            }
-            if MAX {
-                for x in 0..NV {
-                    let mut mx = _mm512_loadu_ps(cm.add(16 * x));
-                    for r in 0..RB {
-                        mx = _mm512_max_ps(acc[r][x], mx);
-                    }
-                    _mm512_storeu_ps(cm.add(16 * x), mx);
-                }
-            }
-        }
-    }
-
-    /// `Sᵀ[r0..r0+m][c0..c1) = K·Qᵀ`; with `MAX`, also `cm[x] = max(cm[x], max_r Sᵀ[r][x])` for
-    /// `x` in `[c0, c1)` (finite inputs only). (`m` a multiple of RB, `c0`, `c1` multiples of 16).
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,fma")]
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn s_gemm<const MAX: bool>(
-        cm: &mut [f32],
-        k: &[u32],
-        dpair: usize,
-        qp: &[u32],
-        tq: usize,
-        s: &mut [f32],
-        r0: usize,
-        m: usize,
-        c0: usize,
-        c1: usize,
-    ) {
-        assert!(m.is_multiple_of(RB) && c0.is_multiple_of(16) && c1.is_multiple_of(16));
-        assert!(c1 <= tq);
-        assert!((r0 + m) * dpair <= k.len() && (r0 + m) * tq <= s.len());
-        assert!(dpair * tq <= qp.len() && (!MAX || c1 <= cm.len()));
-        let (kp, qq, sp, mp) = (k.as_ptr(), qp.as_ptr(), s.as_mut_ptr(), cm.as_mut_ptr());
-        let mut r = r0;
-        while r < r0 + m {
-            let mut c = c0;
-            // SAFETY: the asserts above bound every access.
-            unsafe {
-                let kr = kp.add(r * dpair);
-                while c + 64 <= c1 {
-                    s_micro::<MAX, 4>(dpair, kr, qq.add(c), tq, sp.add(r * tq + c), tq, mp.add(c));
-                    c += 64;
-                }
-                let (qc, sc, mc) = (qq.add(c), sp.add(r * tq + c), mp.add(c));
-                match c1 - c {
-                    48 => s_micro::<MAX, 3>(dpair, kr, qc, tq, sc, tq, mc),
-                    32 => s_micro::<MAX, 2>(dpair, kr, qc, tq, sc, tq, mc),
-                    16 => s_micro::<MAX, 1>(dpair, kr, qc, tq, sc, tq, mc),
-                    _ => {}
-                }
-            }
-            r += RB;
-        }
-    }
-
-    /// `O[r][x] += Σ_jp P[jp][r] · V[jp][x]` over bf16 pairs for `r < RB`, `x < 16·NV`.
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,fma")]
-    #[allow(clippy::needless_range_loop)]
-    unsafe fn pv_micro<const NV: usize>(
-        npair: usize,
-        p: *const u32,
-        tq: usize,
-        v: *const u32,
-        dvp: usize,
-        o: *mut f32,
-    ) {
-        unsafe {
-            let mut acc = [[_mm512_setzero_ps(); NV]; RB];
-            for r in 0..RB {
-                for x in 0..NV {
-                    acc[r][x] = _mm512_loadu_ps(o.add(r * dvp + 16 * x));
-                }
-            }
-            for jp in 0..npair {
-                let mut vv = [_mm512_setzero_si512(); NV];
-                for x in 0..NV {
-                    vv[x] = _mm512_loadu_si512(v.add(jp * dvp + 16 * x).cast());
-                }
-                for r in 0..RB {
-                    let pb = as_bh(_mm512_set1_epi32(*p.add(jp * tq + r) as i32));
-                    for x in 0..NV {
-                        acc[r][x] = _mm512_dpbf16_ps(acc[r][x], pb, as_bh(vv[x]));
-                    }
-                }
-            }
-            for r in 0..RB {
-                for x in 0..NV {
-                    _mm512_storeu_ps(o.add(r * dvp + 16 * x), acc[r][x]);
-                }
-            }
-        }
-    }
-
-    /// `O[i0..i0+m] += P[.., jp0..jp1]·V[jp0..jp1]` (pairs of keys; `m` a multiple of RB).
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,fma")]
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn pv_gemm(
-        pp: &[u32],
-        tq: usize,
-        vp: &[u32],
-        dvp: usize,
-        o: &mut [f32],
-        i0: usize,
-        m: usize,
-        jp0: usize,
-        jp1: usize,
-    ) {
-        assert!(m.is_multiple_of(RB) && dvp.is_multiple_of(16) && i0 + m <= tq);
-        assert!(jp1 * tq <= pp.len() && jp1 * dvp <= vp.len() && (i0 + m) * dvp <= o.len());
-        if jp0 >= jp1 {
-            return;
-        }
-        let n = jp1 - jp0;
-        let (p, v, op) = (pp.as_ptr(), vp.as_ptr(), o.as_mut_ptr());
-        let mut i = i0;
-        while i < i0 + m {
-            let mut x = 0;
-            // SAFETY: the asserts above bound every access.
-            unsafe {
-                let pr = p.add(jp0 * tq + i);
-                while x + 64 <= dvp {
-                    pv_micro::<4>(n, pr, tq, v.add(jp0 * dvp + x), dvp, op.add(i * dvp + x));
-                    x += 64;
-                }
-                let (vx, ox) = (v.add(jp0 * dvp + x), op.add(i * dvp + x));
-                match dvp - x {
-                    48 => pv_micro::<3>(n, pr, tq, vx, dvp, ox),
-                    32 => pv_micro::<2>(n, pr, tq, vx, dvp, ox),
-                    16 => pv_micro::<1>(n, pr, tq, vx, dvp, ox),
-                    _ => {}
-                }
-            }
-            i += RB;
-        }
-    }
-
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,fma")]
     unsafe fn item(cx: &Ctx<'_>, ws: &mut Ws, mut it: forward::FwdItem<'_>) {
         let (plan, d) = (cx.plan, &cx.d);
@@ -466,15 +275,27 @@ mod imp {
             let fused_max = full && mk == nk;
             col[..nqp].fill(NEG_INF);
             if fused_max {
-                s_gemm::<true>(col, kp, dpair, qp, tq, s, 0, mk, 0, nqp);
+                dot_gemm::<false, true>(mk, nqp, dpair, kp, dpair, 1, qp, tq, s, tq, col);
             } else if full {
-                s_gemm::<false>(col, kp, dpair, qp, tq, s, 0, mk, 0, nqp);
+                dot_gemm::<false, false>(mk, nqp, dpair, kp, dpair, 1, qp, tq, s, tq, col);
             } else {
                 for jb in 0..nk.div_ceil(SB) {
                     let (c0, c1) = cx.live.cols(e.mask, jb);
                     if c0 < c1 {
                         let (r0, r1) = (jb * SB, (jb * SB + SB).min(mk));
-                        s_gemm::<false>(col, kp, dpair, qp, tq, s, r0, r1 - r0, c0, c1);
+                        dot_gemm::<false, false>(
+                            r1 - r0,
+                            c1 - c0,
+                            dpair,
+                            &kp[r0 * dpair..],
+                            dpair,
+                            1,
+                            &qp[c0..],
+                            tq,
+                            &mut s[r0 * tq + c0..],
+                            tq,
+                            &mut [],
+                        );
                     }
                 }
                 for j in 0..nk {
@@ -554,13 +375,38 @@ mod imp {
                 }
             }
             if full {
-                pv_gemm(pp, tq, vp, dvp, o, 0, mq, 0, nk.div_ceil(2));
+                dot_gemm::<true, false>(
+                    mq,
+                    dvp,
+                    nk.div_ceil(2),
+                    pp,
+                    1,
+                    tq,
+                    vp,
+                    dvp,
+                    o,
+                    dvp,
+                    &mut [],
+                );
             } else {
                 for ib in 0..nq.div_ceil(SB) {
                     let (r0, r1) = cx.live.keys(e.mask, ib);
                     if r0 < r1 {
                         let (i0, i1) = (ib * SB, (ib * SB + SB).min(mq));
-                        pv_gemm(pp, tq, vp, dvp, o, i0, i1 - i0, r0 / 2, r1.div_ceil(2));
+                        let (jp0, jp1) = (r0 / 2, r1.div_ceil(2));
+                        dot_gemm::<true, false>(
+                            i1 - i0,
+                            dvp,
+                            jp1 - jp0,
+                            &pp[jp0 * tq + i0..],
+                            1,
+                            tq,
+                            &vp[jp0 * dvp..],
+                            dvp,
+                            &mut o[i0 * dvp..],
+                            dvp,
+                            &mut [],
+                        );
                     }
                 }
             }

@@ -22,6 +22,8 @@
 
 mod backward;
 mod bf16dot;
+#[cfg(target_arch = "x86_64")]
+mod bf16gemm;
 mod forward;
 mod gemm;
 mod live;
