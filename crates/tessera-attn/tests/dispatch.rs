@@ -1,6 +1,6 @@
 //! The whole standard conformance suite on every kernel copy this CPU can run (the default
 //! backend runs it in `conformance.rs`): portable, AVX2, AVX-512 (f32 kernels for bf16 storage
-//! too) and AVX-512 + BF16 (the `vdpbf16ps` bf16 forward kernel). Copies the CPU lacks are
+//! too) and AVX-512 + BF16 (the `vdpbf16ps` bf16 forward and backward kernels). Copies the CPU lacks are
 //! skipped with a note; the portable copy always runs.
 
 use tessera_attn::conformance::{run_case, standard_cases, Case};

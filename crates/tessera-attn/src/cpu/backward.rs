@@ -20,6 +20,9 @@
 //! Every output element is written by one item in a fixed order: no atomics, bit-identical
 //! results for any thread count.
 
+#[cfg(target_arch = "x86_64")]
+mod bf16;
+
 use super::gemm::{gemm, product, round_up, RB};
 use super::live::{LiveBlocks, SB};
 use super::math::{self, Simd};
@@ -169,6 +172,13 @@ pub(crate) fn run(
         softcap: options.softcap,
         exact,
     };
+    // bf16 storage with finite inputs on AVX512-BF16: the `vdpbf16ps` item kernel.
+    #[cfg(target_arch = "x86_64")]
+    let bf16_inputs = (isa == Isa::Avx512Bf16 && !exact)
+        .then(|| bf16::Packed::new(&cx))
+        .flatten();
+    #[cfg(not(target_arch = "x86_64"))]
+    let bf16_inputs: Option<()> = None;
     let (hkv, nkt, nqt, grp) = (d.heads_kv, plan.kv_tiles, plan.q_tiles, d.group());
     let kv_rows = d.batch * hkv * d.kv_len;
     let mut dk = OutBuf::poisoned(d.dtype, kv_rows * d.d_qk);
@@ -251,11 +261,19 @@ pub(crate) fn run(
                         ));
                     }
                 }
-                run_items(
-                    items,
-                    || BwdWs::new(&g, d),
-                    |ws, it| entry(isa, &cx, ws, it),
-                );
+                match &bf16_inputs {
+                    #[cfg(target_arch = "x86_64")]
+                    Some(pk) => run_items(
+                        items,
+                        || bf16::Ws::new(&g, d),
+                        |ws, it| bf16::entry(&cx, pk, ws, it),
+                    ),
+                    _ => run_items(
+                        items,
+                        || BwdWs::new(&g, d),
+                        |ws, it| entry(isa, &cx, ws, it),
+                    ),
+                }
             }
             let scr = &scratch[..n_slots * sz];
             let mut items: Vec<(usize, RedItem<'_>)> = Vec::new();
@@ -336,11 +354,13 @@ fn reduce_item<S: Simd>(cx: &BwdCtx<'_>, acc: &mut [f32], it: RedItem<'_>) {
     }
 }
 
-/// Elementwise over a strip of one query row of `S` (varying key): with `t = tanh(s/c)` under a
-/// softcap, `p = exp(c·t - lse)` (`exp(s - lse)` without), `ds = p·(dp - Δ)·(1 - t²)`; `s` becomes
-/// `p`, `dp` becomes `ds` (exactly 0 where `p` is 0, so `0·NaN` never appears).
+/// Elementwise over a strip of one query row of `S` (varying key): with `x = sc·s` (`sc` the
+/// scale not yet applied to `s`) and `t = tanh(x/c)` under a softcap, `p = exp(c·t - lse)`
+/// (`exp(x - lse)` without), `ds = p·(dp - Δ)·(1 - t²)`; `s` becomes `p`, `dp` becomes `ds`
+/// (exactly 0 where `p` is 0, so `0·NaN` never appears).
 #[inline(always)]
 fn p_ds_row<S: Simd, const SOFTCAP: bool>(
+    sc: f32,
     s: &mut [f32],
     dp: &mut [f32],
     lse: f32,
@@ -349,11 +369,12 @@ fn p_ds_row<S: Simd, const SOFTCAP: bool>(
 ) {
     let inv = 1.0 / cap;
     for (x, g) in s.iter_mut().zip(dp.iter_mut()) {
+        let xs = *x * sc;
         let (v, dc) = if SOFTCAP {
-            let t = math::tanh::<S>(*x * inv);
+            let t = math::tanh::<S>(xs * inv);
             (cap * t, 1.0 - t * t)
         } else {
-            (*x, 1.0)
+            (xs, 1.0)
         };
         let p = math::exp::<S>(v - lse);
         let ds = p * (*g - delta) * dc;
@@ -365,10 +386,17 @@ fn p_ds_row<S: Simd, const SOFTCAP: bool>(
 /// [`p_ds_row`] with or without the softcap (not a closure: closures do not inherit the caller's
 /// target features).
 #[inline(always)]
-fn p_ds<S: Simd>(softcap: Option<f32>, s: &mut [f32], dp: &mut [f32], lse: f32, delta: f32) {
+fn p_ds<S: Simd>(
+    softcap: Option<f32>,
+    sc: f32,
+    s: &mut [f32],
+    dp: &mut [f32],
+    lse: f32,
+    delta: f32,
+) {
     match softcap {
-        Some(cap) => p_ds_row::<S, true>(s, dp, lse, delta, cap),
-        None => p_ds_row::<S, false>(s, dp, lse, delta, 1.0),
+        Some(cap) => p_ds_row::<S, true>(sc, s, dp, lse, delta, cap),
+        None => p_ds_row::<S, false>(sc, s, dp, lse, delta, 1.0),
     }
 }
 
@@ -461,7 +489,7 @@ fn dkv_item<S: Simd>(cx: &BwdCtx<'_>, ws: &mut BwdWs, it: DkvItem<'_>) {
                 gemm::<S, false, false>(mq, nkp, dv, da, ldd, vt, tk, dp, tk);
                 for i in 0..nq {
                     let (sr, dr) = (&mut s[i * tk..i * tk + nk], &mut dp[i * tk..i * tk + nk]);
-                    p_ds::<S>(cx.softcap, sr, dr, lse[i], delta[i]);
+                    p_ds::<S>(cx.softcap, 1.0, sr, dr, lse[i], delta[i]);
                 }
                 product::<S, true, true>(cx.exact, mk, dvp, nq, s, tk, da, ldd, dva, dvp);
                 product::<S, true, true>(cx.exact, mk, dqkp, nq, dp, tk, qa, ldq, dk, dqkp);
@@ -512,6 +540,7 @@ fn dkv_item<S: Simd>(cx: &BwdCtx<'_>, ws: &mut BwdWs, it: DkvItem<'_>) {
                     if i < nq {
                         p_ds::<S>(
                             cx.softcap,
+                            1.0,
                             &mut sr[n0..r1],
                             &mut dr[n0..r1],
                             lse[i],

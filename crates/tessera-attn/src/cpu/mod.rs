@@ -13,8 +13,9 @@
 //! - Per-thread workspace is bounded by the tile sizes and head dims; nothing of size Lq·Lkv.
 //! - Hot loops are generic code compiled three times (AVX-512F/BW/VL+FMA, AVX2+FMA, portable)
 //!   and selected at run time; [`Isa`] names the copy in use. With AVX512-BF16
-//!   ([`Isa::Avx512Bf16`]) bf16 forward calls with finite inputs run a dedicated `vdpbf16ps`
-//!   kernel (`bf16dot`: bf16 Q/K/V and P, f32 softmax and accumulation).
+//!   ([`Isa::Avx512Bf16`]) bf16 calls with finite inputs run dedicated `vdpbf16ps` kernels
+//!   (`bf16dot` forward, `backward::bf16`; products in `bf16gemm`: bf16 operands including P
+//!   and dS, f32 softmax and accumulation).
 //! - Partial tiles only compute their live 16 × 16 sub-blocks (`live`, precomputed per plan
 //!   call from the deduplicated partial masks); masked pairs inside are still excluded exactly.
 //! - Output buffers are filled with NaN before any work, so an element a kernel forgot to write is
@@ -46,8 +47,9 @@ use tessera_plan::Plan;
 /// Instruction set of the kernel copy a [`CpuBackend`] runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Isa {
-    /// AVX-512F, BW, VL, FMA and AVX512-BF16: the f32 kernels of [`Isa::Avx512`], plus the bf16
-    /// forward kernel on `vdpbf16ps` (bf16 Q, K, V and P, f32 softmax and accumulation).
+    /// AVX-512F, BW, VL, FMA and AVX512-BF16: the f32 kernels of [`Isa::Avx512`], plus bf16
+    /// forward and backward kernels on `vdpbf16ps` (bf16 operands, including P and dS; f32
+    /// softmax and accumulation).
     Avx512Bf16,
     /// AVX-512F, BW, VL and FMA.
     Avx512,

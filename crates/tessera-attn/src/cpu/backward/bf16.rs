@@ -1,0 +1,431 @@
+//! The dK/dV/dQ-slot item on AVX512-BF16 (`vdpbf16ps`), used by [`Isa::Avx512Bf16`] for bf16
+//! storage when every input is finite (the f32 item with exact zero-skipping products runs
+//! otherwise). Same walk, slots and reduction as the f32 item of the parent module; only the
+//! five tile products change.
+//!
+//! Layout (bf16 pairs as `u32`, see [`super::super::bf16gemm`]):
+//! - per visited q tile, zero-padded to `tq` queries: Q and dO with pairs along D (`[tq × ⌈D/2⌉]`, the A side of `S = Q·Kᵀ`, `dP = dO·Vᵀ`) and
+//!   with pairs of consecutive queries (`[tq/2 × Dp]`, the B side of `dK += dSᵀ·Q`,
+//!   `dV += Pᵀ·dO`);
+//! - once per item (kv tile): K and V with pairs along D, keys contiguous (`[⌈D/2⌉ × tk]`), and K
+//!   with pairs of consecutive keys (`[tk/2 × Dqkp]`, the B side of `dS·K`);
+//! - per active tile: `S` and `dP` in f32 (the scale is applied in the elementwise pass, not to a
+//!   bf16 K), then `P` and `dS` rounded to bf16 pairs along the queries (for `dV`, `dK`) and `dS`
+//!   along the keys (for the dQ slot).
+//!
+//! Accuracy: products of bf16 values are exact in f32 and accumulate in f32; rounding P and dS to
+//! bf16 adds ≤ 2⁻⁹ relative error per term (FlashAttention rounds them the same way), well inside
+//! the 1e-2 bf16 tolerance. Deterministic: fixed loop order, no atomics.
+
+use super::super::bf16gemm::{dot_gemm, pair};
+use super::super::gemm::{round_up, RB};
+use super::super::live::SB;
+use super::super::math::{self, Avx512};
+use super::super::{row_off, Geometry, Isa, Src};
+use super::{p_ds, BwdCtx, DkvItem};
+use crate::Dims;
+use half::bf16;
+use std::arch::x86_64::*;
+
+/// The bf16 inputs of a backward call.
+pub(crate) struct Packed<'a> {
+    q: &'a [bf16],
+    k: &'a [bf16],
+    v: &'a [bf16],
+    d_o: &'a [bf16],
+}
+
+/// `x` as a bf16 bit pattern.
+#[inline(always)]
+fn bits(x: &bf16) -> u16 {
+    x.to_bits()
+}
+
+/// Packs rows `[off/dim, off/dim + n)` of a `[.., dim]` bf16 input into `dpk` (pairs along D,
+/// `[tq × ⌈dim/2⌉]`) and `qpk` (pairs of consecutive rows, `[tq/2 × ld]`), zero padded.
+#[inline(always)]
+fn pack_rows(
+    x: &[bf16],
+    off: usize,
+    n: usize,
+    dim: usize,
+    ld: usize,
+    dpk: &mut [u32],
+    qpk: &mut [u32],
+) {
+    let dh = dim.div_ceil(2);
+    dpk.fill(0);
+    qpk.fill(0);
+    for r in 0..n {
+        let row = &x[off + r * dim..off + (r + 1) * dim];
+        let dst = &mut dpk[r * dh..(r + 1) * dh];
+        for (o, p) in dst.iter_mut().zip(row.chunks_exact(2)) {
+            *o = pair(bits(&p[0]), bits(&p[1]));
+        }
+        if dim % 2 == 1 {
+            dst[dh - 1] = pair(bits(&row[dim - 1]), 0);
+        }
+        let shift = 16 * (r % 2);
+        for (o, v) in qpk[(r / 2) * ld..(r / 2) * ld + dim].iter_mut().zip(row) {
+            *o |= (bits(v) as u32) << shift;
+        }
+    }
+}
+
+impl<'a> Packed<'a> {
+    /// The inputs when Q, K, V and dO are all bf16; `None` otherwise.
+    pub(crate) fn new(cx: &BwdCtx<'a>) -> Option<Self> {
+        match (cx.q, cx.k, cx.v, cx.d_o) {
+            (Src::BF16(q), Src::BF16(k), Src::BF16(v), Src::BF16(d_o)) => {
+                Some(Packed { q, k, v, d_o })
+            }
+            _ => None,
+        }
+    }
+}
+
+/// Per-thread workspace of the bf16 item.
+pub(crate) struct Ws {
+    /// K, V pairs along D, keys contiguous: `[⌈D/2⌉ × tk]`.
+    kt: Vec<u32>,
+    vt: Vec<u32>,
+    /// K pairs of consecutive keys: `[tk/2 × Dqkp]`.
+    kk: Vec<u32>,
+    s: Vec<f32>,
+    dp: Vec<f32>,
+    /// P and dS pairs of consecutive queries: `[tq/2 × tk]`.
+    pq: Vec<u32>,
+    dsq: Vec<u32>,
+    /// dS pairs of consecutive keys: `[tq × tk/2]`.
+    dsk: Vec<u32>,
+    dk: Vec<f32>,
+    dv: Vec<f32>,
+    /// Q and dO of the current q tile, pairs along D (`[tq × ⌈D/2⌉]`) and pairs of consecutive
+    /// queries (`[tq/2 × Dp]`), zero padded.
+    qd: Vec<u32>,
+    qq: Vec<u32>,
+    dod: Vec<u32>,
+    doq: Vec<u32>,
+}
+
+impl Ws {
+    pub(crate) fn new(g: &Geometry, d: &Dims) -> Self {
+        let (tq, tk) = (g.tq, g.tk);
+        Ws {
+            kt: vec![0; d.d_qk.div_ceil(2) * tk],
+            vt: vec![0; d.d_v.div_ceil(2) * tk],
+            kk: vec![0; tk / 2 * g.dqkp],
+            s: vec![0.0; tq * tk],
+            dp: vec![0.0; tq * tk],
+            pq: vec![0; tq / 2 * tk],
+            dsq: vec![0; tq / 2 * tk],
+            dsk: vec![0; tq * tk / 2],
+            dk: vec![0.0; tk * g.dqkp],
+            dv: vec![0.0; tk * g.dvp],
+            qd: vec![0; tq * d.d_qk.div_ceil(2)],
+            qq: vec![0; tq / 2 * g.dqkp],
+            dod: vec![0; tq * d.d_v.div_ceil(2)],
+            doq: vec![0; tq / 2 * g.dvp],
+        }
+    }
+}
+
+/// Runs one dK/dV/dQ-slot item on the `vdpbf16ps` kernel.
+pub(crate) fn entry(cx: &BwdCtx<'_>, pk: &Packed<'_>, ws: &mut Ws, it: DkvItem<'_>) {
+    debug_assert!(Isa::Avx512Bf16.supported());
+    // SAFETY: `Packed` is only built for `Isa::Avx512Bf16`, which is handed out only when the
+    // CPU has AVX-512F/BW/VL, FMA and AVX512-BF16.
+    unsafe { item(cx, pk, ws, it) }
+}
+
+/// Packs the K (or V) rows of a kv tile: `t[dp·tk + j]` pairs along D (columns `nk..nkp` zero)
+/// and, when `kk` is given, `kk[(j/2)·ld + x]` pairs of consecutive keys (zero padded).
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn pack_kv(
+    x: &[bf16],
+    off: usize,
+    nk: usize,
+    dim: usize,
+    tk: usize,
+    t: &mut [u32],
+    kk: Option<(&mut [u32], usize)>,
+) {
+    let dh = dim.div_ceil(2);
+    let nkp = round_up(nk, 16);
+    for dp in 0..dh {
+        t[dp * tk + nk..dp * tk + nkp].fill(0);
+    }
+    for j in 0..nk {
+        let row = &x[off + j * dim..off + (j + 1) * dim];
+        for (dp, p) in row.chunks_exact(2).enumerate() {
+            t[dp * tk + j] = pair(bits(&p[0]), bits(&p[1]));
+        }
+        if dim % 2 == 1 {
+            t[(dh - 1) * tk + j] = pair(bits(&row[dim - 1]), 0);
+        }
+    }
+    if let Some((kk, ld)) = kk {
+        kk.fill(0);
+        for j in 0..nk {
+            let row = &x[off + j * dim..off + (j + 1) * dim];
+            let shift = 16 * (j % 2);
+            for (o, v) in kk[(j / 2) * ld..(j / 2) * ld + dim].iter_mut().zip(row) {
+                *o |= (bits(v) as u32) << shift;
+            }
+        }
+    }
+}
+
+/// Rounds rows `i0..i0+m` (`i0`, `m` even) of `P` (in `s`) and `dS` (in `dp`), columns `0..n`
+/// (`n` a multiple of 16), to bf16 pairs: `pq`, `dsq` pairs of consecutive queries, `dsk` pairs
+/// of consecutive keys.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,fma")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn round_pairs(
+    s: &[f32],
+    dp: &[f32],
+    tk: usize,
+    i0: usize,
+    m: usize,
+    n: usize,
+    pq: &mut [u32],
+    dsq: &mut [u32],
+    dsk: &mut [u32],
+) {
+    assert!(i0.is_multiple_of(2) && m.is_multiple_of(2) && n.is_multiple_of(16) && n <= tk);
+    assert!((i0 + m) * tk <= s.len() && (i0 + m) * tk <= dp.len());
+    assert!((i0 + m) / 2 * tk <= pq.len() && (i0 + m) / 2 * tk <= dsq.len());
+    assert!((i0 + m) * tk / 2 <= dsk.len());
+    // 16-bit lane 2x takes lane x (row i), lane 2x+1 takes lane 16+x (row i+1).
+    let mut idx = [0i16; 32];
+    for x in 0..16 {
+        idx[2 * x] = x as i16;
+        idx[2 * x + 1] = 16 + x as i16;
+    }
+    // SAFETY: the asserts above bound every access; `idx` is 64 bytes.
+    unsafe {
+        let perm = _mm512_loadu_si512(idx.as_ptr().cast());
+        let (sp, dpp) = (s.as_ptr(), dp.as_ptr());
+        for i in (i0..i0 + m).step_by(2) {
+            let (r0, r1) = (i * tk, (i + 1) * tk);
+            let o = i / 2 * tk;
+            for j in (0..n).step_by(16) {
+                let p = _mm512_cvtne2ps_pbh(
+                    _mm512_loadu_ps(sp.add(r1 + j)),
+                    _mm512_loadu_ps(sp.add(r0 + j)),
+                );
+                let p = _mm512_permutexvar_epi16(perm, std::mem::transmute::<__m512bh, __m512i>(p));
+                _mm512_storeu_si512(pq.as_mut_ptr().add(o + j).cast(), p);
+                let d = _mm512_cvtne2ps_pbh(
+                    _mm512_loadu_ps(dpp.add(r1 + j)),
+                    _mm512_loadu_ps(dpp.add(r0 + j)),
+                );
+                let d = _mm512_permutexvar_epi16(perm, std::mem::transmute::<__m512bh, __m512i>(d));
+                _mm512_storeu_si512(dsq.as_mut_ptr().add(o + j).cast(), d);
+            }
+            for r in [i, i + 1] {
+                let (row, out) = (dpp.add(r * tk), dsk.as_mut_ptr().add(r * tk / 2));
+                let mut j = 0;
+                while j + 32 <= n {
+                    let d = _mm512_cvtne2ps_pbh(
+                        _mm512_loadu_ps(row.add(j + 16)),
+                        _mm512_loadu_ps(row.add(j)),
+                    );
+                    _mm512_storeu_si512(
+                        out.add(j / 2).cast(),
+                        std::mem::transmute::<__m512bh, __m512i>(d),
+                    );
+                    j += 32;
+                }
+                if j < n {
+                    let d = _mm512_cvtneps_pbh(_mm512_loadu_ps(row.add(j)));
+                    _mm256_storeu_si256(
+                        out.add(j / 2).cast(),
+                        std::mem::transmute::<__m256bh, __m256i>(d),
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,fma")]
+unsafe fn item(cx: &BwdCtx<'_>, pk: &Packed<'_>, ws: &mut Ws, it: DkvItem<'_>) {
+    let DkvItem {
+        b,
+        g: gh,
+        kt,
+        dk: mut dk_out,
+        dv: mut dv_out,
+        dq: mut dq_slots,
+    } = it;
+    let (plan, d, g) = (cx.plan, &cx.d, &cx.g);
+    let (dqk, dv, dqkp, dvp, tk) = (d.d_qk, d.d_v, g.dqkp, g.dvp, g.tk);
+    let (qh, vh, tk2) = (dqk.div_ceil(2), dv.div_ceil(2), tk / 2);
+    let (k0, k1) = plan.kv_range(kt);
+    let nk = k1 - k0;
+    let (mk, nkp) = (round_up(nk, RB), round_up(nk, 16));
+    let Ws {
+        kt: ktp,
+        vt,
+        kk,
+        s,
+        dp,
+        pq,
+        dsq,
+        dsk,
+        dk,
+        dv: dva,
+        qd,
+        qq,
+        dod,
+        doq,
+    } = ws;
+    let koff = row_off(b, gh, k0, d.heads_kv, d.kv_len, dqk);
+    pack_kv(pk.k, koff, nk, dqk, tk, ktp, Some((kk, dqkp)));
+    let voff = row_off(b, gh, k0, d.heads_kv, d.kv_len, dv);
+    pack_kv(pk.v, voff, nk, dv, tk, vt, None);
+    dk[..mk * dqkp].fill(0.0);
+    dva[..mk * dvp].fill(0.0);
+    let mut slot_it = dq_slots.iter_mut();
+    for h in gh * d.group()..(gh + 1) * d.group() {
+        let hp = plan.head_plan(b, h);
+        let bh = b * d.heads_q + h;
+        for e in hp.col(kt) {
+            let slot: &mut [f32] = slot_it.next().expect("one dQ slot per entry");
+            let qt = e.tile as usize;
+            let (q0, q1) = plan.q_range(qt);
+            let nq = q1 - q0;
+            let mq = round_up(nq, RB);
+            let oq = row_off(b, h, q0, d.heads_q, d.q_len, dqk);
+            pack_rows(pk.q, oq, nq, dqk, dqkp, qd, qq);
+            let od = row_off(b, h, q0, d.heads_q, d.q_len, dv);
+            pack_rows(pk.d_o, od, nq, dv, dvp, dod, doq);
+            let lse = &cx.lse[bh * d.q_len + q0..bh * d.q_len + q1];
+            let delta = &cx.delta[bh * d.q_len + q0..bh * d.q_len + q1];
+            if e.is_full() {
+                dot_gemm::<false, false>(mq, nkp, qh, qd, qh, 1, ktp, tk, s, tk, &mut []);
+                dot_gemm::<false, false>(mq, nkp, vh, dod, vh, 1, vt, tk, dp, tk, &mut []);
+                for i in 0..nq {
+                    let (sr, dr) = (&mut s[i * tk..i * tk + nk], &mut dp[i * tk..i * tk + nk]);
+                    p_ds::<Avx512>(cx.softcap, cx.scale, sr, dr, lse[i], delta[i]);
+                }
+                round_pairs(s, dp, tk, 0, mq, nkp, pq, dsq, dsk);
+                let mp = mq / 2;
+                dot_gemm::<true, false>(mk, dvp, mp, pq, 1, tk, doq, dvp, dva, dvp, &mut []);
+                dot_gemm::<true, false>(mk, dqkp, mp, dsq, 1, tk, qq, dqkp, dk, dqkp, &mut []);
+                let np = nk.div_ceil(2);
+                dot_gemm::<false, false>(mq, dqkp, np, dsk, tk2, 1, kk, dqkp, slot, dqkp, &mut []);
+                continue;
+            }
+            // Partial tile: per 16-query block, S/dP/P/dS over its key span only, zero outside;
+            // dQ slot rows = dS·K over the span.
+            for i0 in (0..mq).step_by(SB) {
+                let m = (mq - i0).min(SB);
+                let (r0, r1) = cx.live.keys(e.mask, i0 / SB);
+                let r1 = r1.min(nk);
+                if r0 >= r1 {
+                    s[i0 * tk..(i0 + m) * tk].fill(0.0);
+                    dp[i0 * tk..(i0 + m) * tk].fill(0.0);
+                    round_pairs(s, dp, tk, i0, m, nkp, pq, dsq, dsk);
+                    slot[i0 * dqkp..(i0 + m) * dqkp].fill(0.0);
+                    continue;
+                }
+                let (n0, n1) = (r0 / SB * SB, round_up(r1, SB));
+                let (sb, db) = (&mut s[i0 * tk + n0..], &mut dp[i0 * tk + n0..]);
+                let (qa, da) = (&qd[i0 * qh..], &dod[i0 * vh..]);
+                dot_gemm::<false, false>(
+                    m,
+                    n1 - n0,
+                    qh,
+                    qa,
+                    qh,
+                    1,
+                    &ktp[n0..],
+                    tk,
+                    sb,
+                    tk,
+                    &mut [],
+                );
+                dot_gemm::<false, false>(m, n1 - n0, vh, da, vh, 1, &vt[n0..], tk, db, tk, &mut []);
+                for i in i0..i0 + m {
+                    let (sr, dr) = (&mut s[i * tk..i * tk + nkp], &mut dp[i * tk..i * tk + nkp]);
+                    sr[..n0].fill(0.0);
+                    dr[..n0].fill(0.0);
+                    sr[n1..].fill(0.0);
+                    dr[n1..].fill(0.0);
+                    if i < nq {
+                        let (sw, dw) = (&mut sr[n0..r1], &mut dr[n0..r1]);
+                        p_ds::<Avx512>(cx.softcap, cx.scale, sw, dw, lse[i], delta[i]);
+                        // From the 64-key word holding n0 on (the keys before n0 are 0 already).
+                        let (w0, bits) = (n0 / 64, plan.partials.row(e.mask, i));
+                        math::mask_row(&mut sr[w0 * 64..r1], &bits[w0..], 0.0);
+                        math::mask_row(&mut dr[w0 * 64..r1], &bits[w0..], 0.0);
+                    }
+                    sr[r1..n1].fill(0.0);
+                    dr[r1..n1].fill(0.0);
+                }
+                round_pairs(s, dp, tk, i0, m, nkp, pq, dsq, dsk);
+                let (jp0, jp1) = (r0 / 2, r1.div_ceil(2));
+                dot_gemm::<false, false>(
+                    m,
+                    dqkp,
+                    jp1 - jp0,
+                    &dsk[i0 * tk2 + jp0..],
+                    tk2,
+                    1,
+                    &kk[jp0 * dqkp..],
+                    dqkp,
+                    &mut slot[i0 * dqkp..],
+                    dqkp,
+                    &mut [],
+                );
+            }
+            // dV += Pᵀ·dO, dK += dSᵀ·Q per 16-key block over its query span.
+            for j0 in (0..mk).step_by(SB) {
+                let m = (mk - j0).min(SB);
+                let (c0, c1) = cx.live.cols(e.mask, j0 / SB);
+                let c1 = c1.min(nq);
+                if c0 >= c1 {
+                    continue;
+                }
+                let (ip0, ip1) = (c0 / 2, c1.div_ceil(2));
+                let np = ip1 - ip0;
+                let (pa, dsa) = (&pq[ip0 * tk + j0..], &dsq[ip0 * tk + j0..]);
+                let (dob, qb) = (&doq[ip0 * dvp..], &qq[ip0 * dqkp..]);
+                dot_gemm::<true, false>(
+                    m,
+                    dvp,
+                    np,
+                    pa,
+                    1,
+                    tk,
+                    dob,
+                    dvp,
+                    &mut dva[j0 * dvp..],
+                    dvp,
+                    &mut [],
+                );
+                dot_gemm::<true, false>(
+                    m,
+                    dqkp,
+                    np,
+                    dsa,
+                    1,
+                    tk,
+                    qb,
+                    dqkp,
+                    &mut dk[j0 * dqkp..],
+                    dqkp,
+                    &mut [],
+                );
+            }
+        }
+    }
+    for j in 0..nk {
+        dk_out.store(j * dqk, &dk[j * dqkp..j * dqkp + dqk], cx.scale);
+        dv_out.store(j * dv, &dva[j * dvp..j * dvp + dv], 1.0);
+    }
+}
