@@ -15,8 +15,11 @@
 //! 3. dQ reduce items (batch, query head, q-tile): the slots of the q tile summed in ascending
 //!    slot order (= ascending kv tile), times `scale`.
 //!
-//! The scratch holds `active tiles × tq × Dqk` f32 for the (batch, kv head) pairs of one chunk
-//! (chunks bounded by [`SCRATCH_FLOATS`], at least one pair each): O(active tiles), never dense.
+//! Steps 2 and 3 run in rounds: the (batch, kv head, kv tile) sequence is cut into runs whose
+//! slots fit [`SCRATCH_FLOATS`] (a round may exceed it only to give each thread two items), so
+//! the scratch stays bounded at any sequence length. A q tile whose kv tiles span several rounds
+//! carries its running dQ sum from round to round in the same sequential order, so results do
+//! not depend on the split. The scratch buffer is kept between calls ([`ScratchPool`]).
 //! Every output element is written by one item in a fixed order: no atomics, bit-identical
 //! results for any thread count.
 
@@ -36,9 +39,9 @@ use tessera_core::tensor::ViewData;
 use tessera_core::{Error, Result, Tensor};
 use tessera_plan::Plan;
 
-/// Upper bound on the dQ scratch of one chunk of (batch, kv head) pairs, in f32 elements
-/// (a single pair may exceed it). Small on purpose: one buffer reused chunk after chunk stays
-/// in cache and is page-faulted once per call (64 MB chunks measured ~20% slower on documents).
+/// Upper bound on the dQ scratch of one round, in f32 elements (exceeded only to give every
+/// thread two items). Small on purpose: one buffer reused round after round stays in cache
+/// (64 MB chunks measured ~20% slower on documents).
 const SCRATCH_FLOATS: usize = 4 << 20;
 
 pub(crate) struct BwdCtx<'a> {
@@ -192,58 +195,44 @@ pub(crate) fn run(
         let mut dk_p = take(dk.pieces(d.kv_len * d.d_qk, plan.tile.kv * d.d_qk));
         let mut dv_p = take(dvb.pieces(d.kv_len * dv, plan.tile.kv * dv));
         let mut dq_p = take(dq.pieces(lq * d.d_qk, plan.tile.q * d.d_qk));
-        // (batch, kv head) pairs in order, grouped into chunks of bounded scratch.
-        let pair_slots = |p: usize| -> usize {
-            let (b, gh) = (p / hkv, p % hkv);
-            (gh * grp..(gh + 1) * grp)
-                .map(|h| plan.head_plan(b, h).fwd.len())
-                .sum()
+        let rounds = rounds(plan, d, sz);
+        let max_slots = rounds.iter().map(|r| r.slots).max().unwrap_or(0);
+        // Running dQ sums of q tiles whose kv tiles span several rounds (only then allocated).
+        let split = rounds.iter().flat_map(|r| &r.parts).count() > d.batch * hkv;
+        let mut carry = if split {
+            vec![0f32; bh * nqt * sz]
+        } else {
+            Vec::new()
         };
-        let mut chunks: Vec<(usize, usize, usize)> = Vec::new(); // (first pair, end pair, slots)
-        for p in 0..d.batch * hkv {
-            let n = pair_slots(p);
-            match chunks.last_mut() {
-                Some(c) if (c.2 + n) * sz <= SCRATCH_FLOATS => {
-                    c.1 = p + 1;
-                    c.2 += n;
-                }
-                _ => chunks.push((p, p + 1, n)),
-            }
-        }
-        let max_slots = chunks.iter().map(|c| c.2).max().unwrap_or(0);
-        let mut scratch = vec![0f32; max_slots * sz];
-        for &(p0, p1, n_slots) in &chunks {
-            // First slot of each (pair, head of its group).
-            let mut bases = Vec::with_capacity((p1 - p0) * grp);
+        let mut scratch = ScratchPool::take(max_slots * sz);
+        for round in &rounds {
+            let mut slots: Vec<Option<&mut [f32]>> = scratch[..round.slots * sz]
+                .chunks_mut(sz.max(1))
+                .map(Some)
+                .collect();
+            // Slot layout of each (part, head of the group): per q tile, the entries of its
+            // forward row whose kv tile lies in the part's range, in row order.
+            let mut layout: Vec<SlotLayout> = Vec::with_capacity(round.parts.len() * grp);
             let mut base = 0usize;
-            for p in p0..p1 {
+            for &(p, kt0, kt1) in &round.parts {
                 let (b, gh) = (p / hkv, p % hkv);
                 for h in gh * grp..(gh + 1) * grp {
-                    bases.push(base);
-                    base += plan.head_plan(b, h).fwd.len();
+                    let l = SlotLayout::new(plan.head_plan(b, h), base, kt0, kt1);
+                    base += l.len();
+                    layout.push(l);
                 }
             }
-            debug_assert_eq!(base, n_slots);
+            debug_assert_eq!(base, round.slots);
             {
-                let mut slots: Vec<Option<&mut [f32]>> = scratch[..n_slots * sz]
-                    .chunks_mut(sz.max(1))
-                    .map(Some)
-                    .collect();
                 let mut items: Vec<(usize, DkvItem<'_>)> = Vec::new();
-                for p in p0..p1 {
+                for (pi, &(p, kt0, kt1)) in round.parts.iter().enumerate() {
                     let (b, gh) = (p / hkv, p % hkv);
-                    for kt in 0..nkt {
+                    for kt in kt0..kt1 {
                         let mut mine = Vec::new();
                         for (hi, h) in (gh * grp..(gh + 1) * grp).enumerate() {
-                            let hp = plan.head_plan(b, h);
-                            let hb = bases[(p - p0) * grp + hi];
+                            let (hp, l) = (plan.head_plan(b, h), &layout[pi * grp + hi]);
                             for e in hp.col(kt) {
-                                let qt = e.tile as usize;
-                                let pos = hp
-                                    .row(qt)
-                                    .binary_search_by_key(&(kt as u32), |x| x.tile)
-                                    .expect("plan: kv-major entry missing from its q-major row");
-                                let s = hb + hp.fwd_offsets[qt] as usize + pos;
+                                let s = l.slot(hp, e.tile as usize, kt);
                                 mine.push(slots[s].take().expect("plan: dQ slot used twice"));
                             }
                         }
@@ -275,26 +264,42 @@ pub(crate) fn run(
                     ),
                 }
             }
-            let scr = &scratch[..n_slots * sz];
+            let scr = &scratch[..round.slots * sz];
+            let mut carry_p: Vec<Option<&mut [f32]>> =
+                carry.chunks_mut(sz.max(1)).map(Some).collect();
             let mut items: Vec<(usize, RedItem<'_>)> = Vec::new();
-            for p in p0..p1 {
+            for (pi, &(p, kt0, kt1)) in round.parts.iter().enumerate() {
                 let (b, gh) = (p / hkv, p % hkv);
                 for (hi, h) in (gh * grp..(gh + 1) * grp).enumerate() {
-                    let hp = plan.head_plan(b, h);
-                    let hb = bases[(p - p0) * grp + hi];
+                    let (hp, l) = (plan.head_plan(b, h), &layout[pi * grp + hi]);
                     for qt in 0..nqt {
-                        let (s0, s1) = (
-                            hb + hp.fwd_offsets[qt] as usize,
-                            hb + hp.fwd_offsets[qt + 1] as usize,
-                        );
+                        let (s0, s1) = l.range(qt);
+                        let row = hp.row(qt);
+                        let first = row.first().is_none_or(|e| e.tile as usize >= kt0);
+                        let last = row.last().is_none_or(|e| (e.tile as usize) < kt1);
+                        // A q tile with no entries in this round is finished elsewhere, except
+                        // an empty row (all zeros), finished with the pair's first kv tile.
+                        if s0 == s1 && !(row.is_empty() && kt0 == 0) {
+                            continue;
+                        }
+                        let t = (b * d.heads_q + h) * nqt + qt;
+                        let carry = if first && last {
+                            None
+                        } else {
+                            Some(carry_p[t].take().expect("dQ carry piece"))
+                        };
                         items.push((
                             s1 - s0 + 1,
                             RedItem {
                                 qt,
                                 slots: &scr[s0 * sz..s1 * sz],
-                                dq: dq_p[(b * d.heads_q + h) * nqt + qt]
-                                    .take()
-                                    .expect("dQ piece"),
+                                first,
+                                carry,
+                                dq: if last {
+                                    Some(dq_p[t].take().expect("dQ piece"))
+                                } else {
+                                    None
+                                },
                             },
                         ));
                     }
@@ -306,6 +311,7 @@ pub(crate) fn run(
                 |ws, it| reduce_entry(isa, &cx, ws, it),
             );
         }
+        ScratchPool::give_back(scratch);
     }
     Ok(BackwardOutput {
         dq: dq.into_tensor(vec![d.batch, d.heads_q, lq, d.d_qk])?,
@@ -327,30 +333,202 @@ pub(crate) struct DkvItem<'a> {
 
 pub(crate) struct RedItem<'a> {
     qt: usize,
-    /// The q tile's slots in ascending kv-tile order, `tq × dqkp` each.
+    /// The q tile's slots of this round in ascending kv-tile order, `tq × dqkp` each.
     slots: &'a [f32],
-    dq: Out<'a>,
+    /// Whether no earlier round had slots of this q tile (else `carry` holds their sum).
+    first: bool,
+    /// Running sum across rounds, for q tiles whose slots span several rounds.
+    carry: Option<&'a mut [f32]>,
+    /// The output piece, when this round holds the q tile's last slots.
+    dq: Option<Out<'a>>,
 }
 
 isa_entry!(entry, dkv_item, (cx: &BwdCtx<'_>, ws: &mut BwdWs, it: DkvItem<'_>));
 isa_entry!(reduce_entry, reduce_item, (cx: &BwdCtx<'_>, acc: &mut [f32], it: RedItem<'_>));
 
-/// `dQ = scale · Σ slots` over the q tile's rows, slots in ascending order.
+/// `dQ = scale · Σ slots` over the q tile's rows, slots in ascending order; across rounds the
+/// running sum goes through `carry`, continuing the same sequential order (so the result does
+/// not depend on how the kv tiles were split into rounds).
 #[inline(always)]
 fn reduce_item<S: Simd>(cx: &BwdCtx<'_>, acc: &mut [f32], it: RedItem<'_>) {
-    let RedItem { qt, slots, mut dq } = it;
+    let RedItem {
+        qt,
+        slots,
+        first,
+        mut carry,
+        dq,
+    } = it;
     let (dqk, dqkp) = (cx.d.d_qk, cx.g.dqkp);
     let (q0, q1) = cx.plan.q_range(qt);
     let n = (q1 - q0) * dqkp;
     let acc = &mut acc[..n];
-    acc.fill(0.0);
+    match (&carry, first) {
+        (Some(c), false) => acc.copy_from_slice(&c[..n]),
+        _ => acc.fill(0.0),
+    }
     for slot in slots.chunks_exact(cx.g.tq * dqkp) {
         for (a, &x) in acc.iter_mut().zip(&slot[..n]) {
             *a += x;
         }
     }
-    for i in 0..q1 - q0 {
-        dq.store(i * dqk, &acc[i * dqkp..i * dqkp + dqk], cx.scale);
+    match dq {
+        Some(mut dq) => {
+            for i in 0..q1 - q0 {
+                dq.store(i * dqk, &acc[i * dqkp..i * dqkp + dqk], cx.scale);
+            }
+        }
+        None => {
+            if let Some(c) = carry.as_deref_mut() {
+                c[..n].copy_from_slice(acc);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+thread_local! {
+    /// Test override of [`SCRATCH_FLOATS`] for calls made from this thread.
+    static TEST_BOUND: std::cell::Cell<Option<usize>> = const { std::cell::Cell::new(None) };
+}
+
+/// The round bound in f32 elements.
+fn scratch_bound() -> usize {
+    #[cfg(test)]
+    if let Some(b) = TEST_BOUND.with(|c| c.get()) {
+        return b;
+    }
+    SCRATCH_FLOATS
+}
+
+/// A round of the dK/dV pass: `(pair, kt0, kt1)` parts (kv tiles `kt0..kt1` of (batch, kv head)
+/// pair `pair`), in (pair, kv tile) order, and the dQ slots they need.
+struct Round {
+    parts: Vec<(usize, usize, usize)>,
+    slots: usize,
+}
+
+/// Splits the (pair, kv tile) sequence into rounds whose dQ slots fit [`SCRATCH_FLOATS`], each
+/// round holding at least two items per thread when the sequence has them (so both cores stay
+/// busy even when single kv tiles have long columns; a round may then exceed the bound).
+fn rounds(plan: &Plan, d: &Dims, sz: usize) -> Vec<Round> {
+    let (hkv, grp) = (d.heads_kv, d.group());
+    let min_items = 2 * rayon::current_num_threads();
+    let mut out: Vec<Round> = Vec::new();
+    let mut cur = Round {
+        parts: Vec::new(),
+        slots: 0,
+    };
+    let mut items = 0usize;
+    for p in 0..d.batch * hkv {
+        let (b, gh) = (p / hkv, p % hkv);
+        for kt in 0..plan.kv_tiles {
+            let n: usize = (gh * grp..(gh + 1) * grp)
+                .map(|h| plan.head_plan(b, h).col(kt).len())
+                .sum();
+            if items >= min_items && (cur.slots + n) * sz > scratch_bound() {
+                out.push(std::mem::replace(
+                    &mut cur,
+                    Round {
+                        parts: Vec::new(),
+                        slots: 0,
+                    },
+                ));
+                items = 0;
+            }
+            match cur.parts.last_mut() {
+                Some(last) if last.0 == p && last.2 == kt => last.2 = kt + 1,
+                _ => cur.parts.push((p, kt, kt + 1)),
+            }
+            cur.slots += n;
+            items += 1;
+        }
+    }
+    if !cur.parts.is_empty() {
+        out.push(cur);
+    }
+    out
+}
+
+/// Where the dQ slots of one (part, query head) lie in the round's scratch.
+struct SlotLayout {
+    kt0: usize,
+    kt1: usize,
+    /// Per q tile, the first row position with a kv tile `>= kt0`.
+    lo: Vec<usize>,
+    /// Slot index of each q tile's first slot (`nqt + 1` entries).
+    start: Vec<usize>,
+}
+
+impl SlotLayout {
+    fn new(hp: &tessera_plan::HeadPlan, base: usize, kt0: usize, kt1: usize) -> Self {
+        let nqt = hp.fwd_offsets.len() - 1;
+        let (mut lo, mut start) = (Vec::with_capacity(nqt), Vec::with_capacity(nqt + 1));
+        let mut at = base;
+        for qt in 0..nqt {
+            let row = hp.row(qt);
+            let a = row.partition_point(|e| (e.tile as usize) < kt0);
+            let z = row.partition_point(|e| (e.tile as usize) < kt1);
+            lo.push(a);
+            start.push(at);
+            at += z - a;
+        }
+        start.push(at);
+        SlotLayout {
+            kt0,
+            kt1,
+            lo,
+            start,
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.start[self.start.len() - 1] - self.start[0]
+    }
+
+    /// Slot range of q tile `qt`.
+    fn range(&self, qt: usize) -> (usize, usize) {
+        (self.start[qt], self.start[qt + 1])
+    }
+
+    /// Slot of tile (`qt`, `kt`), `kt` in the part's range and present in row `qt`.
+    fn slot(&self, hp: &tessera_plan::HeadPlan, qt: usize, kt: usize) -> usize {
+        debug_assert!(self.kt0 <= kt && kt < self.kt1);
+        let pos = hp
+            .row(qt)
+            .binary_search_by_key(&(kt as u32), |x| x.tile)
+            .expect("plan: kv-major entry missing from its q-major row");
+        self.start[qt] + pos - self.lo[qt]
+    }
+}
+
+/// The dQ scratch, kept between calls: its size is bounded by [`SCRATCH_FLOATS`] (or a few kv
+/// tiles' columns), and a fresh buffer per call cost page faults on every call (~8K faults,
+/// ~20% of an 8K-token documents backward). Concurrent calls each get their own buffer.
+struct ScratchPool;
+
+static SCRATCH_POOL: std::sync::Mutex<Vec<f32>> = std::sync::Mutex::new(Vec::new());
+
+impl ScratchPool {
+    /// A buffer of at least `n` floats (contents unspecified: every slot is written before
+    /// it is read).
+    fn take(n: usize) -> Vec<f32> {
+        let mut v = SCRATCH_POOL
+            .lock()
+            .map(|mut g| std::mem::take(&mut *g))
+            .unwrap_or_default();
+        if v.len() < n {
+            v.resize(n, 0.0);
+        }
+        v
+    }
+
+    /// Returns a buffer to the pool (the larger one is kept).
+    fn give_back(v: Vec<f32>) {
+        if let Ok(mut g) = SCRATCH_POOL.lock() {
+            if v.len() > g.len() {
+                *g = v;
+            }
+        }
     }
 }
 
@@ -605,5 +783,100 @@ fn dkv_item<S: Simd>(cx: &BwdCtx<'_>, ws: &mut BwdWs, it: DkvItem<'_>) {
     for j in 0..nk {
         dk_out.store(j * dqk, &dk[j * dqkp..j * dqkp + dqk], cx.scale);
         dv_out.store(j * dv, &dva[j * dvp..j * dvp + dv], 1.0);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cpu::CpuBackend;
+    use crate::Backend;
+    use tessera_core::DType;
+    use tessera_mask::Mask;
+    use tessera_plan::{build_plan, PlanShape, TileShape};
+
+    fn tensor(dt: DType, shape: Vec<usize>, seed: u32) -> Tensor {
+        let n: usize = shape.iter().product();
+        // Deterministic, nonzero, varied values.
+        let v: Vec<f32> = (0..n)
+            .map(|i| {
+                let x = (i as u32)
+                    .wrapping_mul(2_654_435_761)
+                    .wrapping_add(seed * 97);
+                ((x >> 8) % 2001) as f32 / 1000.0 - 1.0005
+            })
+            .collect();
+        match dt {
+            DType::BF16 => {
+                Tensor::from_bf16(shape, v.into_iter().map(half::bf16::from_f32).collect())
+            }
+            _ => Tensor::from_f32(shape, v),
+        }
+        .expect("tensor")
+    }
+
+    /// Splitting the kv tiles into many rounds (tiny scratch bound) gives bit-identical
+    /// gradients to the single-round run, on every kernel copy here and both dtypes.
+    #[test]
+    fn rounds_do_not_change_results() {
+        let mask = (Mask::causal() & !Mask::window(40, 0)) | Mask::prefix(5) | Mask::chunk(64);
+        let (b, hq, hkv, l, dim) = (2, 4, 2, 300, 24);
+        let shape = PlanShape::new(b, hq, l, l).expect("shape");
+        let plan = build_plan(&mask, shape, TileShape { q: 32, kv: 32 }).expect("plan");
+        for dt in [DType::F32, DType::BF16] {
+            let q = tensor(dt, vec![b, hq, l, dim], 1);
+            let k = tensor(dt, vec![b, hkv, l, dim], 2);
+            let v = tensor(dt, vec![b, hkv, l, dim], 3);
+            let d_o = tensor(dt, vec![b, hq, l, dim], 4);
+            for isa in [Isa::Portable, Isa::Avx512, Isa::Avx512Bf16] {
+                let Ok(be) = CpuBackend::with_isa(isa) else {
+                    continue;
+                };
+                let opts = AttnOptions::default();
+                let f = be
+                    .forward(q.view(), k.view(), v.view(), &plan, &opts)
+                    .expect("fwd");
+                let run = || {
+                    be.backward(
+                        q.view(),
+                        k.view(),
+                        v.view(),
+                        f.o.view(),
+                        f.lse.view(),
+                        d_o.view(),
+                        &plan,
+                        &opts,
+                    )
+                    .expect("bwd")
+                };
+                let whole = run();
+                let d = Dims {
+                    batch: b,
+                    heads_q: hq,
+                    heads_kv: hkv,
+                    q_len: l,
+                    kv_len: l,
+                    d_qk: dim,
+                    d_v: dim,
+                    dtype: dt,
+                };
+                let sz = Geometry::new(&plan, &d).tq * Geometry::new(&plan, &d).dqkp;
+                assert_eq!(rounds(&plan, &d, sz).len(), 1);
+                TEST_BOUND.with(|c| c.set(Some(1)));
+                assert!(rounds(&plan, &d, sz).len() > 4);
+                let split = run();
+                TEST_BOUND.with(|c| c.set(None));
+                for (a, c) in [
+                    (&whole.dq, &split.dq),
+                    (&whole.dk, &split.dk),
+                    (&whole.dv, &split.dv),
+                ] {
+                    let (a, c) = (a.to_f32_vec().expect("a"), c.to_f32_vec().expect("c"));
+                    assert!(a.iter().all(|x| x.is_finite()));
+                    let same = a.iter().zip(&c).all(|(x, y)| x.to_bits() == y.to_bits());
+                    assert!(same, "{isa:?} {dt}: split rounds changed the gradients");
+                }
+            }
+        }
     }
 }
