@@ -355,7 +355,7 @@ fn reduce_item<S: Simd>(cx: &BwdCtx<'_>, acc: &mut [f32], it: RedItem<'_>) {
         qt,
         slots,
         first,
-        mut carry,
+        carry,
         dq,
     } = it;
     let (dqk, dqkp) = (cx.d.d_qk, cx.g.dqkp);
@@ -378,7 +378,7 @@ fn reduce_item<S: Simd>(cx: &BwdCtx<'_>, acc: &mut [f32], it: RedItem<'_>) {
             }
         }
         None => {
-            if let Some(c) = carry.as_deref_mut() {
+            if let Some(c) = carry {
                 c[..n].copy_from_slice(acc);
             }
         }
