@@ -2,9 +2,10 @@
 """Forward attention on the CPU: PyTorch (SDPA, compiled FlexAttention) next to `tessera bench`.
 
 Cases: L = 8192, H = 8, D = 64, B = 1; causal, causal within ~1K-token documents (lengths uniform
-in 512..1536, seeded), window(1024) & causal; f32 and bf16; forward only. Throughput is effective
-GFLOP/s over allowed pairs only (4·D FLOPs per allowed pair per head), the same count
-`tessera bench` uses.
+in 512..1536, seeded), window(1024) & causal; f32 and bf16; forward, and with `--bwd` also the
+backward (dQ, dK, dV from a fixed dO, timed alone: `torch.autograd.grad` on a retained graph).
+Throughput is effective GFLOP/s over allowed pairs only (4·D FLOPs per allowed pair per head
+forward, 10·D backward), the same count `tessera bench` uses.
 
 - SDPA: `scaled_dot_product_attention` with `is_causal=True` for causal, a dense boolean
   `attn_mask` otherwise.
@@ -14,6 +15,7 @@ GFLOP/s over allowed pairs only (4·D FLOPs per allowed pair per head), the same
   each system's own allowed pairs).
 
 Usage: python bench/compare_torch.py --tessera target/release/tessera [--reps 3] [--skip-sdpa-masked]
+       [--bwd]
 """
 
 import argparse
@@ -67,6 +69,7 @@ def dense(mod):
 
 def timed(fn, reps):
     fn()  # warm-up (and compilation)
+    fn()
     ts = []
     for _ in range(reps):
         t = time.perf_counter()
@@ -81,28 +84,37 @@ def main():
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--skip-sdpa-masked", action="store_true",
                     help="run SDPA on causal only (dense-mask SDPA is slow)")
+    ap.add_argument("--bwd", action="store_true", help="also time the backward pass")
     args = ap.parse_args()
     torch.manual_seed(0)
     flex = torch.compile(flex_attention)
-    rows = []  # (system, mask, dtype, ms, gflops)
+    passes = ("fwd", "bwd") if args.bwd else ("fwd",)
+    rows = []  # (system, mask, dtype, pass, ms, gflops)
     for name, mod in MASKS.items():
         allowed = int(dense(mod).sum())
-        flops = 4.0 * D * allowed * H
         bm = create_block_mask(mod, None, None, L, L, device="cpu", BLOCK_SIZE=128)
         for dt in (torch.float32, torch.bfloat16):
             q, k, v = (torch.rand(1, H, L, D, dtype=dt) * 2 - 1 for _ in range(3))
+            d_o = torch.rand(1, H, L, D, dtype=dt) * 2 - 1
+            runs = {}
             if name == "causal":
-                t = timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), args.reps)
-                rows.append(("sdpa", name, DT[dt], t * 1e3, flops / t / 1e9))
+                runs["sdpa"] = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)
             elif not args.skip_sdpa_masked:
                 m = dense(mod)
-                t = timed(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=m), args.reps)
-                rows.append(("sdpa", name, DT[dt], t * 1e3, flops / t / 1e9))
-            with torch.no_grad():
-                t = timed(lambda: flex(q, k, v, block_mask=bm), args.reps)
-            rows.append(("flex (compiled)", name, DT[dt], t * 1e3, flops / t / 1e9))
+                runs["sdpa"] = lambda q, k, v, m=m: F.scaled_dot_product_attention(q, k, v, attn_mask=m)
+            runs["flex (compiled)"] = lambda q, k, v: flex(q, k, v, block_mask=bm)
+            for system, f in runs.items():
+                with torch.no_grad():
+                    t = timed(lambda: f(q, k, v), args.reps)
+                rows.append((system, name, DT[dt], "fwd", t * 1e3, 4.0 * D * allowed * H / t / 1e9))
+                if args.bwd:
+                    qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+                    out = f(qg, kg, vg)
+                    t = timed(lambda: torch.autograd.grad(out, (qg, kg, vg), d_o, retain_graph=True),
+                              args.reps)
+                    rows.append((system, name, DT[dt], "bwd", t * 1e3, 10.0 * D * allowed * H / t / 1e9))
     out = subprocess.run(
-        [args.tessera, "bench", "--quick", "--no-cache", "--no-peak", "--passes", "fwd",
+        [args.tessera, "bench", "--quick", "--no-cache", "--no-peak", "--passes", *passes,
          "--reps", str(args.reps), "--json"],
         check=True, capture_output=True, text=True).stdout
     rep = json.loads(out)
@@ -110,23 +122,25 @@ def main():
              "window(1024) & causal": "window"}
     for r in rep["rows"]:
         rows.append((f"tessera {rep['backend']}", label.get(r["mask"], r["mask"]), r["dtype"],
-                     r["median_ms"], r["gflops"]))
+                     r["pass"], r["median_ms"], r["gflops"]))
     print(f"L={L} H={H} D={D} B=1, torch {torch.__version__}, {torch.get_num_threads()} threads; "
-          "forward, median ms / effective GFLOP/s over allowed pairs")
+          "median ms / effective GFLOP/s over allowed pairs")
     systems = []
     for r in rows:
         if r[0] not in systems:
             systems.append(r[0])
-    cell = {(s, m, d): (ms, gf) for s, m, d, ms, gf in rows}
-    print("| mask | dtype | " + " | ".join(systems) + " |")
-    print("| --- | --- |" + " --- |" * len(systems))
+    cell = {(s, m, d, p): (ms, gf) for s, m, d, p, ms, gf in rows}
+    print("| mask | dtype | pass | " + " | ".join(systems) + " |")
+    print("| --- | --- | --- |" + " --- |" * len(systems))
     for m in MASKS:
         for d in ("f32", "bf16"):
-            cols = []
-            for s in systems:
-                v = cell.get((s, m, d))
-                cols.append("-" if v is None else f"{v[0]:.1f} ms / {v[1]:.0f}")
-            print(f"| {m} | {d} | " + " | ".join(cols) + " |")
+            for p in passes:
+                cols = []
+                for s in systems:
+                    v = cell.get((s, m, d, p))
+                    cols.append("-" if v is None else f"{v[0]:.1f} ms / {v[1]:.0f}")
+                print(f"| {m} | {d} | {p} | " + " | ".join(cols) + " |")
+
 
 if __name__ == "__main__":
     main()

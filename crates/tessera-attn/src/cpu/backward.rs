@@ -177,9 +177,7 @@ pub(crate) fn run(
     };
     // bf16 storage with finite inputs on AVX512-BF16: the `vdpbf16ps` item kernel.
     #[cfg(target_arch = "x86_64")]
-    let bf16_inputs = (isa == Isa::Avx512Bf16 && !exact)
-        .then(|| bf16::Packed::new(&cx))
-        .flatten();
+    let bf16_inputs = (!exact).then(|| bf16::Inputs::new(isa, &cx)).flatten();
     #[cfg(not(target_arch = "x86_64"))]
     let bf16_inputs: Option<()> = None;
     let (hkv, nkt, nqt, grp) = (d.heads_kv, plan.kv_tiles, plan.q_tiles, d.group());
@@ -252,10 +250,10 @@ pub(crate) fn run(
                 }
                 match &bf16_inputs {
                     #[cfg(target_arch = "x86_64")]
-                    Some(pk) => run_items(
+                    Some(inp) => run_items(
                         items,
                         || bf16::Ws::new(&g, d),
-                        |ws, it| bf16::entry(&cx, pk, ws, it),
+                        |ws, it| bf16::entry(&cx, inp, ws, it),
                     ),
                     _ => run_items(
                         items,

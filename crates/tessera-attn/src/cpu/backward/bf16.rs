@@ -28,7 +28,7 @@ use half::bf16;
 use std::arch::x86_64::*;
 
 /// The bf16 inputs of a backward call.
-pub(crate) struct Packed<'a> {
+pub(crate) struct Inputs<'a> {
     q: &'a [bf16],
     k: &'a [bf16],
     v: &'a [bf16],
@@ -72,12 +72,16 @@ fn pack_rows(
     }
 }
 
-impl<'a> Packed<'a> {
-    /// The inputs when Q, K, V and dO are all bf16; `None` otherwise.
-    pub(crate) fn new(cx: &BwdCtx<'a>) -> Option<Self> {
+impl<'a> Inputs<'a> {
+    /// The inputs when the kernel copy is [`Isa::Avx512Bf16`] and Q, K, V and dO are all bf16;
+    /// `None` otherwise (so holding an `Inputs` proves the CPU has AVX512-BF16).
+    pub(crate) fn new(isa: Isa, cx: &BwdCtx<'a>) -> Option<Self> {
+        if isa != Isa::Avx512Bf16 {
+            return None;
+        }
         match (cx.q, cx.k, cx.v, cx.d_o) {
             (Src::BF16(q), Src::BF16(k), Src::BF16(v), Src::BF16(d_o)) => {
-                Some(Packed { q, k, v, d_o })
+                Some(Inputs { q, k, v, d_o })
             }
             _ => None,
         }
@@ -131,11 +135,10 @@ impl Ws {
 }
 
 /// Runs one dK/dV/dQ-slot item on the `vdpbf16ps` kernel.
-pub(crate) fn entry(cx: &BwdCtx<'_>, pk: &Packed<'_>, ws: &mut Ws, it: DkvItem<'_>) {
-    debug_assert!(Isa::Avx512Bf16.supported());
-    // SAFETY: `Packed` is only built for `Isa::Avx512Bf16`, which is handed out only when the
+pub(crate) fn entry(cx: &BwdCtx<'_>, inp: &Inputs<'_>, ws: &mut Ws, it: DkvItem<'_>) {
+    // SAFETY: an `Inputs` exists only for `Isa::Avx512Bf16`, which is handed out only when the
     // CPU has AVX-512F/BW/VL, FMA and AVX512-BF16.
-    unsafe { item(cx, pk, ws, it) }
+    unsafe { item(cx, inp, ws, it) }
 }
 
 /// Packs the K (or V) rows of a kv tile: `t[dp·tk + j]` pairs along D (columns `nk..nkp` zero)
@@ -252,7 +255,7 @@ unsafe fn round_pairs(
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,fma")]
-unsafe fn item(cx: &BwdCtx<'_>, pk: &Packed<'_>, ws: &mut Ws, it: DkvItem<'_>) {
+unsafe fn item(cx: &BwdCtx<'_>, inp: &Inputs<'_>, ws: &mut Ws, it: DkvItem<'_>) {
     let DkvItem {
         b,
         g: gh,
@@ -284,9 +287,9 @@ unsafe fn item(cx: &BwdCtx<'_>, pk: &Packed<'_>, ws: &mut Ws, it: DkvItem<'_>) {
         doq,
     } = ws;
     let koff = row_off(b, gh, k0, d.heads_kv, d.kv_len, dqk);
-    pack_kv(pk.k, koff, nk, dqk, tk, ktp, Some((kk, dqkp)));
+    pack_kv(inp.k, koff, nk, dqk, tk, ktp, Some((kk, dqkp)));
     let voff = row_off(b, gh, k0, d.heads_kv, d.kv_len, dv);
-    pack_kv(pk.v, voff, nk, dv, tk, vt, None);
+    pack_kv(inp.v, voff, nk, dv, tk, vt, None);
     dk[..mk * dqkp].fill(0.0);
     dva[..mk * dvp].fill(0.0);
     let mut slot_it = dq_slots.iter_mut();
@@ -300,9 +303,9 @@ unsafe fn item(cx: &BwdCtx<'_>, pk: &Packed<'_>, ws: &mut Ws, it: DkvItem<'_>) {
             let nq = q1 - q0;
             let mq = round_up(nq, RB);
             let oq = row_off(b, h, q0, d.heads_q, d.q_len, dqk);
-            pack_rows(pk.q, oq, nq, dqk, dqkp, qd, qq);
+            pack_rows(inp.q, oq, nq, dqk, dqkp, qd, qq);
             let od = row_off(b, h, q0, d.heads_q, d.q_len, dv);
-            pack_rows(pk.d_o, od, nq, dv, dvp, dod, doq);
+            pack_rows(inp.d_o, od, nq, dv, dvp, dod, doq);
             let lse = &cx.lse[bh * d.q_len + q0..bh * d.q_len + q1];
             let delta = &cx.delta[bh * d.q_len + q0..bh * d.q_len + q1];
             if e.is_full() {
