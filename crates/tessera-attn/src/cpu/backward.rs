@@ -576,6 +576,129 @@ fn p_ds<S: Simd>(
     }
 }
 
+/// `P`, `dS` of a full tile in place: rows `0..nq`, keys `0..nk` (`sc`: the scale still to
+/// apply to `s`).
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn p_ds_full<S: Simd>(
+    cx: &BwdCtx<'_>,
+    sc: f32,
+    s: &mut [f32],
+    dp: &mut [f32],
+    tk: usize,
+    nq: usize,
+    nk: usize,
+    lse: &[f32],
+    delta: &[f32],
+) {
+    for i in 0..nq {
+        let (sr, dr) = (&mut s[i * tk..i * tk + nk], &mut dp[i * tk..i * tk + nk]);
+        p_ds::<S>(cx.softcap, sc, sr, dr, lse[i], delta[i]);
+    }
+}
+
+/// The key span of a 16-query block of a partial tile: allowed keys `r0..r1`, computed over
+/// `n0..n1` (`r0`, `r1` rounded out to 16).
+struct Span {
+    r0: usize,
+    r1: usize,
+    n0: usize,
+    n1: usize,
+}
+
+/// Rows `i0..i0 + m` of a partial tile, with their key span (`None`: no allowed key).
+struct QueryBlock {
+    i0: usize,
+    m: usize,
+    span: Option<Span>,
+}
+
+/// The 16-query blocks of partial mask `mask` over `mq` padded rows and `nk` keys.
+#[inline(always)]
+fn query_blocks<'a>(
+    cx: &'a BwdCtx<'_>,
+    mask: u32,
+    mq: usize,
+    nk: usize,
+) -> impl Iterator<Item = QueryBlock> + 'a {
+    (0..mq).step_by(SB).map(move |i0| {
+        let (r0, r1) = cx.live.keys(mask, i0 / SB);
+        let r1 = r1.min(nk);
+        QueryBlock {
+            i0,
+            m: (mq - i0).min(SB),
+            span: (r0 < r1).then(|| Span {
+                r0,
+                r1,
+                n0: r0 / SB * SB,
+                n1: round_up(r1, SB),
+            }),
+        }
+    })
+}
+
+/// The 16-key blocks `(j0, m, c0, c1)` of partial mask `mask` over `mk` padded keys with a
+/// non-empty live query range `c0..c1` (clipped to the `nq` real queries).
+#[inline(always)]
+fn key_blocks<'a>(
+    cx: &'a BwdCtx<'_>,
+    mask: u32,
+    mk: usize,
+    nq: usize,
+) -> impl Iterator<Item = (usize, usize, usize, usize)> + 'a {
+    (0..mk).step_by(SB).filter_map(move |j0| {
+        let (c0, c1) = cx.live.cols(mask, j0 / SB);
+        let c1 = c1.min(nq);
+        (c0 < c1).then_some((j0, (mk - j0).min(SB), c0, c1))
+    })
+}
+
+/// `P`, `dS` in place for the rows of query block `qb` (with a span) of partial mask `mask`:
+/// exact over `n0..r1` (masked pairs 0), zero elsewhere in `0..nkp`; rows `>= nq` are padding
+/// (their logits are already 0 and stay unexponentiated).
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn p_ds_block<S: Simd>(
+    cx: &BwdCtx<'_>,
+    mask: u32,
+    sc: f32,
+    s: &mut [f32],
+    dp: &mut [f32],
+    tk: usize,
+    nkp: usize,
+    qb: &QueryBlock,
+    nq: usize,
+    lse: &[f32],
+    delta: &[f32],
+) {
+    let Some(Span { r1, n0, n1, .. }) = qb.span else {
+        return;
+    };
+    for i in qb.i0..qb.i0 + qb.m {
+        let (sr, dr) = (&mut s[i * tk..i * tk + nkp], &mut dp[i * tk..i * tk + nkp]);
+        sr[..n0].fill(0.0);
+        dr[..n0].fill(0.0);
+        sr[n1..].fill(0.0);
+        dr[n1..].fill(0.0);
+        if i < nq {
+            p_ds::<S>(
+                cx.softcap,
+                sc,
+                &mut sr[n0..r1],
+                &mut dr[n0..r1],
+                lse[i],
+                delta[i],
+            );
+            // From the 64-key word holding n0 on (the keys before n0 are 0 already).
+            let (w0, bits) = (n0 / 64, cx.plan.partials.row(mask, i));
+            math::mask_row(&mut sr[w0 * 64..r1], &bits[w0..], 0.0);
+            math::mask_row(&mut dr[w0 * 64..r1], &bits[w0..], 0.0);
+        }
+        sr[r1..n1].fill(0.0);
+        dr[r1..n1].fill(0.0);
+    }
+}
+
 #[inline(always)]
 fn dkv_item<S: Simd>(cx: &BwdCtx<'_>, ws: &mut BwdWs, it: DkvItem<'_>) {
     let DkvItem {
@@ -663,10 +786,7 @@ fn dkv_item<S: Simd>(cx: &BwdCtx<'_>, ws: &mut BwdWs, it: DkvItem<'_>) {
             if e.is_full() {
                 gemm::<S, false, false>(mq, nkp, dqk, qa, ldq, kst, tk, s, tk);
                 gemm::<S, false, false>(mq, nkp, dv, da, ldd, vt, tk, dp, tk);
-                for i in 0..nq {
-                    let (sr, dr) = (&mut s[i * tk..i * tk + nk], &mut dp[i * tk..i * tk + nk]);
-                    p_ds::<S>(cx.softcap, 1.0, sr, dr, lse[i], delta[i]);
-                }
+                p_ds_full::<S>(cx, 1.0, s, dp, tk, nq, nk, lse, delta);
                 product::<S, true, true>(cx.exact, mk, dvp, nq, s, tk, da, ldd, dva, dvp);
                 product::<S, true, true>(cx.exact, mk, dqkp, nq, dp, tk, qa, ldq, dk, dqkp);
                 product::<S, false, false>(cx.exact, mq, dqkp, nk, dp, tk, ka, ldk, slot, dqkp);
@@ -674,17 +794,15 @@ fn dkv_item<S: Simd>(cx: &BwdCtx<'_>, ws: &mut BwdWs, it: DkvItem<'_>) {
             }
             // Partial tile: per 16-query block, S/dP/P/dS over its key span only, zero outside;
             // dQ slot rows = dS·K over the span.
-            for i0 in (0..mq).step_by(SB) {
-                let m = (mq - i0).min(SB);
-                let (r0, r1) = cx.live.keys(e.mask, i0 / SB);
-                let r1 = r1.min(nk);
-                if r0 >= r1 {
+            for qb in query_blocks(cx, e.mask, mq, nk) {
+                let (i0, m) = (qb.i0, qb.m);
+                let Some(span) = &qb.span else {
                     s[i0 * tk..(i0 + m) * tk].fill(0.0);
                     dp[i0 * tk..(i0 + m) * tk].fill(0.0);
                     slot[i0 * dqkp..(i0 + m) * dqkp].fill(0.0);
                     continue;
-                }
-                let (n0, n1) = (r0 / SB * SB, round_up(r1, SB));
+                };
+                let (n0, n1) = (span.n0, span.n1);
                 gemm::<S, false, false>(
                     m,
                     n1 - n0,
@@ -707,50 +825,22 @@ fn dkv_item<S: Simd>(cx: &BwdCtx<'_>, ws: &mut BwdWs, it: DkvItem<'_>) {
                     &mut dp[i0 * tk + n0..],
                     tk,
                 );
-                for i in i0..i0 + m {
-                    let (sr, dr) = (&mut s[i * tk..i * tk + nkp], &mut dp[i * tk..i * tk + nkp]);
-                    sr[..n0].fill(0.0);
-                    dr[..n0].fill(0.0);
-                    sr[n1..].fill(0.0);
-                    dr[n1..].fill(0.0);
-                    if i < nq {
-                        p_ds::<S>(
-                            cx.softcap,
-                            1.0,
-                            &mut sr[n0..r1],
-                            &mut dr[n0..r1],
-                            lse[i],
-                            delta[i],
-                        );
-                        // From the 64-key word holding n0 on (the keys before n0 are 0 already).
-                        let (w0, bits) = (n0 / 64, plan.partials.row(e.mask, i));
-                        math::mask_row(&mut sr[w0 * 64..r1], &bits[w0..], 0.0);
-                        math::mask_row(&mut dr[w0 * 64..r1], &bits[w0..], 0.0);
-                    }
-                    sr[r1..n1].fill(0.0);
-                    dr[r1..n1].fill(0.0);
-                }
+                p_ds_block::<S>(cx, e.mask, 1.0, s, dp, tk, nkp, &qb, nq, lse, delta);
                 product::<S, false, false>(
                     cx.exact,
                     m,
                     dqkp,
-                    r1 - r0,
-                    &dp[i0 * tk + r0..],
+                    span.r1 - span.r0,
+                    &dp[i0 * tk + span.r0..],
                     tk,
-                    &ka[r0 * ldk..],
+                    &ka[span.r0 * ldk..],
                     ldk,
                     &mut slot[i0 * dqkp..],
                     dqkp,
                 );
             }
             // dV += Pᵀ·dO, dK += dSᵀ·Q per 16-key block over its query span.
-            for j0 in (0..mk).step_by(SB) {
-                let m = (mk - j0).min(SB);
-                let (c0, c1) = cx.live.cols(e.mask, j0 / SB);
-                let c1 = c1.min(nq);
-                if c0 >= c1 {
-                    continue;
-                }
+            for (j0, m, c0, c1) in key_blocks(cx, e.mask, mk, nq) {
                 product::<S, true, true>(
                     cx.exact,
                     m,

@@ -19,10 +19,9 @@
 
 use super::super::bf16gemm::{dot_gemm, pair};
 use super::super::gemm::{round_up, RB};
-use super::super::live::SB;
-use super::super::math::{self, Avx512};
+use super::super::math::Avx512;
 use super::super::{row_off, Geometry, Isa, Src};
-use super::{p_ds, BwdCtx, DkvItem};
+use super::{key_blocks, p_ds_block, p_ds_full, query_blocks, BwdCtx, DkvItem};
 use crate::Dims;
 use half::bf16;
 use std::arch::x86_64::*;
@@ -311,10 +310,7 @@ unsafe fn item(cx: &BwdCtx<'_>, inp: &Inputs<'_>, ws: &mut Ws, it: DkvItem<'_>) 
             if e.is_full() {
                 dot_gemm::<false, false>(mq, nkp, qh, qd, qh, 1, ktp, tk, s, tk, &mut []);
                 dot_gemm::<false, false>(mq, nkp, vh, dod, vh, 1, vt, tk, dp, tk, &mut []);
-                for i in 0..nq {
-                    let (sr, dr) = (&mut s[i * tk..i * tk + nk], &mut dp[i * tk..i * tk + nk]);
-                    p_ds::<Avx512>(cx.softcap, cx.scale, sr, dr, lse[i], delta[i]);
-                }
+                p_ds_full::<Avx512>(cx, cx.scale, s, dp, tk, nq, nk, lse, delta);
                 round_pairs(s, dp, tk, 0, mq, nkp, pq, dsq, dsk);
                 let mp = mq / 2;
                 dot_gemm::<true, false>(mk, dvp, mp, pq, 1, tk, doq, dvp, dva, dvp, &mut []);
@@ -325,18 +321,16 @@ unsafe fn item(cx: &BwdCtx<'_>, inp: &Inputs<'_>, ws: &mut Ws, it: DkvItem<'_>) 
             }
             // Partial tile: per 16-query block, S/dP/P/dS over its key span only, zero outside;
             // dQ slot rows = dS·K over the span.
-            for i0 in (0..mq).step_by(SB) {
-                let m = (mq - i0).min(SB);
-                let (r0, r1) = cx.live.keys(e.mask, i0 / SB);
-                let r1 = r1.min(nk);
-                if r0 >= r1 {
+            for qb in query_blocks(cx, e.mask, mq, nk) {
+                let (i0, m) = (qb.i0, qb.m);
+                let Some(span) = &qb.span else {
                     s[i0 * tk..(i0 + m) * tk].fill(0.0);
                     dp[i0 * tk..(i0 + m) * tk].fill(0.0);
                     round_pairs(s, dp, tk, i0, m, nkp, pq, dsq, dsk);
                     slot[i0 * dqkp..(i0 + m) * dqkp].fill(0.0);
                     continue;
-                }
-                let (n0, n1) = (r0 / SB * SB, round_up(r1, SB));
+                };
+                let (n0, n1) = (span.n0, span.n1);
                 let (sb, db) = (&mut s[i0 * tk + n0..], &mut dp[i0 * tk + n0..]);
                 let (qa, da) = (&qd[i0 * qh..], &dod[i0 * vh..]);
                 dot_gemm::<false, false>(
@@ -353,25 +347,9 @@ unsafe fn item(cx: &BwdCtx<'_>, inp: &Inputs<'_>, ws: &mut Ws, it: DkvItem<'_>) 
                     &mut [],
                 );
                 dot_gemm::<false, false>(m, n1 - n0, vh, da, vh, 1, &vt[n0..], tk, db, tk, &mut []);
-                for i in i0..i0 + m {
-                    let (sr, dr) = (&mut s[i * tk..i * tk + nkp], &mut dp[i * tk..i * tk + nkp]);
-                    sr[..n0].fill(0.0);
-                    dr[..n0].fill(0.0);
-                    sr[n1..].fill(0.0);
-                    dr[n1..].fill(0.0);
-                    if i < nq {
-                        let (sw, dw) = (&mut sr[n0..r1], &mut dr[n0..r1]);
-                        p_ds::<Avx512>(cx.softcap, cx.scale, sw, dw, lse[i], delta[i]);
-                        // From the 64-key word holding n0 on (the keys before n0 are 0 already).
-                        let (w0, bits) = (n0 / 64, plan.partials.row(e.mask, i));
-                        math::mask_row(&mut sr[w0 * 64..r1], &bits[w0..], 0.0);
-                        math::mask_row(&mut dr[w0 * 64..r1], &bits[w0..], 0.0);
-                    }
-                    sr[r1..n1].fill(0.0);
-                    dr[r1..n1].fill(0.0);
-                }
+                p_ds_block::<Avx512>(cx, e.mask, cx.scale, s, dp, tk, nkp, &qb, nq, lse, delta);
                 round_pairs(s, dp, tk, i0, m, nkp, pq, dsq, dsk);
-                let (jp0, jp1) = (r0 / 2, r1.div_ceil(2));
+                let (jp0, jp1) = (span.r0 / 2, span.r1.div_ceil(2));
                 dot_gemm::<false, false>(
                     m,
                     dqkp,
@@ -387,43 +365,15 @@ unsafe fn item(cx: &BwdCtx<'_>, inp: &Inputs<'_>, ws: &mut Ws, it: DkvItem<'_>) 
                 );
             }
             // dV += Pᵀ·dO, dK += dSᵀ·Q per 16-key block over its query span.
-            for j0 in (0..mk).step_by(SB) {
-                let m = (mk - j0).min(SB);
-                let (c0, c1) = cx.live.cols(e.mask, j0 / SB);
-                let c1 = c1.min(nq);
-                if c0 >= c1 {
-                    continue;
-                }
+            for (j0, m, c0, c1) in key_blocks(cx, e.mask, mk, nq) {
                 let (ip0, ip1) = (c0 / 2, c1.div_ceil(2));
                 let np = ip1 - ip0;
                 let (pa, dsa) = (&pq[ip0 * tk + j0..], &dsq[ip0 * tk + j0..]);
                 let (dob, qb) = (&doq[ip0 * dvp..], &qq[ip0 * dqkp..]);
-                dot_gemm::<true, false>(
-                    m,
-                    dvp,
-                    np,
-                    pa,
-                    1,
-                    tk,
-                    dob,
-                    dvp,
-                    &mut dva[j0 * dvp..],
-                    dvp,
-                    &mut [],
-                );
-                dot_gemm::<true, false>(
-                    m,
-                    dqkp,
-                    np,
-                    dsa,
-                    1,
-                    tk,
-                    qb,
-                    dqkp,
-                    &mut dk[j0 * dqkp..],
-                    dqkp,
-                    &mut [],
-                );
+                let dvj = &mut dva[j0 * dvp..];
+                dot_gemm::<true, false>(m, dvp, np, pa, 1, tk, dob, dvp, dvj, dvp, &mut []);
+                let dkj = &mut dk[j0 * dqkp..];
+                dot_gemm::<true, false>(m, dqkp, np, dsa, 1, tk, qb, dqkp, dkj, dqkp, &mut []);
             }
         }
     }
