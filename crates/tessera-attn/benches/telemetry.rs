@@ -7,22 +7,28 @@
 //! - `log_step`: `forward_logged` on a logging step, both streams (sink-stream kernel variant plus
 //!   the outlier pass over O), including the flush of the record.
 //!
+//! The `telemetry/bf16/causal_documents` group runs the same variants on bf16 inputs (on CPUs
+//! with AVX512-BF16, the `vdpbf16ps` forward kernel).
+//!
 //! Criterion measures each variant in its own time window, so slow drift of the machine (other
 //! jobs, clocks) shows up as a difference between them. After the criterion groups a `paired`
-//! run interleaves the three variants (rotating their order every round) and prints per-variant
-//! medians and the median of the per-round ratios to `plain`, the robust overhead figure.
+//! run per dtype interleaves the three variants (rotating their order every round) and prints
+//! per-variant medians and the median of the per-round ratios to `plain`, the robust overhead
+//! figure.
 //!
-//! Run: `cargo bench -p tessera-attn --bench telemetry` (only the paired run:
-//! `cargo bench -p tessera-attn --bench telemetry -- paired`).
+//! Run: `cargo bench -p tessera-attn --bench telemetry` (only the paired runs:
+//! `cargo bench -p tessera-attn --bench telemetry -- paired`; one dtype: `-- paired-f32` or
+//! `-- paired-bf16`).
 
 use criterion::{criterion_group, Criterion};
+use half::bf16;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use std::time::{Duration, Instant};
 use tessera_attn::{
     forward_logged, AttnOptions, Backend, CpuBackend, ForwardOutput, TelemetryInput,
 };
-use tessera_core::Tensor;
+use tessera_core::{DType, Tensor};
 use tessera_mask::{Mask, SegmentIds, Segments};
 use tessera_plan::{build_plan, Plan, PlanShape, TileShape};
 use tessera_telemetry::{
@@ -47,11 +53,16 @@ fn documents() -> Mask {
     Mask::causal() & Mask::document(Segments::shared(seg))
 }
 
-fn tensor(rng: &mut ChaCha8Rng) -> Tensor {
+fn tensor(rng: &mut ChaCha8Rng, dtype: DType) -> Tensor {
     let v: Vec<f32> = (0..H * L * D)
         .map(|_| rng.gen_range(-1.7f32..1.7))
         .collect();
-    Tensor::from_f32(vec![1, H, L, D], v).expect("tensor")
+    if dtype == DType::BF16 {
+        let v = v.into_iter().map(bf16::from_f32).collect();
+        Tensor::from_bf16(vec![1, H, L, D], v).expect("tensor")
+    } else {
+        Tensor::from_f32(vec![1, H, L, D], v).expect("tensor")
+    }
 }
 
 /// The problem and the three ways to run its forward.
@@ -68,7 +79,7 @@ struct Setup {
 }
 
 impl Setup {
-    fn new() -> Self {
+    fn new(dtype: DType) -> Self {
         let mask = documents();
         let plan = build_plan(
             &mask,
@@ -77,7 +88,11 @@ impl Setup {
         )
         .expect("plan");
         let mut rng = ChaCha8Rng::seed_from_u64(1);
-        let (q, k, v) = (tensor(&mut rng), tensor(&mut rng), tensor(&mut rng));
+        let (q, k, v) = (
+            tensor(&mut rng, dtype),
+            tensor(&mut rng, dtype),
+            tensor(&mut rng, dtype),
+        );
         let log_step = Telemetry::new(TelemetryConfig::every(2)).expect("telemetry");
         let mut off_step = log_step.clone();
         off_step.advance();
@@ -128,9 +143,14 @@ impl Setup {
 }
 
 fn bench(c: &mut Criterion) {
-    let x = Setup::new();
+    group(c, DType::F32);
+    group(c, DType::BF16);
+}
+
+fn group(c: &mut Criterion, dtype: DType) {
+    let x = Setup::new(dtype);
     let mut sink = TelemetrySink::new(x.log_step.config.clone());
-    let mut g = c.benchmark_group("telemetry/f32/causal_documents");
+    let mut g = c.benchmark_group(format!("telemetry/{dtype}/causal_documents"));
     g.bench_function("plain", |b| b.iter(|| x.plain()));
     g.bench_function("off_step", |b| b.iter(|| x.logged(&x.off_step, &mut sink)));
     g.bench_function("log_step", |b| b.iter(|| x.logged(&x.log_step, &mut sink)));
@@ -170,9 +190,9 @@ criterion_group! {
 }
 
 /// Interleaved timing of the three variants; prints medians and per-round ratios.
-fn paired() {
+fn paired(dtype: DType) {
     const ROUNDS: usize = 30;
-    let x = Setup::new();
+    let x = Setup::new(dtype);
     let mut sink = TelemetrySink::new(x.log_step.config.clone());
     let names = ["plain", "off_step", "log_step"];
     let mut ms: Vec<Vec<f64>> = (0..3).map(|_| Vec::with_capacity(ROUNDS)).collect();
@@ -195,7 +215,7 @@ fn paired() {
         v.sort_by(f64::total_cmp);
         v[v.len() / 2]
     };
-    println!("telemetry/f32/causal_documents/paired ({ROUNDS} interleaved rounds)");
+    println!("telemetry/{dtype}/causal_documents/paired ({ROUNDS} interleaved rounds)");
     for (i, name) in names.iter().enumerate() {
         let ratio: Vec<f64> = ms[i].iter().zip(&ms[0]).map(|(a, p)| a / p).collect();
         println!(
@@ -212,12 +232,18 @@ fn main() {
         .iter()
         .find(|a| !a.starts_with('-'))
         .map(String::as_str);
-    if filter != Some("paired") {
+    let paired_only = matches!(filter, Some("paired" | "paired-f32" | "paired-bf16"));
+    if !paired_only {
         benches();
     }
     // Only under `cargo bench` (`--bench`), not when `cargo test` smoke-runs the benches.
-    if args.iter().any(|a| a == "--bench") && matches!(filter, None | Some("paired")) {
-        paired();
+    if args.iter().any(|a| a == "--bench") && (filter.is_none() || paired_only) {
+        if filter != Some("paired-bf16") {
+            paired(DType::F32);
+        }
+        if filter != Some("paired-f32") {
+            paired(DType::BF16);
+        }
     }
     Criterion::default().configure_from_args().final_summary();
 }

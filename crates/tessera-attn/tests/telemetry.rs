@@ -750,3 +750,102 @@ fn every_kernel_copy_logs_the_same_summary() {
         check_on(&be, &bf);
     }
 }
+
+/// The AVX512-BF16 backend, or `None` (with a note) when this CPU lacks it.
+fn avx512_bf16() -> Option<CpuBackend> {
+    let be = CpuBackend::with_isa(Isa::Avx512Bf16).ok();
+    if be.is_none() {
+        eprintln!("skipping: this CPU has no AVX512-BF16");
+    }
+    be
+}
+
+/// bf16 problems for the hooked `vdpbf16ps` kernel: partial tiles (documents, windows, a dense
+/// random mask with empty rows), odd key counts in the last kv tile (a key pair with one key),
+/// odd head dims, GQA, learned sinks and softcap.
+fn bf16_probs() -> Vec<Prob> {
+    let bf = |mut p: Prob| {
+        p.dtype = DType::BF16;
+        p
+    };
+    let mut v = Vec::new();
+    let mut p = bf(Prob::new("bf16dot-docs", docs(2, 150, 40, 71))
+        .heads(2, 4, 2)
+        .lens(150, 150));
+    p.sinks = true;
+    p.softcap = Some(5.0);
+    p.sink_tokens = 3;
+    v.push(p);
+    let mut p = bf(Prob::new("bf16dot-ragged", Mask::window(20, 5))
+        .heads(2, 3, 1)
+        .lens(37, 91)
+        .dims(25, 40)
+        .tile(32, 16));
+    p.softcap = Some(2.0);
+    v.push(p);
+    let mut p = bf(Prob::new(
+        "bf16dot-dense",
+        random_dense(&[2, 2, 61, 61], 0.05, 5).unwrap(),
+    )
+    .heads(2, 2, 2)
+    .lens(61, 61));
+    p.sinks = true;
+    v.push(p);
+    v.push(bf(Prob::new("bf16dot-odd-tail", Mask::causal())
+        .lens(77, 77)
+        .dims(33, 17)));
+    let mut p = bf(Prob::new("bf16dot-default-tiles", docs(1, 300, 120, 73))
+        .lens(300, 300)
+        .tile(128, 128));
+    p.sinks = true;
+    p.softcap = Some(4.0);
+    v.push(p);
+    v
+}
+
+#[test]
+fn bf16_on_avx512_bf16_matches_reference() {
+    let Some(be) = avx512_bf16() else { return };
+    for p in bf16_probs() {
+        check_on(&be, &p);
+    }
+}
+
+#[test]
+fn bf16_logging_step_outputs_are_bit_identical_on_avx512_bf16() {
+    let Some(be) = avx512_bf16() else { return };
+    let f32_math = CpuBackend::with_isa(Isa::Avx512).unwrap();
+    for p in bf16_probs() {
+        let (plan, flags) = (p.plan(), p.flags());
+        let mut x = random_inputs(&p);
+        for nonfinite_v in [false, true] {
+            if nonfinite_v {
+                // Non-finite V entries (the kernel's fix-up path).
+                let mut v: Vec<bf16> = match x.v.data() {
+                    tessera_core::TensorData::BF16(v) => v.clone(),
+                    _ => unreachable!(),
+                };
+                let n = v.len();
+                v[3] = bf16::NAN;
+                v[n / 2] = bf16::INFINITY;
+                x.v = Tensor::from_bf16(x.v.shape().to_vec(), v).unwrap();
+            }
+            let what = format!("{} (non-finite V: {nonfinite_v})", p.name);
+            let plain = be
+                .forward(x.q.view(), x.k.view(), x.v.view(), &plan, &x.opts)
+                .unwrap();
+            let (out, _) = logged_on(&be, &p, &x, &plan, &flags);
+            assert_same_outputs(&out, &plain, &what);
+            // The plain forward ran the `vdpbf16ps` kernel (P rounded to bf16), not the f32 math
+            // of `Isa::Avx512`: the bit-identity above is that kernel's.
+            let generic = f32_math
+                .forward(x.q.view(), x.k.view(), x.v.view(), &plan, &x.opts)
+                .unwrap();
+            assert_ne!(
+                bits(&generic.o),
+                bits(&plain.o),
+                "{what}: same O as f32 math"
+            );
+        }
+    }
+}

@@ -1,6 +1,7 @@
-//! bf16 forward kernel on AVX512-BF16 (`vdpbf16ps`), used by [`Isa::Avx512Bf16`] for bf16
-//! storage when every input is finite (otherwise the f32 kernels with the exact zero-skipping
-//! products run).
+//! bf16 forward kernel on AVX512-BF16 (`vdpbf16ps`), used by [`Isa::Avx512Bf16`] when Q, K and
+//! V are all bf16. Non-finite inputs keep the f32 kernels' semantics: a non-finite logit from Q
+//! or K is masked to an exact 0 or propagates through P; non-finite V entries are packed as 0 and
+//! added back exactly for the queries whose bf16 P weight on that key is nonzero.
 //!
 //! Layout: K and V are packed once per call into bf16 pairs (`u32` = two bf16), per kv tile:
 //! K `[tkp × ⌈Dqk/2⌉]` (pairs along D), V `[tkp/2 × Dvp]` (pairs of consecutive keys). Per item
@@ -11,13 +12,18 @@
 //! for `O += P·V` by `vdpbf16ps` (f32 accumulators in `O`). The column sums `l` use the f32 `P`.
 //! Partial tiles use the same live sub-block spans as the f32 kernel ([`super::live`]).
 //!
+//! Telemetry: `item` is generic over [`super::forward::TileObserver`] like the f32 kernel
+//! (production: `NoTelemetry`, hooks compiled out). An observing copy gets every hook with the
+//! trait's semantics, per key row (both keys of a pair) with the f32 P before rounding, so its
+//! outputs are bit-identical to the production copy's.
+//!
 //! Accuracy: products of bf16 inputs are exact in f32, so S matches the f32 kernel up to
 //! summation order; rounding P to bf16 adds ≤ 2⁻⁹ relative error per weight (FlashAttention does
 //! the same); O stays well inside the 1e-2 bf16 tolerance. Deterministic: fixed loop order, no
 //! atomics, each output written by one item.
 
 #[cfg(target_arch = "x86_64")]
-pub(crate) use imp::run;
+pub(crate) use imp::{item, run, Ctx, FALLBACK};
 
 #[cfg(not(target_arch = "x86_64"))]
 pub(crate) fn run(
@@ -34,7 +40,7 @@ pub(crate) fn run(
 #[cfg(target_arch = "x86_64")]
 mod imp {
     use super::super::bf16gemm::{dot_gemm, pair, round_bits};
-    use super::super::forward;
+    use super::super::forward::{self, NoTelemetry, TileObserver};
     use super::super::gemm::{round_up, RB};
     use super::super::live::{self, LiveBlocks, SB};
     use super::super::math::{self, Avx512, Simd};
@@ -48,7 +54,8 @@ mod imp {
 
     const NEG_INF: f32 = f32::NEG_INFINITY;
 
-    struct Ctx<'a> {
+    /// The per-call state of the kernel: inputs packed to bf16 pairs, masks, options.
+    pub(crate) struct Ctx<'a> {
         plan: &'a Plan,
         d: Dims,
         tq: usize,
@@ -76,7 +83,8 @@ mod imp {
         val: f32,
     }
 
-    struct Ws {
+    /// A per-worker workspace.
+    pub(crate) struct Ws {
         qp: Vec<u32>,
         s: Vec<f32>,
         pp: Vec<u32>,
@@ -97,104 +105,134 @@ mod imp {
         plan: &Plan,
         options: &AttnOptions,
     ) -> Result<ForwardOutput> {
-        let (qs, ks, vs) = (Src::new(&q)?, Src::new(&k)?, Src::new(&v)?);
-        let (Src::BF16(qx), Src::BF16(kx), Src::BF16(vx)) = (qs, ks, vs) else {
-            return forward::run(Isa::Avx512, d, q, k, v, plan, options);
+        let Some(cx) = Ctx::new(d, q, k, v, plan, options)? else {
+            return forward::run(FALLBACK, d, q, k, v, plan, options);
         };
-        let tq = round_up(plan.tile.q, 16);
-        let tkp = round_up(plan.tile.kv, 16);
-        let dpair = d.d_qk.div_ceil(2);
-        let dvp = round_up(d.d_v, 16);
-        let nkt = plan.kv_tiles;
-        let blocks = d.batch * d.heads_kv * nkt;
-        // Pack K and V once: per kv tile, zero padded to tkp keys.
-        let mut kp = vec![0u32; blocks * tkp * dpair];
-        let mut vp = vec![0u32; blocks * (tkp / 2) * dvp];
-        let (dqk, dv) = (d.d_qk, d.d_v);
-        kp.par_chunks_mut(tkp * dpair)
-            .zip(vp.par_chunks_mut(tkp / 2 * dvp))
-            .enumerate()
-            .for_each(|(blk, (kd, vd))| {
-                let (bg, kt) = (blk / nkt, blk % nkt);
-                let (k0, k1) = plan.kv_range(kt);
-                let nk = k1 - k0;
-                let bits = |x: &bf16| x.to_bits();
-                for j in 0..nk {
-                    let off = (bg * d.kv_len + k0 + j) * dqk;
-                    let (src, dst) = (&kx[off..off + dqk], &mut kd[j * dpair..(j + 1) * dpair]);
-                    // Pairs along D are the row's own bytes: a straight (vectorized) copy.
-                    for (o, p) in dst.iter_mut().zip(src.chunks_exact(2)) {
-                        *o = pair(bits(&p[0]), bits(&p[1]));
-                    }
-                    if dqk % 2 == 1 {
-                        dst[dpair - 1] = pair(bits(&src[dqk - 1]), 0);
-                    }
-                }
-                for jp in 0..nk.div_ceil(2) {
-                    let off0 = (bg * d.kv_len + k0 + 2 * jp) * dv;
-                    let dst = &mut vd[jp * dvp..jp * dvp + dv];
-                    let v0 = &vx[off0..off0 + dv];
-                    if 2 * jp + 1 < nk {
-                        let v1 = &vx[off0 + dv..off0 + 2 * dv];
-                        for ((o, a), b) in dst.iter_mut().zip(v0).zip(v1) {
-                            *o = pair(bits(a), bits(b));
-                        }
-                    } else {
-                        for (o, a) in dst.iter_mut().zip(v0) {
-                            *o = pair(bits(a), 0);
-                        }
-                    }
-                }
-            });
-        // Non-finite V values (only V matters: a non-finite logit from Q or K is masked to an
-        // exact 0 or propagates through P, as in the f32 kernel) are packed as 0 and added back
-        // per tile for the queries whose bf16 P weight on that key is nonzero, so 0·NaN never
-        // appears and rows that cannot attend the key keep the bits of a clean run.
-        let mut fix: Vec<Vec<Fixup>> = Vec::new();
-        if !vs.all_finite() {
-            fix = vec![Vec::new(); blocks];
-            for (idx, x) in vx.iter().enumerate() {
-                if x.is_finite() {
-                    continue;
-                }
-                let (bg, row, col) = (idx / (d.kv_len * dv), (idx / dv) % d.kv_len, idx % dv);
-                let kt = row / plan.tile.kv;
-                let j = row - plan.kv_range(kt).0;
-                let blk = bg * nkt + kt;
-                let half = j % 2;
-                let w = &mut vp[(blk * (tkp / 2) + j / 2) * dvp + col];
-                *w &= if half == 0 { 0xFFFF_0000 } else { 0x0000_FFFF };
-                fix[blk].push(Fixup {
-                    jp: j / 2,
-                    half,
-                    col,
-                    val: x.to_f32(),
-                });
-            }
-        }
-        let cx = Ctx {
-            plan,
-            d: *d,
-            tq,
-            tkp,
-            dpair,
-            dvp,
-            q: qx,
-            kp,
-            vp,
-            fix,
-            masks_t: MasksT::new(plan),
-            live: LiveBlocks::new(plan),
-            scale: options.scale_for(d.d_qk),
-            softcap: options.softcap,
-            sinks: options.sinks.as_deref(),
-        };
-        let z = |n: usize| vec![0f32; n];
         forward::schedule(
             plan,
             d,
-            || Ws {
-                qp: vec![0u32; dpair * tq],
+            || cx.workspace(),
+            // SAFETY: this kernel is only selected as `Isa::Avx512Bf16`, which is handed out
+            // only when the CPU has AVX-512F/BW/VL, FMA and AVX512-BF16.
+            |ws, it| unsafe { item(&cx, ws, it, &mut NoTelemetry) },
+        )
+    }
+
+    /// The f32 kernel copy that runs when [`Ctx::new`] declines the inputs.
+    pub(crate) const FALLBACK: Isa = Isa::Avx512;
+
+    impl<'a> Ctx<'a> {
+        /// Packs K and V; `None` when the inputs are not all bf16 (run the [`FALLBACK`] copy of
+        /// the f32 kernel instead).
+        pub(crate) fn new(
+            d: &Dims,
+            q: TensorView<'a>,
+            k: TensorView<'a>,
+            v: TensorView<'a>,
+            plan: &'a Plan,
+            options: &'a AttnOptions,
+        ) -> Result<Option<Self>> {
+            let (qs, ks, vs) = (Src::new(&q)?, Src::new(&k)?, Src::new(&v)?);
+            let (Src::BF16(qx), Src::BF16(kx), Src::BF16(vx)) = (qs, ks, vs) else {
+                return Ok(None);
+            };
+            let tq = round_up(plan.tile.q, 16);
+            let tkp = round_up(plan.tile.kv, 16);
+            let dpair = d.d_qk.div_ceil(2);
+            let dvp = round_up(d.d_v, 16);
+            let nkt = plan.kv_tiles;
+            let blocks = d.batch * d.heads_kv * nkt;
+            // Pack K and V once: per kv tile, zero padded to tkp keys.
+            let mut kp = vec![0u32; blocks * tkp * dpair];
+            let mut vp = vec![0u32; blocks * (tkp / 2) * dvp];
+            let (dqk, dv) = (d.d_qk, d.d_v);
+            kp.par_chunks_mut(tkp * dpair)
+                .zip(vp.par_chunks_mut(tkp / 2 * dvp))
+                .enumerate()
+                .for_each(|(blk, (kd, vd))| {
+                    let (bg, kt) = (blk / nkt, blk % nkt);
+                    let (k0, k1) = plan.kv_range(kt);
+                    let nk = k1 - k0;
+                    let bits = |x: &bf16| x.to_bits();
+                    for j in 0..nk {
+                        let off = (bg * d.kv_len + k0 + j) * dqk;
+                        let (src, dst) = (&kx[off..off + dqk], &mut kd[j * dpair..(j + 1) * dpair]);
+                        // Pairs along D are the row's own bytes: a straight (vectorized) copy.
+                        for (o, p) in dst.iter_mut().zip(src.chunks_exact(2)) {
+                            *o = pair(bits(&p[0]), bits(&p[1]));
+                        }
+                        if dqk % 2 == 1 {
+                            dst[dpair - 1] = pair(bits(&src[dqk - 1]), 0);
+                        }
+                    }
+                    for jp in 0..nk.div_ceil(2) {
+                        let off0 = (bg * d.kv_len + k0 + 2 * jp) * dv;
+                        let dst = &mut vd[jp * dvp..jp * dvp + dv];
+                        let v0 = &vx[off0..off0 + dv];
+                        if 2 * jp + 1 < nk {
+                            let v1 = &vx[off0 + dv..off0 + 2 * dv];
+                            for ((o, a), b) in dst.iter_mut().zip(v0).zip(v1) {
+                                *o = pair(bits(a), bits(b));
+                            }
+                        } else {
+                            for (o, a) in dst.iter_mut().zip(v0) {
+                                *o = pair(bits(a), 0);
+                            }
+                        }
+                    }
+                });
+            // Non-finite V values (only V matters: a non-finite logit from Q or K is masked to an
+            // exact 0 or propagates through P, as in the f32 kernel) are packed as 0 and added back
+            // per tile for the queries whose bf16 P weight on that key is nonzero, so 0·NaN never
+            // appears and rows that cannot attend the key keep the bits of a clean run.
+            let mut fix: Vec<Vec<Fixup>> = Vec::new();
+            if !vs.all_finite() {
+                fix = vec![Vec::new(); blocks];
+                for (idx, x) in vx.iter().enumerate() {
+                    if x.is_finite() {
+                        continue;
+                    }
+                    let (bg, row, col) = (idx / (d.kv_len * dv), (idx / dv) % d.kv_len, idx % dv);
+                    let kt = row / plan.tile.kv;
+                    let j = row - plan.kv_range(kt).0;
+                    let blk = bg * nkt + kt;
+                    let half = j % 2;
+                    let w = &mut vp[(blk * (tkp / 2) + j / 2) * dvp + col];
+                    *w &= if half == 0 { 0xFFFF_0000 } else { 0x0000_FFFF };
+                    fix[blk].push(Fixup {
+                        jp: j / 2,
+                        half,
+                        col,
+                        val: x.to_f32(),
+                    });
+                }
+            }
+            let cx = Ctx {
+                plan,
+                d: *d,
+                tq,
+                tkp,
+                dpair,
+                dvp,
+                q: qx,
+                kp,
+                vp,
+                fix,
+                masks_t: MasksT::new(plan),
+                live: LiveBlocks::new(plan),
+                scale: options.scale_for(d.d_qk),
+                softcap: options.softcap,
+                sinks: options.sinks.as_deref(),
+            };
+            Ok(Some(cx))
+        }
+
+        /// A fresh per-worker workspace.
+        pub(crate) fn workspace(&self) -> Ws {
+            let (tq, tkp, dvp) = (self.tq, self.tkp, self.dvp);
+            let z = |n: usize| vec![0f32; n];
+            Ws {
+                qp: vec![0u32; self.dpair * tq],
                 s: z(tkp * tq),
                 pp: vec![0u32; tkp / 2 * tq],
                 o: z(tq * dvp),
@@ -204,15 +242,22 @@ mod imp {
                 alpha: z(tq),
                 col: z(tq),
                 raw_max: z(tq),
-            },
-            // SAFETY: this kernel is only selected as `Isa::Avx512Bf16`, which is handed out
-            // only when the CPU has AVX-512F/BW/VL, FMA and AVX512-BF16.
-            |ws, it| unsafe { item(&cx, ws, it) },
-        )
+            }
+        }
     }
 
+    /// One work item, observed by `obs` (production: [`NoTelemetry`], whose hooks compile to
+    /// nothing).
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512F/BW/VL, FMA and AVX512-BF16 (`Isa::Avx512Bf16`).
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,fma")]
-    unsafe fn item(cx: &Ctx<'_>, ws: &mut Ws, mut it: forward::FwdItem<'_>) {
+    pub(crate) unsafe fn item<T: TileObserver>(
+        cx: &Ctx<'_>,
+        ws: &mut Ws,
+        mut it: forward::FwdItem<'_>,
+        obs: &mut T,
+    ) {
         let (plan, d) = (cx.plan, &cx.d);
         let (b, h) = (it.b, it.h);
         let kvh = h / d.group();
@@ -350,6 +395,29 @@ mod imp {
                 let prow = &mut pp[jp * tq..jp * tq + nqp];
                 prow[..a].fill(0);
                 prow[bp..].fill(0);
+                if T::OBSERVES {
+                    // Observed copy: the hooks take one key row at a time, so each key's f32 P
+                    // (the values of the loop below, bit for bit) replaces its logits in `s`.
+                    let (r0, r1) = s.split_at_mut(j1 * tq);
+                    let (r0, r1) = (&mut r0[j0 * tq..j0 * tq + bp], &mut r1[..bp]);
+                    exp_row(obs, r0, &m_use[..bp], a, bb, sc);
+                    obs.after_exp(k0 + j0, a, &r0[a..bb]);
+                    if has1 {
+                        exp_row(obs, r1, &m_use[..bp], a, bb, sc);
+                        obs.after_exp(k0 + j1, a, &r1[a..bb]);
+                    } else {
+                        r1[a..].fill(0.0);
+                    }
+                    let lanes = prow[a..bp]
+                        .iter_mut()
+                        .zip(col[a..bp].iter_mut())
+                        .zip(r0[a..].iter().zip(&r1[a..]));
+                    for ((pv, c), (&p0, &p1)) in lanes {
+                        *c += p0 + p1;
+                        *pv = round_bits(p0) | round_bits(p1) << 16;
+                    }
+                    continue;
+                }
                 let (r0, r1) = s.split_at(j1 * tq);
                 let (r0, r1) = (&r0[j0 * tq..j0 * tq + bp], &r1[..bp]);
                 let lanes = prow[a..bp]
@@ -374,6 +442,7 @@ mod imp {
                     math::scale_row(&mut o[i * dvp..i * dvp + dv], alpha[i]);
                 }
             }
+            obs.on_tile(&col[..nq], &m_use[..nq], &alpha[..nq]);
             if full {
                 dot_gemm::<true, false>(
                     mq,
@@ -429,11 +498,41 @@ mod imp {
             it.o.store(i * dv, orow, factor as f32);
             it.lse[i] = lse as f32;
             any_nan |= lse.is_nan();
+            obs.on_row(i, lse);
         }
         *it.max_logit = if any_nan {
             f32::NAN
         } else {
             math::max_row(&raw_max[..nq])
         };
+    }
+
+    /// `row[i] = p_i = exp(sc·s_i − m_use_i)` over the live span `a..bb` of one key row (as the
+    /// plain P loop computes it), 0 on the padding lanes after it; with the observer's entropy
+    /// accumulator, also `acc[i − a] += p_i · max(sc·s_i − m_use_i, −88)` (see
+    /// `TileObserver::entropy_terms`).
+    #[inline(always)]
+    fn exp_row<T: TileObserver>(
+        obs: &mut T,
+        row: &mut [f32],
+        m_use: &[f32],
+        a: usize,
+        bb: usize,
+        sc: f32,
+    ) {
+        let (live, mu) = (&mut row[a..bb], &m_use[a..bb]);
+        if let Some(acc) = obs.entropy_terms(a, bb) {
+            for ((x, &u), e) in live.iter_mut().zip(mu).zip(acc.iter_mut()) {
+                let d = Avx512::madd(*x, sc, -u);
+                let p = math::exp::<Avx512>(d);
+                *x = p;
+                *e += p * if d > -88.0 { d } else { -88.0 };
+            }
+        } else {
+            for (x, &u) in live.iter_mut().zip(mu) {
+                *x = math::exp::<Avx512>(Avx512::madd(*x, sc, -u));
+            }
+        }
+        row[bb..].fill(0.0);
     }
 }

@@ -22,11 +22,16 @@ use tessera_plan::Plan;
 
 const NEG_INF: f32 = f32::NEG_INFINITY;
 
-/// Compile-time hook into the forward kernel. The production kernel uses [`NoTelemetry`] (every
-/// hook is an empty inline function, so it compiles to nothing); the telemetry variant
-/// (`super::telemetry`: per-row sink mass, entropy) implements the hooks and is instantiated as a
-/// separate kernel copy. Hooks only read kernel state; they never change what the kernel computes.
+/// Compile-time hook into the forward kernels (`item_with` here and the AVX512-BF16
+/// `bf16dot::item`). The production kernels use [`NoTelemetry`] (every hook is an empty inline
+/// function, so it compiles to nothing); the telemetry variant (`super::telemetry`: per-row sink
+/// mass, entropy) implements the hooks and is instantiated as a separate kernel copy. Hooks only
+/// read kernel state; they never change what the kernel computes.
 pub(crate) trait TileObserver {
+    /// Whether any hook does something: `bf16dot` keeps no f32 P row, and only writes one per key
+    /// for the hooks when this is true.
+    const OBSERVES: bool = true;
+
     /// Before the exponentials of one key row of a kv tile, over the row's live query span
     /// `a..b` (every query outside it is masked for this key): `Some(acc)` (`b − a` entries)
     /// makes the kernel run its fused exponential loop, which also does
@@ -56,7 +61,9 @@ pub(crate) trait TileObserver {
 /// The production forward kernel: no telemetry work at all.
 #[derive(Default)]
 pub(crate) struct NoTelemetry;
-impl TileObserver for NoTelemetry {}
+impl TileObserver for NoTelemetry {
+    const OBSERVES: bool = false;
+}
 
 pub(crate) struct FwdCtx<'a> {
     plan: &'a Plan,

@@ -155,7 +155,7 @@ impl Backend for CpuBackend {
     ) -> Result<ForwardOutput> {
         let d = check_forward(&q, &k, &v, plan, options)?;
         let start = Instant::now();
-        let out = if self.isa == Isa::Avx512Bf16 && d.dtype == DType::BF16 {
+        let out = if runs_bf16dot(self.isa, d.dtype) {
             bf16dot::run(&d, q, k, v, plan, options)?
         } else {
             forward::run(self.isa, &d, q, k, v, plan, options)?
@@ -193,6 +193,13 @@ impl Backend for CpuBackend {
         metrics::record_kernel(&format!("cpu.backward.{}", d.dtype), start.elapsed());
         Ok(out)
     }
+}
+
+/// Whether a forward of this dtype on this kernel copy runs the `bf16dot` kernel (which itself
+/// falls back to the f32 kernels when the inputs are not all bf16); the plain and the telemetry
+/// forward both dispatch on it.
+fn runs_bf16dot(isa: Isa, dtype: DType) -> bool {
+    isa == Isa::Avx512Bf16 && dtype == DType::BF16
 }
 
 /// A validated f32 or bf16 input, read row by row into f32 tiles.

@@ -1,9 +1,10 @@
 //! The telemetry variant of the forward kernel (SPEC §6, sink stream).
 //!
-//! The same generic item kernel as production (`forward::item_with`), instantiated with
-//! [`TelObserver`] instead of `NoTelemetry`, so O, LSE and max_logit are bit-identical to the plain
-//! forward. Per query row the observer keeps, relative to the kernel's running max `m`, the online
-//! sums of `tessera_telemetry::RowSums`:
+//! The item kernel the plain forward would run (`forward::item_with`, or `bf16dot::item` where
+//! `CpuBackend::forward` picks the AVX512-BF16 bf16 kernel), instantiated with [`TelObserver`]
+//! instead of `NoTelemetry`, so a logging step runs one kernel and its O, LSE and max_logit are
+//! bit-identical to the plain forward. Per query row the observer keeps, relative to the kernel's
+//! running max `m`, the online sums of `tessera_telemetry::RowSums`:
 //! - `l = Σ e^{s−m}`, `sink_l = Σ_{sink keys} e^{s−m}`, `es = Σ e^{s−m}·(s−m)`.
 //!
 //! Per key row of a kv tile the kernel runs its fused exponential loop (`entropy_terms`), which
@@ -22,11 +23,12 @@
 //! batch's bit for bit. The outlier stream is `AttnSummary::add_output` with the (b, h) slices on
 //! the rayon pool (the same statistics, bit for bit).
 //!
-//! The one kernel the observer does not hook is the AVX512-BF16 bf16 forward (`bf16dot`): when
-//! the plain forward would run it, the logging step runs that kernel for the outputs (so they stay
-//! bit-identical to a non-logging step) and the hooked generic kernel for the summary, about twice
-//! the forward cost on logging steps of bf16 calls on such CPUs.
+//! `bf16dot` rounds P to bf16 for `P·V`; its hooks see the f32 P (the values summed into `l`),
+//! which its observed copy writes over each key's logits, one extra pass per key pair that the
+//! production copy skips (`TileObserver::OBSERVES`).
 
+#[cfg(target_arch = "x86_64")]
+use super::bf16dot;
 use super::forward::{self, FwdCtx, FwdItem, FwdWs, TileObserver};
 use super::math::Simd;
 use super::{isa_entry, CpuBackend, Geometry, Isa};
@@ -35,7 +37,7 @@ use rayon::prelude::*;
 use std::sync::Mutex;
 use std::time::Instant;
 use tessera_core::tensor::TensorView;
-use tessera_core::{metrics, DType, Error, Result, Tensor, TensorData};
+use tessera_core::{metrics, Error, Result, Tensor, TensorData};
 use tessera_plan::Plan;
 use tessera_telemetry::{AttnSummary, HeadAccum, OutlierStats};
 
@@ -181,7 +183,8 @@ fn item<S: Simd>(cx: &FwdCtx<'_>, ws: &mut FwdWs, it: FwdItem<'_>, obs: &mut Tel
     forward::item_with::<S, TelObserver<'_>>(cx, ws, it, obs)
 }
 
-/// The hooked generic forward: outputs plus one sink-stream accumulator per query head.
+/// The hooked forward: the kernel the plain forward would run (`CpuBackend::forward`'s dispatch),
+/// instantiated with [`TelObserver`]; outputs plus one sink-stream accumulator per query head.
 /// `sink_flags` is `[B, Lkv]` (checked by the caller).
 #[allow(clippy::too_many_arguments)]
 fn run(
@@ -194,7 +197,49 @@ fn run(
     options: &AttnOptions,
     sink_flags: &[bool],
 ) -> Result<(ForwardOutput, Vec<HeadAccum>)> {
+    #[cfg(target_arch = "x86_64")]
+    let isa = if super::runs_bf16dot(isa, d.dtype) {
+        match bf16dot::Ctx::new(d, q, k, v, plan, options)? {
+            Some(cx) => {
+                return observed(
+                    plan,
+                    d,
+                    options,
+                    sink_flags,
+                    || cx.workspace(),
+                    |ws, it, obs| {
+                        // SAFETY: `Isa::Avx512Bf16` is only handed out when the CPU has
+                        // AVX-512F/BW/VL, FMA and AVX512-BF16.
+                        unsafe { bf16dot::item(&cx, ws, it, obs) }
+                    },
+                );
+            }
+            None => bf16dot::FALLBACK,
+        }
+    } else {
+        isa
+    };
     let cx = FwdCtx::new(d, q, k, v, plan, options)?;
+    observed(
+        plan,
+        d,
+        options,
+        sink_flags,
+        || cx.workspace(),
+        |ws, it, obs| entry(isa, &cx, ws, it, obs),
+    )
+}
+
+/// Runs `kernel` on every work item with the item's [`TelObserver`] (its workspace from
+/// `make_ws`) and collects the observers' sums per query head.
+fn observed<W>(
+    plan: &Plan,
+    d: &Dims,
+    options: &AttnOptions,
+    sink_flags: &[bool],
+    make_ws: impl Fn() -> W + Sync,
+    kernel: impl Fn(&mut W, FwdItem<'_>, &mut TelObserver<'_>) + Sync,
+) -> Result<(ForwardOutput, Vec<HeadAccum>)> {
     let tq = Geometry::new(plan, d).tq;
     let (hq, lkv) = (d.heads_q, d.kv_len);
     // One accumulator per (b, h); each item adds its sums (exact additions, so order-free).
@@ -202,14 +247,15 @@ fn run(
         .map(|_| Mutex::new(HeadAccum::default()))
         .collect();
     let sinks = options.sinks.as_deref();
-    let out = forward::run_with(
-        &cx,
-        || (cx.workspace(), TelWs::new(tq)),
+    let out = forward::schedule(
+        plan,
+        d,
+        || (make_ws(), TelWs::new(tq)),
         |(ws, tws), it| {
             let (b, h) = (it.b, it.h);
             let flags = &sink_flags[b * lkv..(b + 1) * lkv];
             let mut obs = TelObserver::new(flags, sinks.map(|s| s[h] as f64), tws);
-            entry(isa, &cx, ws, it, &mut obs);
+            kernel(ws, it, &mut obs);
             let mut slot = slots[b * hq + h]
                 .lock()
                 .unwrap_or_else(|poisoned| poisoned.into_inner());
@@ -224,12 +270,6 @@ fn run(
         heads[idx % hq].merge(&acc);
     }
     Ok((out, heads))
-}
-
-/// Whether [`CpuBackend::forward`] runs a kernel without the telemetry hooks for this call (the
-/// AVX512-BF16 bf16 kernel; keep in step with the dispatch there).
-fn plain_kernel_is_unhooked(isa: Isa, dtype: DType) -> bool {
-    isa == Isa::Avx512Bf16 && dtype == DType::BF16
 }
 
 /// [`Backend::forward_with_telemetry`] of the CPU backend.
@@ -255,11 +295,7 @@ pub(super) fn forward(
         for (acc, h) in summary.heads.iter_mut().zip(&heads) {
             acc.merge(h);
         }
-        if plain_kernel_is_unhooked(be.isa(), d.dtype) {
-            be.forward(q, k, v, plan, options)?
-        } else {
-            out
-        }
+        out
     } else {
         be.forward(q, k, v, plan, options)?
     };
