@@ -78,6 +78,19 @@ def timed(fn, reps):
     return statistics.median(ts)
 
 
+def flex_backward_supported():
+    """Whether FlexAttention has a backward on this device (it raises on CPU in torch 2.x). Probed
+    eagerly on a tiny input, so a failure does not pollute the compiled function's cache (a failed
+    call with grad-requiring inputs made later compiled calls fall back to a ~100x slower path)."""
+    x = torch.rand(1, 1, 128, 16, requires_grad=True)
+    try:
+        flex_attention(x, x, x).sum().backward()
+        return True
+    except NotImplementedError as e:
+        print(f"FlexAttention backward: {e}")
+        return False
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tessera", required=True, help="path of the built tessera binary")
@@ -88,6 +101,7 @@ def main():
     args = ap.parse_args()
     torch.manual_seed(0)
     flex = torch.compile(flex_attention)
+    flex_bwd = args.bwd and flex_backward_supported()
     passes = ("fwd", "bwd") if args.bwd else ("fwd",)
     rows = []  # (system, mask, dtype, pass, ms, gflops)
     for name, mod in MASKS.items():
@@ -108,13 +122,16 @@ def main():
                     t = timed(lambda: f(q, k, v), args.reps)
                 rows.append((system, name, DT[dt], "fwd", t * 1e3, 4.0 * D * allowed * H / t / 1e9))
                 if args.bwd:
+                    if system.startswith("flex") and not flex_bwd:
+                        rows.append((system, name, DT[dt], "bwd", None, None))
+                        continue
                     qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
                     out = f(qg, kg, vg)
                     t = timed(lambda: torch.autograd.grad(out, (qg, kg, vg), d_o, retain_graph=True),
                               args.reps)
                     rows.append((system, name, DT[dt], "bwd", t * 1e3, 10.0 * D * allowed * H / t / 1e9))
     out = subprocess.run(
-        [args.tessera, "bench", "--quick", "--no-cache", "--no-peak", "--passes", *passes,
+        [args.tessera, "bench", "--quick", "--no-cache", "--no-peak", "--passes", ",".join(passes),
          "--reps", str(args.reps), "--json"],
         check=True, capture_output=True, text=True).stdout
     rep = json.loads(out)
@@ -138,7 +155,12 @@ def main():
                 cols = []
                 for s in systems:
                     v = cell.get((s, m, d, p))
-                    cols.append("-" if v is None else f"{v[0]:.1f} ms / {v[1]:.0f}")
+                    if v is None:
+                        cols.append("-")
+                    elif v[0] is None:
+                        cols.append("unsupported")
+                    else:
+                        cols.append(f"{v[0]:.1f} ms / {v[1]:.0f}")
                 print(f"| {m} | {d} | {p} | " + " | ".join(cols) + " |")
 
 
