@@ -815,13 +815,23 @@ fn cases() -> Result<Vec<Case>> {
             .bf16(),
     );
     v.push(Case::new("bf16/dims_40x24", causal()).dims(40, 24).bf16());
+    v.push(
+        Case::new("bf16/cross_gqa_odd_dims", Mask::causal_offset(40))
+            .lens(90, 130)
+            .heads(1, 4, 2)
+            .dims(33, 17)
+            .tile(32, 64)
+            .softcap(6.0)
+            .sinks()
+            .bf16(),
+    );
 
     // large/: default-size tiles (many full and partial 128-wide tiles), L up to 1000.
     let seg2 = Segments::shared(packed_segments(2, 1000, 400, 51)?);
     v.push(
         Case::new(
             "large/causal_document_gqa_sinks_softcap",
-            causal() & Mask::document(seg2),
+            causal() & Mask::document(seg2.clone()),
         )
         .lens(1000, 1000)
         .heads(2, 4, 2)
@@ -829,6 +839,19 @@ fn cases() -> Result<Vec<Case>> {
         .tile(128, 128)
         .sinks()
         .softcap(20.0),
+    );
+    v.push(
+        Case::new(
+            "large/causal_document_gqa_sinks_softcap_bf16",
+            causal() & Mask::document(seg2),
+        )
+        .lens(1000, 1000)
+        .heads(2, 4, 2)
+        .dims(64, 64)
+        .tile(128, 128)
+        .sinks()
+        .softcap(20.0)
+        .bf16(),
     );
     v.push(
         Case::new(
