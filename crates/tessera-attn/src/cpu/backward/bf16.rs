@@ -53,21 +53,46 @@ fn pack_rows(
     qpk: &mut [u32],
 ) {
     let dh = dim.div_ceil(2);
-    dpk.fill(0);
-    qpk.fill(0);
-    for r in 0..n {
+    for (r, dst) in dpk.chunks_exact_mut(dh).enumerate() {
+        if r >= n {
+            dst.fill(0);
+            continue;
+        }
         let row = &x[off + r * dim..off + (r + 1) * dim];
-        let dst = &mut dpk[r * dh..(r + 1) * dh];
+        // Pairs along D are the row's own bytes (little-endian): a straight copy.
         for (o, p) in dst.iter_mut().zip(row.chunks_exact(2)) {
             *o = pair(bits(&p[0]), bits(&p[1]));
         }
         if dim % 2 == 1 {
             dst[dh - 1] = pair(bits(&row[dim - 1]), 0);
         }
-        let shift = 16 * (r % 2);
-        for (o, v) in qpk[(r / 2) * ld..(r / 2) * ld + dim].iter_mut().zip(row) {
-            *o |= (bits(v) as u32) << shift;
+    }
+    pack_row_pairs(x, off, n, dim, ld, qpk);
+}
+
+/// `out[(r/2)·ld + c]` = bf16 pair (row `r`, row `r + 1`) of column `c`, for the rows `[0, n)` of
+/// a `[.., dim]` input starting at `off`, over all `out.len() / ld` pair rows; columns
+/// `dim..ld` and rows from `n` on are zero. Each pair row is written once (no fill first).
+#[inline(always)]
+fn pack_row_pairs(x: &[bf16], off: usize, n: usize, dim: usize, ld: usize, out: &mut [u32]) {
+    for (rp, dst) in out.chunks_exact_mut(ld).enumerate() {
+        let (r0, r1) = (2 * rp, 2 * rp + 1);
+        let (cols, pad) = dst.split_at_mut(dim);
+        if r1 < n {
+            let a = &x[off + r0 * dim..off + (r0 + 1) * dim];
+            let b = &x[off + r1 * dim..off + (r1 + 1) * dim];
+            for ((o, p), q) in cols.iter_mut().zip(a).zip(b) {
+                *o = pair(bits(p), bits(q));
+            }
+        } else if r0 < n {
+            let a = &x[off + r0 * dim..off + (r0 + 1) * dim];
+            for (o, p) in cols.iter_mut().zip(a) {
+                *o = bits(p) as u32;
+            }
+        } else {
+            cols.fill(0);
         }
+        pad.fill(0);
     }
 }
 
@@ -142,9 +167,10 @@ pub(crate) fn entry(cx: &BwdCtx<'_>, inp: &Inputs<'_>, ws: &mut Ws, it: DkvItem<
 
 /// Packs the K (or V) rows of a kv tile: `t[dp·tk + j]` pairs along D (columns `nk..nkp` zero)
 /// and, when `kk` is given, `kk[(j/2)·ld + x]` pairs of consecutive keys (zero padded).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,fma")]
 #[allow(clippy::too_many_arguments)]
-#[inline(always)]
-fn pack_kv(
+unsafe fn pack_kv(
     x: &[bf16],
     off: usize,
     nk: usize,
@@ -155,27 +181,43 @@ fn pack_kv(
 ) {
     let dh = dim.div_ceil(2);
     let nkp = round_up(nk, 16);
-    for dp in 0..dh {
-        t[dp * tk + nk..dp * tk + nkp].fill(0);
-    }
-    for j in 0..nk {
-        let row = &x[off + j * dim..off + (j + 1) * dim];
-        for (dp, p) in row.chunks_exact(2).enumerate() {
-            t[dp * tk + j] = pair(bits(&p[0]), bits(&p[1]));
+    // Whole pairs (both halves inside the row): one masked gather per 16 keys and pair.
+    let whole = dim / 2;
+    assert!(off + nk * dim <= x.len() && (dh - 1) * tk + nkp <= t.len() && nk * dim < 1 << 30);
+    let base = x.as_ptr().wrapping_add(off).cast::<i32>();
+    let lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for j0 in (0..nkp).step_by(16) {
+        let live = nk.saturating_sub(j0).min(16);
+        let mask: __mmask16 = ((1u32 << live) - 1) as u16;
+        // Element offsets (in bf16 units) of key j0 + l, pair 0.
+        let rows = _mm512_mullo_epi32(
+            _mm512_add_epi32(lanes, _mm512_set1_epi32(j0 as i32)),
+            _mm512_set1_epi32(dim as i32),
+        );
+        for dp in 0..whole {
+            let idx = _mm512_add_epi32(rows, _mm512_set1_epi32(2 * dp as i32));
+            // SAFETY: masked-off lanes are not read; live lanes read elements 2dp, 2dp + 1 of
+            // rows `< nk`, inside `x` by the assert above.
+            let v = unsafe {
+                _mm512_mask_i32gather_epi32::<2>(_mm512_setzero_si512(), mask, idx, base)
+            };
+            // SAFETY: `dp·tk + j0 + 16 <= (dh − 1)·tk + nkp <= t.len()` (asserted).
+            unsafe { _mm512_storeu_si512(t.as_mut_ptr().add(dp * tk + j0).cast(), v) };
         }
-        if dim % 2 == 1 {
-            t[(dh - 1) * tk + j] = pair(bits(&row[dim - 1]), 0);
+    }
+    if dim % 2 == 1 {
+        // The last pair has one element: read it alone (a 4-byte read would pass the row end).
+        let last = &mut t[(dh - 1) * tk..(dh - 1) * tk + nkp];
+        for (j, o) in last.iter_mut().enumerate() {
+            *o = if j < nk {
+                bits(&x[off + j * dim + dim - 1]) as u32
+            } else {
+                0
+            };
         }
     }
     if let Some((kk, ld)) = kk {
-        kk.fill(0);
-        for j in 0..nk {
-            let row = &x[off + j * dim..off + (j + 1) * dim];
-            let shift = 16 * (j % 2);
-            for (o, v) in kk[(j / 2) * ld..(j / 2) * ld + dim].iter_mut().zip(row) {
-                *o |= (bits(v) as u32) << shift;
-            }
-        }
+        pack_row_pairs(x, off, nk, dim, ld, kk);
     }
 }
 
@@ -286,7 +328,15 @@ unsafe fn item(cx: &BwdCtx<'_>, inp: &Inputs<'_>, ws: &mut Ws, it: DkvItem<'_>) 
         doq,
     } = ws;
     let koff = row_off(b, gh, k0, d.heads_kv, d.kv_len, dqk);
-    pack_kv(inp.k, koff, nk, dqk, tk, ktp, Some((kk, dqkp)));
+    pack_kv(
+        inp.k,
+        koff,
+        nk,
+        dqk,
+        tk,
+        ktp,
+        Some((&mut kk[..tk / 2 * dqkp], dqkp)),
+    );
     let voff = row_off(b, gh, k0, d.heads_kv, d.kv_len, dv);
     pack_kv(inp.v, voff, nk, dv, tk, vt, None);
     dk[..mk * dqkp].fill(0.0);
