@@ -61,6 +61,9 @@ struct Row {
     gflops: f64,
     pct_peak: Option<f64>,
     active_tiles: f64,
+    /// On a backward row: its median time over the same case's forward median (the issue's
+    /// "backward ≤ 2.5 × forward"), when both passes ran.
+    bwd_over_fwd: Option<f64>,
 }
 
 #[derive(serde::Serialize)]
@@ -155,6 +158,7 @@ pub fn run(mut args: BenchArgs, ctx: &Ctx) -> Result<()> {
                             gflops,
                             pct_peak: peak.map(|p| 100.0 * gflops / p),
                             active_tiles: plan.stats.tile_density,
+                            bwd_over_fwd: None,
                         });
                     };
                     if args.passes.iter().any(|p| p == "fwd") {
@@ -179,6 +183,12 @@ pub fn run(mut args: BenchArgs, ctx: &Ctx) -> Result<()> {
                             Ok(())
                         })?;
                         push("bwd", times, plan.backward_flops(d, d));
+                        // The forward row of this case, if it ran, sits just before.
+                        if let [.., f, b] = rows.as_mut_slice() {
+                            if f.pass == "fwd" {
+                                b.bwd_over_fwd = Some(b.median_ms / f.median_ms);
+                            }
+                        }
                     }
                     progress.inc(1);
                 }
@@ -209,12 +219,12 @@ pub fn run(mut args: BenchArgs, ctx: &Ctx) -> Result<()> {
     }
     println!("backend: {}", report.backend);
     println!(
-        "{:<30} {:>6} {:>4} {:>5} {:>4} {:>10} {:>9} {:>7} {:>7}",
-        "mask", "len", "D", "dtype", "pass", "median ms", "GFLOP/s", "% peak", "tiles"
+        "{:<30} {:>6} {:>4} {:>5} {:>4} {:>10} {:>9} {:>7} {:>7} {:>8}",
+        "mask", "len", "D", "dtype", "pass", "median ms", "GFLOP/s", "% peak", "tiles", "bwd/fwd"
     );
     for r in &report.rows {
         println!(
-            "{:<30} {:>6} {:>4} {:>5} {:>4} {:>10.2} {:>9.1} {:>7} {:>6.1}%",
+            "{:<30} {:>6} {:>4} {:>5} {:>4} {:>10.2} {:>9.1} {:>7} {:>6.1}% {:>8}",
             r.mask,
             r.len,
             r.dim,
@@ -223,7 +233,8 @@ pub fn run(mut args: BenchArgs, ctx: &Ctx) -> Result<()> {
             r.median_ms,
             r.gflops,
             r.pct_peak.map_or("-".into(), |p| format!("{p:.1}")),
-            100.0 * r.active_tiles
+            100.0 * r.active_tiles,
+            r.bwd_over_fwd.map_or("-".into(), |x| format!("{x:.2}")),
         );
     }
     Ok(())
