@@ -1,14 +1,17 @@
-//! The dK/dV/dQ-slot item on AVX512-BF16 (`vdpbf16ps`), used by [`Isa::Avx512Bf16`] for bf16
-//! storage when every input is finite (the f32 item with exact zero-skipping products runs
-//! otherwise). Same walk, slots and reduction as the f32 item of the parent module; only the
+//! The dK/dV/dQ-slot item on AVX512-BF16 (`vdpbf16ps`), used by [`Isa::Avx512Bf16`] when Q, K,
+//! V and dO are bf16 and every input is finite (the f32 item with exact zero-skipping products
+//! runs otherwise). Same walk, slots and reduction as the f32 item of the parent module; only the
 //! five tile products change.
 //!
 //! Layout (bf16 pairs as `u32`, see [`super::super::bf16gemm`]):
-//! - per visited q tile, zero-padded to `tq` queries: Q and dO with pairs along D (`[tq × ⌈D/2⌉]`, the A side of `S = Q·Kᵀ`, `dP = dO·Vᵀ`) and
-//!   with pairs of consecutive queries (`[tq/2 × Dp]`, the B side of `dK += dSᵀ·Q`,
-//!   `dV += Pᵀ·dO`);
-//! - once per item (kv tile): K and V with pairs along D, keys contiguous (`[⌈D/2⌉ × tk]`), and K
-//!   with pairs of consecutive keys (`[tk/2 × Dqkp]`, the B side of `dS·K`);
+//! - per visited q tile, zero-padded to `tq` queries: Q and dO with pairs along D
+//!   (`[tq × ⌈D/2⌉]`, the A side of `S = Q·Kᵀ`, `dP = dO·Vᵀ`) and with pairs of consecutive
+//!   queries (`[tq/2 × Dp]`, the B side of `dK += dSᵀ·Q`, `dV += Pᵀ·dO`); re-packing per visit
+//!   costs ~1/64 of the visit's products, while packing all of Q and dO once per call meant
+//!   32 MB of fresh pages per 8K call (measured slower on sparse masks);
+//! - once per item (kv tile): K and V with pairs along D, keys contiguous (`[⌈D/2⌉ × tk]`, by
+//!   masked gathers), and K with pairs of consecutive keys (`[tk/2 × Dqkp]`, the B side of
+//!   `dS·K`);
 //! - per active tile: `S` and `dP` in f32 (the scale is applied in the elementwise pass, not to a
 //!   bf16 K), then `P` and `dS` rounded to bf16 pairs along the queries (for `dV`, `dK`) and `dS`
 //!   along the keys (for the dQ slot).
