@@ -307,15 +307,7 @@ mod imp {
             let kp = &cx.kp[blk * tkp * dpair..(blk + 1) * tkp * dpair];
             let vp = &cx.vp[blk * (tkp / 2) * dvp..(blk + 1) * (tkp / 2) * dvp];
             let full = e.is_full();
-            let span = |j: usize| -> (usize, usize) {
-                if full {
-                    (0, nq)
-                } else {
-                    let (a, b) = cx.live.cols(e.mask, j / SB);
-                    let b = b.min(nq);
-                    (a.min(b), b)
-                }
-            };
+            let span = |j: usize| cx.live.row_span(full, e.mask, j, nq);
             // Full tiles without padding key rows get the raw column max fused into the product.
             let fused_max = full && mk == nk;
             col[..nqp].fill(NEG_INF);

@@ -354,15 +354,7 @@ pub(super) fn item_with<S: Simd, T: TileObserver>(
         let full = e.is_full();
         // Live query-column span of key row `j` (whole tile for full tiles; per 16-key block of
         // the partial mask otherwise, see `live`).
-        let span = |j: usize| -> (usize, usize) {
-            if full {
-                (0, nq)
-            } else {
-                let (a, b) = cx.live.cols(e.mask, j / SB);
-                let b = b.min(nq);
-                (a.min(b), b)
-            }
-        };
+        let span = |j: usize| cx.live.row_span(full, e.mask, j, nq);
         // Full tiles without padding key rows get the column max fused into the product.
         let fused_max = full && mk == nk;
         col[..nqp].fill(NEG_INF);

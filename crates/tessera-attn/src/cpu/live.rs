@@ -97,6 +97,20 @@ impl LiveBlocks {
         (a as usize, b as usize)
     }
 
+    /// Live query span `[a, b)` of key row `j` of a tile with `nq` real queries: all of them in a
+    /// full tile, else the column range of `j`'s 16-key block of partial mask `id` clipped to
+    /// `nq` (every query outside it is masked for that key).
+    #[inline(always)]
+    pub(crate) fn row_span(&self, full: bool, id: u32, j: usize, nq: usize) -> (usize, usize) {
+        if full {
+            (0, nq)
+        } else {
+            let (a, b) = self.cols(id, j / SB);
+            let b = b.min(nq);
+            (a.min(b), b)
+        }
+    }
+
     /// Key range `[r0, r1)` of query block `ib` of partial mask `id`.
     #[inline(always)]
     pub(crate) fn keys(&self, id: u32, ib: usize) -> (usize, usize) {
