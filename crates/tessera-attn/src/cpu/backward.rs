@@ -868,9 +868,24 @@ fn dkv_item<S: Simd>(cx: &BwdCtx<'_>, ws: &mut BwdWs, it: DkvItem<'_>) {
             }
         }
     }
+    store_dkv(cx, nk, dk, dva, &mut dk_out, &mut dv_out);
+}
+
+/// Writes an item's `nk` rows of dK (times the scale: `S` used the unscaled product) and dV
+/// from its padded accumulators to the output pieces.
+#[inline(always)]
+fn store_dkv(
+    cx: &BwdCtx<'_>,
+    nk: usize,
+    dk: &[f32],
+    dv: &[f32],
+    dk_out: &mut Out<'_>,
+    dv_out: &mut Out<'_>,
+) {
+    let (dqk, d_v, dqkp, dvp) = (cx.d.d_qk, cx.d.d_v, cx.g.dqkp, cx.g.dvp);
     for j in 0..nk {
         dk_out.store(j * dqk, &dk[j * dqkp..j * dqkp + dqk], cx.scale);
-        dv_out.store(j * dv, &dva[j * dvp..j * dvp + dv], 1.0);
+        dv_out.store(j * d_v, &dv[j * dvp..j * dvp + d_v], 1.0);
     }
 }
 

@@ -24,7 +24,7 @@ use super::super::bf16gemm::{dot_gemm, pair};
 use super::super::gemm::{round_up, RB};
 use super::super::math::Avx512;
 use super::super::{row_off, Geometry, Isa, Src};
-use super::{key_blocks, p_ds_block, p_ds_full, query_blocks, BwdCtx, DkvItem};
+use super::{key_blocks, p_ds_block, p_ds_full, query_blocks, store_dkv, BwdCtx, DkvItem};
 use crate::Dims;
 use half::bf16;
 use std::arch::x86_64::*;
@@ -430,8 +430,5 @@ unsafe fn item(cx: &BwdCtx<'_>, inp: &Inputs<'_>, ws: &mut Ws, it: DkvItem<'_>) 
             }
         }
     }
-    for j in 0..nk {
-        dk_out.store(j * dqk, &dk[j * dqkp..j * dqkp + dqk], cx.scale);
-        dv_out.store(j * dv, &dva[j * dvp..j * dvp + dv], 1.0);
-    }
+    store_dkv(cx, nk, dk, dva, &mut dk_out, &mut dv_out);
 }
