@@ -52,6 +52,10 @@ fn bench_json_reports_every_case_with_its_ratio() {
             (Some("fwd"), Some("bwd"))
         );
         assert_eq!(f["mask"], b["mask"]);
+        assert_eq!(
+            (f["tile"].as_str(), b["tile"].as_str()),
+            (Some("64x64"), Some("64x64"))
+        );
         assert_eq!(f["dtype"], b["dtype"]);
         for r in [f, b] {
             assert!(r["median_ms"].as_f64().is_some_and(|x| x > 0.0), "{r}");
@@ -73,12 +77,60 @@ fn bench_json_reports_every_case_with_its_ratio() {
     assert!(tiles(4) < tiles(0), "documents vs causal tile density: {v}");
 }
 
+/// `--tile auto` (the default) takes the backend's recommended tile per head dim and dtype.
+#[test]
+fn bench_default_tile_follows_the_backend_recommendation() {
+    let out = tessera(&[
+        "bench",
+        "--masks",
+        "causal",
+        "--lens",
+        "256",
+        "--dims",
+        "64,128",
+        "--passes",
+        "fwd",
+        "--reps",
+        "1",
+        "--no-cache",
+        "--no-peak",
+        "--json",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("bench --json is JSON");
+    let tiles: Vec<(u64, String, String)> = v["rows"]
+        .as_array()
+        .expect("rows")
+        .iter()
+        .map(|r| {
+            let s = |k: &str| r[k].as_str().unwrap_or_default().to_string();
+            (r["dim"].as_u64().unwrap_or(0), s("dtype"), s("tile"))
+        })
+        .collect();
+    let want = [
+        (64, "f32", "128x128"),
+        (64, "bf16", "128x128"),
+        (128, "f32", "64x128"),
+        (128, "bf16", "128x128"),
+    ];
+    let want: Vec<(u64, String, String)> = want
+        .iter()
+        .map(|&(d, t, s)| (d, t.to_string(), s.to_string()))
+        .collect();
+    assert_eq!(tiles, want);
+}
+
 #[test]
 fn bench_rejects_bad_options_with_one_line() {
     for args in [
         &["bench", "--masks", "spiral", "--no-peak"][..],
         &["bench", "--passes", "sideways", "--no-peak"][..],
         &["bench", "--dtypes", "f64", "--no-peak"][..],
+        &["bench", "--tile", "100x7", "--no-peak"][..],
     ] {
         let out = tessera(args);
         let err = String::from_utf8_lossy(&out.stderr);

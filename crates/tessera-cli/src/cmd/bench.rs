@@ -38,8 +38,9 @@ pub struct BenchArgs {
     /// Timed repetitions per case (the median is reported).
     #[arg(long, default_value_t = 3)]
     pub reps: usize,
-    /// Tile size QxK.
-    #[arg(long, default_value = "128x128")]
+    /// Tile size QxK, or `auto`: the backend's recommended tile per head dim and dtype
+    /// (128x128, and 64x128 for f32 with D >= 128).
+    #[arg(long, default_value = "auto")]
     pub tile: String,
     /// Small suite: causal, documents and window at 8K, D=64.
     #[arg(long)]
@@ -56,6 +57,7 @@ struct Row {
     heads: usize,
     dim: usize,
     dtype: String,
+    tile: String,
     pass: String,
     median_ms: f64,
     gflops: f64,
@@ -117,7 +119,10 @@ pub fn run(mut args: BenchArgs, ctx: &Ctx) -> Result<()> {
             return Err(Error::invalid("--passes", "fwd and/or bwd", p));
         }
     }
-    let tile = TileShape::parse(&args.tile)?;
+    let fixed_tile = match args.tile.as_str() {
+        "auto" => None,
+        t => Some(TileShape::parse(t)?),
+    };
     let backend = CpuBackend::new();
     let peaks = (!args.no_peak).then(|| {
         eprintln!("measuring machine peak ...");
@@ -131,9 +136,11 @@ pub fn run(mut args: BenchArgs, ctx: &Ctx) -> Result<()> {
         for &len in &args.lens {
             let (label, mask) = named_mask(name, len)?;
             let shape = PlanShape::new(1, args.heads, len, len)?;
-            let plan = ctx.plan(&mask, shape, tile)?;
             for &d in &args.dims {
                 for &dt in &dtypes {
+                    let tile = fixed_tile.unwrap_or_else(|| backend.recommended_tile(d, dt));
+                    // Planning is cheap (< 1 ms at 8K) and goes through the plan cache.
+                    let plan = ctx.plan(&mask, shape, tile)?;
                     let qs = vec![1, args.heads, len, d];
                     let q = random_tensor(qs.clone(), dt, 1)?;
                     let k = random_tensor(qs.clone(), dt, 2)?;
@@ -153,6 +160,7 @@ pub fn run(mut args: BenchArgs, ctx: &Ctx) -> Result<()> {
                             heads: args.heads,
                             dim: d,
                             dtype: dt.to_string(),
+                            tile: tile.to_string(),
                             pass: pass.into(),
                             median_ms: ms,
                             gflops,
@@ -219,16 +227,27 @@ pub fn run(mut args: BenchArgs, ctx: &Ctx) -> Result<()> {
     }
     println!("backend: {}", report.backend);
     println!(
-        "{:<30} {:>6} {:>4} {:>5} {:>4} {:>10} {:>9} {:>7} {:>7} {:>8}",
-        "mask", "len", "D", "dtype", "pass", "median ms", "GFLOP/s", "% peak", "tiles", "bwd/fwd"
+        "{:<30} {:>6} {:>4} {:>5} {:>7} {:>4} {:>10} {:>9} {:>7} {:>7} {:>8}",
+        "mask",
+        "len",
+        "D",
+        "dtype",
+        "tile",
+        "pass",
+        "median ms",
+        "GFLOP/s",
+        "% peak",
+        "tiles",
+        "bwd/fwd"
     );
     for r in &report.rows {
         println!(
-            "{:<30} {:>6} {:>4} {:>5} {:>4} {:>10.2} {:>9.1} {:>7} {:>6.1}% {:>8}",
+            "{:<30} {:>6} {:>4} {:>5} {:>7} {:>4} {:>10.2} {:>9.1} {:>7} {:>6.1}% {:>8}",
             r.mask,
             r.len,
             r.dim,
             r.dtype,
+            r.tile,
             r.pass,
             r.median_ms,
             r.gflops,
