@@ -27,16 +27,18 @@ pub(crate) trait Simd: Copy + Send + Sync + 'static {
     }
 }
 
-/// AVX-512F/BW/VL + FMA copy.
+/// AVX-512F/BW/VL + FMA copy (x86-64 only).
 #[derive(Clone, Copy)]
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub(crate) struct Avx512;
 impl Simd for Avx512 {
     const FMA: bool = true;
     const WIDE: bool = true;
 }
 
-/// AVX2 + FMA copy.
+/// AVX2 + FMA copy (x86-64 only).
 #[derive(Clone, Copy)]
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub(crate) struct Avx2;
 impl Simd for Avx2 {
     const FMA: bool = true;
