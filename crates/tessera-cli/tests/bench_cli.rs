@@ -11,10 +11,20 @@ fn tessera(args: &[&str]) -> std::process::Output {
         .expect("run tessera")
 }
 
+/// Runs `tessera bench ... --json`, requires success and returns the parsed report.
+fn bench_json(args: &[&str]) -> serde_json::Value {
+    let out = tessera(&[&["bench"], args, &["--json"]].concat());
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("bench --json is JSON")
+}
+
 #[test]
 fn bench_json_reports_every_case_with_its_ratio() {
-    let out = tessera(&[
-        "bench",
+    let v = bench_json(&[
         "--masks",
         "causal,documents",
         "--lens",
@@ -28,14 +38,7 @@ fn bench_json_reports_every_case_with_its_ratio() {
         "--reps",
         "1",
         "--no-cache",
-        "--json",
     ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("bench --json is JSON");
     assert!(v["manifest"].is_object(), "manifest missing: {v}");
     let peaks = &v["peaks"];
     assert!(
@@ -80,8 +83,7 @@ fn bench_json_reports_every_case_with_its_ratio() {
 /// `--tile auto` (the default) takes the backend's recommended tile per head dim and dtype.
 #[test]
 fn bench_default_tile_follows_the_backend_recommendation() {
-    let out = tessera(&[
-        "bench",
+    let v = bench_json(&[
         "--masks",
         "causal",
         "--lens",
@@ -94,14 +96,7 @@ fn bench_default_tile_follows_the_backend_recommendation() {
         "1",
         "--no-cache",
         "--no-peak",
-        "--json",
     ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("bench --json is JSON");
     let tiles: Vec<(u64, String, String)> = v["rows"]
         .as_array()
         .expect("rows")
