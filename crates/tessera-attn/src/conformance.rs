@@ -1,12 +1,14 @@
 //! The backend-agnostic conformance suite (SPEC §1, §4): every [`Backend`] must pass
 //! [`standard_cases`] through [`run_case`].
 //!
-//! Contract of [`run_case`]: plan the case's mask, draw fresh seeded random inputs (uniform in
-//! ±√3, never zero; bf16 cases round them to bf16 and the reference uses the rounded values), run
-//! the backend's forward and backward **twice** and require bit-identical results, then compare
-//! with the float64 [`reference`](mod@crate::reference):
-//! - every output element whose reference value is finite must be finite (backends are expected
-//!   to pre-fill outputs with NaN, so this catches elements never written);
+//! Contract of [`run_case`]: plan the case's mask, prepare it once, draw fresh seeded random
+//! inputs (uniform in ±√3, never zero; bf16 cases round them to bf16 and the reference uses the
+//! rounded values), run the backend's `forward_into` and `backward_into` **twice** — contiguous
+//! inputs, then the same values in the `[B, L, H, D]` layout as strided views, reusing the
+//! workspace — and require bit-identical results, then compare with the float64
+//! [`reference`](mod@crate::reference):
+//! - every output element whose reference value is finite must be finite (outputs are filled
+//!   with NaN before each call, so this catches elements never written);
 //! - O, dQ, dK, dV: `‖x − ref‖ / ‖ref‖` ≤ 1e-5 for f32 storage, ≤ 1e-2 for bf16 (for dQ and dK
 //!   `‖ref‖` is floored at [`MAG_FLOOR`] times the norm of the gradient's term magnitudes, so an
 //!   analytically vanishing gradient is judged against the size of its terms);
@@ -17,10 +19,14 @@
 //! Backend errors are returned as `Err`; accuracy failures are listed in the
 //! [`CaseReport`] (see [`CaseReport::ensure`]).
 
-use crate::{reference, AttnOptions, Backend};
+use crate::{
+    check_inputs, reference, AttnInputs, AttnOptions, Backend, BackwardOutput, ForwardBufs,
+    ForwardOutput, GradBufs, GradInputs, Par, StridedView,
+};
 use half::bf16;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
+use std::sync::Arc;
 use std::time::Instant;
 use tessera_core::{DType, Error, Result, Tensor, TensorData};
 use tessera_mask::{DenseMask, Mask, SegmentIds, Segments};
@@ -231,6 +237,48 @@ fn make_tensor(dtype: DType, shape: Vec<usize>, v: Vec<f32>) -> Result<Tensor> {
     }
 }
 
+/// The tensor's values stored in `[B, L, H, D]` order (its shape stays `[B, H, L, D]`).
+fn blhd(t: &Tensor) -> Result<Tensor> {
+    let [_, nh, nl, nd] = *t.shape() else {
+        return Err(Error::Internal(format!(
+            "rank-4 tensor expected, got {:?}",
+            t.shape()
+        )));
+    };
+    let perm = |i: usize| {
+        // Destination index i of [B, L, H, D] -> source index of [B, H, L, D].
+        let (x, rest) = (i % nd, i / nd);
+        let (h, rest) = (rest % nh, rest / nh);
+        let (l, b) = (rest % nl, rest / nl);
+        ((b * nh + h) * nl + l) * nd + x
+    };
+    let n = t.numel();
+    match t.data() {
+        TensorData::F32(v) => {
+            Tensor::from_f32(t.shape().to_vec(), (0..n).map(|i| v[perm(i)]).collect())
+        }
+        TensorData::BF16(v) => {
+            Tensor::from_bf16(t.shape().to_vec(), (0..n).map(|i| v[perm(i)]).collect())
+        }
+        _ => Err(Error::Internal("float tensor expected".into())),
+    }
+}
+
+/// The `[B, H, L, D]` view of a tensor stored by [`blhd`].
+fn blhd_view<'a>(t: &'a Tensor, shape: &[usize]) -> Result<StridedView<'a>> {
+    let [_, nh, nl, nd] = *shape else {
+        return Err(Error::Internal(format!(
+            "rank-4 shape expected, got {shape:?}"
+        )));
+    };
+    StridedView::new(
+        "input",
+        t.view().data,
+        [shape[0], nh, nl, nd],
+        [nl * nh * nd, nd, nh * nd, 1],
+    )
+}
+
 fn bits(t: &Tensor) -> Vec<u32> {
     match t.data() {
         TensorData::F32(v) => v.iter().map(|x| x.to_bits()).collect(),
@@ -355,7 +403,7 @@ impl Checker {
 }
 
 /// Runs one case on `backend` (see the module docs for what is checked).
-pub fn run_case(backend: &dyn Backend, case: &Case) -> Result<CaseReport> {
+pub fn run_case<B: Backend>(backend: &B, case: &Case) -> Result<CaseReport> {
     let tile = TileShape::new(case.tile.q, case.tile.kv)?;
     let shape = PlanShape::new(case.batch, case.heads_q, case.q_len, case.kv_len)?;
     let plan = build_plan(&case.mask, shape, tile)?;
@@ -397,18 +445,42 @@ pub fn run_case(backend: &dyn Backend, case: &Case) -> Result<CaseReport> {
         failures: Vec::new(),
     };
 
+    let plan = Arc::new(plan);
+    let prepared = backend.prepare(&plan)?;
+    let mut ws = B::Workspace::default();
+    // Second runs read the inputs in the `[B, L, H, D]` layout (strided views, as PyTorch hands
+    // them over) and reuse the workspace: both must give the same bits as the first run.
+    let (qs, ks, vs, dos) = (blhd(&q)?, blhd(&k)?, blhd(&v)?, blhd(&d_o)?);
+    let contiguous = AttnInputs::contiguous(q.view(), k.view(), v.view())?;
+    let strided = AttnInputs {
+        q: blhd_view(&qs, q.shape())?,
+        k: blhd_view(&ks, k.shape())?,
+        v: blhd_view(&vs, v.shape())?,
+    };
+    let dims = check_inputs(&contiguous, &opts)?;
+    let forward = |inputs: &AttnInputs<'_>, ws: &mut B::Workspace| -> Result<ForwardOutput> {
+        let mut bufs = ForwardBufs::new(&dims);
+        let mut out = bufs.out();
+        // Poisoned outputs: an element the kernel never writes stays NaN and fails below.
+        out.o.poison();
+        out.lse.fill(f32::NAN);
+        out.max_logit.fill(f32::NAN);
+        backend.forward_into(&prepared, inputs, &opts, out, ws, Par::Current)?;
+        bufs.finish(&dims)
+    };
     let t0 = Instant::now();
-    let f1 = backend.forward(q.view(), k.view(), v.view(), &plan, &opts)?;
+    let f1 = forward(&contiguous, &mut ws)?;
     let forward_ms = t0.elapsed().as_secs_f64() * 1e3;
-    let f2 = backend.forward(q.view(), k.view(), v.view(), &plan, &opts)?;
+    let f2 = forward(&strided, &mut ws)?;
     for (name, a, c) in [
         ("o", &f1.o, &f2.o),
         ("lse", &f1.lse, &f2.lse),
         ("max_logit", &f1.max_logit, &f2.max_logit),
     ] {
         if bits(a) != bits(c) {
-            ck.failures
-                .push(format!("{name}: two forward runs are not bit-identical"));
+            ck.failures.push(format!(
+                "{name}: a second forward (strided inputs, reused workspace) is not bit-identical"
+            ));
         }
     }
     for (name, t, want) in [
@@ -438,30 +510,44 @@ pub fn run_case(backend: &dyn Backend, case: &Case) -> Result<CaseReport> {
 
     let mut backward_ms = 0.0;
     if case.backward {
-        let run = || {
-            backend.backward(
-                q.view(),
-                k.view(),
-                v.view(),
-                f1.o.view(),
-                f1.lse.view(),
-                d_o.view(),
-                &plan,
-                &opts,
-            )
+        let os = blhd(&f1.o)?;
+        let grads = [
+            GradInputs::contiguous(contiguous, f1.o.view(), f1.lse.view(), d_o.view())?,
+            GradInputs {
+                q: strided.q,
+                k: strided.k,
+                v: strided.v,
+                o: blhd_view(&os, f1.o.shape())?,
+                lse: f1.lse.view(),
+                d_o: blhd_view(&dos, d_o.shape())?,
+            },
+        ];
+        let mut run = |inputs: &GradInputs<'_>| -> Result<BackwardOutput> {
+            let mut bufs = GradBufs::new(&dims, opts.sinks.is_some());
+            let mut out = bufs.out();
+            out.dq.poison();
+            out.dk.poison();
+            out.dv.poison();
+            if let Some(s) = out.dsinks.as_deref_mut() {
+                s.fill(f32::NAN);
+            }
+            backend.backward_into(&prepared, inputs, &opts, out, &mut ws, Par::Current)?;
+            bufs.finish(&dims)
         };
         let t0 = Instant::now();
-        let g1 = run()?;
+        let g1 = run(&grads[0])?;
         backward_ms = t0.elapsed().as_secs_f64() * 1e3;
-        let g2 = run()?;
+        let g2 = run(&grads[1])?;
         for (name, a, c) in [
             ("dq", &g1.dq, &g2.dq),
             ("dk", &g1.dk, &g2.dk),
             ("dv", &g1.dv, &g2.dv),
         ] {
             if bits(a) != bits(c) {
-                ck.failures
-                    .push(format!("{name}: two backward runs are not bit-identical"));
+                ck.failures.push(format!(
+                    "{name}: a second backward (strided inputs, reused workspace) is not \
+                     bit-identical"
+                ));
             }
             if a.dtype() != dt {
                 ck.failures
@@ -499,7 +585,7 @@ pub fn run_case(backend: &dyn Backend, case: &Case) -> Result<CaseReport> {
 }
 
 /// Runs every case; `Err` naming every failed case if any failed.
-pub fn run_suite(backend: &dyn Backend, cases: &[Case]) -> Result<Vec<CaseReport>> {
+pub fn run_suite<B: Backend>(backend: &B, cases: &[Case]) -> Result<Vec<CaseReport>> {
     let mut reports = Vec::new();
     let mut failed = Vec::new();
     for c in cases {

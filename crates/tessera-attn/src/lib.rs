@@ -2,10 +2,14 @@
 //! ([`CpuBackend`]), the float64 dense [`reference`](mod@reference) and the backend-agnostic [`conformance`] suite.
 //!
 //! Contract:
-//! - Callers hand a backend borrowed [`TensorView`]s (row-major, contiguous) and a [`Plan`]; the
-//!   backend never sees the mask. Q `[B, Hq, Lq, Dqk]`, K `[B, Hkv, Lkv, Dqk]`, V `[B, Hkv, Lkv, Dv]`,
-//!   storage f32 or bf16 (the same for q, k, v, and for o and d_o in backward). O, dQ, dK and dV are
-//!   returned in q's storage dtype; LSE `[B, Hq, Lq]`, max_logit `[B, Hq]` and dsinks `[Hq]` are f32.
+//! - Backend API v2 ([`Backend`]): a plan is [`prepare`](Backend::prepare)d once per backend;
+//!   [`forward_into`](Backend::forward_into) / [`backward_into`](Backend::backward_into) take
+//!   their inputs as structs of [`StridedView`]s (`[B, H, L, D]`, unit stride in D, any batch,
+//!   head and row strides), write caller-owned contiguous outputs, use a caller-owned workspace
+//!   and run on the threads a [`Par`] names. Q `[B, Hq, Lq, Dqk]`, K `[B, Hkv, Lkv, Dqk]`,
+//!   V `[B, Hkv, Lkv, Dv]`, storage f32 or bf16 (the same for q, k, v, and for o and d_o in
+//!   backward). O, dQ, dK and dV are in q's storage dtype; LSE `[B, Hq, Lq]`, max_logit `[B, Hq]`
+//!   and dsinks `[Hq]` are f32. [`Backend::forward`]/[`Backend::backward`] allocate their outputs.
 //! - Every input is checked first ([`check_forward`], [`check_backward`], shared by all backends);
 //!   bad input is an [`Error::InvalidArgument`](tessera_core::Error) naming the argument, what was
 //!   expected and what was found. Nothing panics on user input.
@@ -28,19 +32,27 @@
 //! [`conformance::standard_cases`]). A new backend implements [`Backend`], calls
 //! [`check_forward`]/[`check_backward`] first, and must pass the suite.
 
+mod backend;
 pub mod conformance;
 pub mod cpu;
+mod par;
 pub mod reference;
 mod telemetry;
 mod validate;
+mod views;
 
-pub use cpu::CpuBackend;
-pub use telemetry::{forward_logged, TelemetryInput};
+pub use backend::{
+    AttnInputs, Backend, BackwardOutput, ForwardBufs, ForwardOut, ForwardOutput, GradBufs,
+    GradInputs, GradOut, Prepared,
+};
+pub use cpu::{CpuBackend, CpuPlan, CpuWorkspace};
+pub use par::{Par, PoolCache};
+pub use telemetry::{forward_logged, forward_logged_into, LogContext, TelemetryInput};
 pub use tessera_telemetry::AttnSummary;
-pub use validate::{check_backward, check_forward, check_inputs, Dims};
-
-use tessera_core::{Result, Tensor};
-use tessera_plan::Plan;
+pub use validate::{
+    check_backward, check_forward, check_forward_out, check_grad_out, check_inputs, Dims,
+};
+pub use views::{OutData, StridedView};
 
 pub use tessera_core::tensor::{TensorView, ViewData};
 
@@ -60,108 +72,6 @@ impl AttnOptions {
     pub fn scale_for(&self, d_qk: usize) -> f32 {
         self.scale.unwrap_or(1.0 / (d_qk as f32).sqrt())
     }
-}
-
-/// Forward results.
-#[derive(Debug, Clone, PartialEq)]
-pub struct ForwardOutput {
-    /// `[B, Hq, Lq, Dv]` in q's storage dtype.
-    pub o: Tensor,
-    /// `[B, Hq, Lq]` f32, natural log of the softmax denominator (sink included).
-    pub lse: Tensor,
-    /// `[B, Hq]` f32: max over allowed pairs of the scaled logit before softcap (-inf if none).
-    pub max_logit: Tensor,
-}
-
-/// Backward results.
-#[derive(Debug, Clone, PartialEq)]
-pub struct BackwardOutput {
-    /// `[B, Hq, Lq, Dqk]` in q's storage dtype.
-    pub dq: Tensor,
-    /// `[B, Hkv, Lkv, Dqk]` in q's storage dtype.
-    pub dk: Tensor,
-    /// `[B, Hkv, Lkv, Dv]` in q's storage dtype.
-    pub dv: Tensor,
-    /// `[Hq]` f32 gradient of the sink logits; present when sinks were given.
-    pub dsinks: Option<Tensor>,
-}
-
-/// An attention implementation. Every backend must pass [`conformance`].
-pub trait Backend: Send + Sync {
-    /// Short name (`cpu`, `cuda`, ...).
-    fn name(&self) -> &str;
-
-    /// O, LSE and max_logit of `softmax(scale·QKᵀ masked by plan)·V`.
-    fn forward(
-        &self,
-        q: TensorView<'_>,
-        k: TensorView<'_>,
-        v: TensorView<'_>,
-        plan: &Plan,
-        options: &AttnOptions,
-    ) -> Result<ForwardOutput>;
-
-    /// The forward of a telemetry logging step (SPEC §6): the same outputs as
-    /// [`Backend::forward`] (bit-identical) plus the step's summary (`tel.streams` say which
-    /// fields; `max_logit` always). Most callers want [`forward_logged`], which picks this or the
-    /// plain forward per step. The default implementation returns [`Error::Unsupported`].
-    ///
-    /// [`Error::Unsupported`]: tessera_core::Error::Unsupported
-    fn forward_with_telemetry(
-        &self,
-        q: TensorView<'_>,
-        k: TensorView<'_>,
-        v: TensorView<'_>,
-        plan: &Plan,
-        options: &AttnOptions,
-        tel: &TelemetryInput<'_>,
-    ) -> Result<(ForwardOutput, AttnSummary)> {
-        let _ = (q, k, v, plan, options, tel);
-        Err(tessera_core::Error::Unsupported(format!(
-            "backend {} has no telemetry forward",
-            self.name()
-        )))
-    }
-
-    /// dQ, dK, dV (and dsinks) given the forward's O and LSE and the output gradient dO.
-    #[allow(clippy::too_many_arguments)]
-    fn backward(
-        &self,
-        q: TensorView<'_>,
-        k: TensorView<'_>,
-        v: TensorView<'_>,
-        o: TensorView<'_>,
-        lse: TensorView<'_>,
-        d_o: TensorView<'_>,
-        plan: &Plan,
-        options: &AttnOptions,
-    ) -> Result<BackwardOutput>;
-}
-
-/// Forward on the default backend ([`CpuBackend`]).
-pub fn forward(
-    q: TensorView<'_>,
-    k: TensorView<'_>,
-    v: TensorView<'_>,
-    plan: &Plan,
-    options: &AttnOptions,
-) -> Result<ForwardOutput> {
-    CpuBackend::new().forward(q, k, v, plan, options)
-}
-
-/// Backward on the default backend ([`CpuBackend`]).
-#[allow(clippy::too_many_arguments)]
-pub fn backward(
-    q: TensorView<'_>,
-    k: TensorView<'_>,
-    v: TensorView<'_>,
-    o: TensorView<'_>,
-    lse: TensorView<'_>,
-    d_o: TensorView<'_>,
-    plan: &Plan,
-    options: &AttnOptions,
-) -> Result<BackwardOutput> {
-    CpuBackend::new().backward(q, k, v, o, lse, d_o, plan, options)
 }
 
 /// Effective GFLOP/s: `flops` (for example [`Plan::forward_flops`], counted over allowed pairs

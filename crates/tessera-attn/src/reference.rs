@@ -8,7 +8,7 @@
 //! [`BackwardOutput`](crate::BackwardOutput). NaN inputs propagate like the kernels document: a
 //! masked pair never contributes, not even `0·NaN`.
 
-use crate::{check_inputs, validate::check_grad_out, AttnOptions, Dims};
+use crate::{check_inputs, AttnInputs, AttnOptions, Dims, StridedView};
 use tessera_core::tensor::TensorView;
 use tessera_core::Result;
 use tessera_mask::Mask;
@@ -65,7 +65,7 @@ impl Prob {
         mask: &Mask,
         options: &AttnOptions,
     ) -> Result<Self> {
-        let d = check_inputs(q, k, v, options)?;
+        let d = check_inputs(&AttnInputs::contiguous(*q, *k, *v)?, options)?;
         mask.validate(d.batch, d.heads_q, d.q_len, d.kv_len)?;
         Ok(Prob {
             d,
@@ -190,7 +190,7 @@ pub fn backward(
 ) -> Result<RefBackward> {
     let p = Prob::new(&q, &k, &v, mask, options)?;
     let d = p.d;
-    check_grad_out(&d_o, &d)?;
+    crate::validate::check_o_like("d_o", &StridedView::contiguous("d_o", d_o)?, &d)?;
     let dout = widen(&d_o)?;
     let mut dq = vec![0f64; p.q.len()];
     let mut dk = vec![0f64; p.k.len()];

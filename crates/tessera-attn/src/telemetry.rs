@@ -1,16 +1,19 @@
 //! Gated attention telemetry on the forward pass (SPEC §6): [`TelemetryInput`] for
-//! [`Backend::forward_with_telemetry`], and [`forward_logged`], the one call a training loop makes
-//! per attention layer.
+//! [`Backend::forward_with_telemetry_into`], and [`forward_logged_into`], the one call a training
+//! loop makes per attention layer.
 //!
 //! Contract:
 //! - The kernel variant is picked once per call, before any work: on a non-logging step
-//!   [`forward_logged`] is exactly [`Backend::forward`] (the production kernel, no telemetry code
+//!   [`forward_logged_into`] is exactly [`Backend::forward_into`] (the production kernel, no telemetry code
 //!   at all); on a logging step it runs [`Backend::forward_with_telemetry`], whose O, LSE and
 //!   max_logit are bit-identical to the plain forward's, and submits the summary to the sink.
 //! - Definitions, merging and the JSON-lines readout are `tessera_telemetry`'s (crate doc there).
 
-use crate::{AttnOptions, Backend, ForwardOutput};
-use tessera_core::tensor::TensorView;
+use crate::{
+    check_inputs, AttnInputs, AttnOptions, Backend, ForwardBufs, ForwardOut, ForwardOutput, Par,
+    Prepared,
+};
+use std::sync::Arc;
 use tessera_core::{Error, Result};
 use tessera_mask::Mask;
 use tessera_plan::Plan;
@@ -66,41 +69,76 @@ impl<'a> TelemetryInput<'a> {
     }
 }
 
-/// One attention forward under gated telemetry.
+/// The telemetry side of one logged forward: the step gate, the mask the plan was built from
+/// (for the sink keys), the layer and where the summary goes.
+pub struct LogContext<'a> {
+    /// Step counter and configuration (the caller advances it once per step).
+    pub tel: &'a Telemetry,
+    /// The mask the plan was built from.
+    pub mask: &'a Mask,
+    /// Layer the summary is for.
+    pub layer: u32,
+    /// Where summaries are submitted (merged per (step, layer)).
+    pub sink: &'a mut TelemetrySink,
+}
+
+/// One attention forward under gated telemetry, into caller-owned outputs.
 ///
-/// When `tel.should_log()` is false this is [`Backend::forward`] and nothing else. Otherwise it
-/// derives the sink-key flags from `mask` (the kv segment ids of its first `document` leaf, or
-/// the sequence start; `tel.config.sink_tokens` keys each), runs
-/// [`Backend::forward_with_telemetry`] for step `tel.step` and `layer`, and submits the summary
-/// to `sink` (merged per (step, layer); records are produced at [`TelemetrySink::flush`]).
-///
-/// `mask` must be the mask `plan` was built from. The step counter is the caller's: call this
-/// for every layer of a step, then [`Telemetry::advance`] once.
+/// When `log.tel.should_log()` is false this is [`Backend::forward_into`] and nothing else.
+/// Otherwise it derives the sink-key flags from `log.mask` (the kv segment ids of its first
+/// `document` leaf, or the sequence start; `tel.config.sink_tokens` keys each), runs
+/// [`Backend::forward_with_telemetry_into`] for step `tel.step` and `log.layer`, and submits the
+/// summary to `log.sink` (merged per (step, layer); records are produced at
+/// [`TelemetrySink::flush`]). The step counter is the caller's: call this for every layer of a
+/// step, then [`Telemetry::advance`] once.
 #[allow(clippy::too_many_arguments)]
-pub fn forward_logged<B: Backend + ?Sized>(
+pub fn forward_logged_into<B: Backend>(
     backend: &B,
-    q: TensorView<'_>,
-    k: TensorView<'_>,
-    v: TensorView<'_>,
-    plan: &Plan,
+    prepared: &B::Prepared,
+    inputs: &AttnInputs<'_>,
     options: &AttnOptions,
-    tel: &Telemetry,
-    mask: &Mask,
-    layer: u32,
-    sink: &mut TelemetrySink,
-) -> Result<ForwardOutput> {
+    out: ForwardOut<'_>,
+    ws: &mut B::Workspace,
+    par: Par<'_>,
+    log: LogContext<'_>,
+) -> Result<()> {
+    let tel = log.tel;
     if !tel.should_log() {
-        return backend.forward(q, k, v, plan, options);
+        return backend.forward_into(prepared, inputs, options, out, ws, par);
     }
-    let shape = plan.shape;
+    let shape = prepared.plan().shape;
     let flags = sink_key_flags(
-        document_kv_segments(mask),
+        document_kv_segments(log.mask),
         shape.batch,
         shape.kv_len,
         tel.config.sink_tokens,
     )?;
-    let input = TelemetryInput::new(&flags, tel.step, layer, &tel.config);
-    let (out, summary) = backend.forward_with_telemetry(q, k, v, plan, options, &input)?;
-    sink.submit(summary)?;
-    Ok(out)
+    let input = TelemetryInput::new(&flags, tel.step, log.layer, &tel.config);
+    let summary =
+        backend.forward_with_telemetry_into(prepared, inputs, options, &input, out, ws, par)?;
+    log.sink.submit(summary)
+}
+
+/// [`forward_logged_into`] with freshly prepared plan, allocated outputs and workspace.
+pub fn forward_logged<B: Backend>(
+    backend: &B,
+    inputs: &AttnInputs<'_>,
+    plan: &Arc<Plan>,
+    options: &AttnOptions,
+    log: LogContext<'_>,
+) -> Result<ForwardOutput> {
+    let prepared = backend.prepare(plan)?;
+    let d = check_inputs(inputs, options)?;
+    let mut bufs = ForwardBufs::new(&d);
+    forward_logged_into(
+        backend,
+        &prepared,
+        inputs,
+        options,
+        bufs.out(),
+        &mut B::Workspace::default(),
+        Par::Current,
+        log,
+    )?;
+    bufs.finish(&d)
 }

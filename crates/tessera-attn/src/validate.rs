@@ -1,11 +1,12 @@
 //! Input validation shared by every backend (SPEC §10).
 //!
-//! Contract: [`check_forward`] and [`check_backward`] accept exactly the inputs the kernels can
+//! Contract: [`check_forward`] and [`check_backward`] (and [`check_forward_out`],
+//! [`check_grad_out`] for caller-owned outputs) accept exactly the inputs the kernels can
 //! run on and return their [`Dims`]; everything else is an `InvalidArgument` error naming the
 //! argument, what was expected and what was found. The plan is checked for internal consistency
 //! too (so a corrupt deserialized plan is an error, not a panic).
 
-use crate::AttnOptions;
+use crate::{AttnInputs, AttnOptions, ForwardOut, GradInputs, GradOut, StridedView};
 use tessera_core::tensor::TensorView;
 use tessera_core::{DType, Error, Result};
 use tessera_plan::{Plan, FULL_TILE};
@@ -35,7 +36,7 @@ fn shape_str(s: &[usize]) -> String {
     format!("shape {s:?}")
 }
 
-/// Rank, emptiness and element count of one tensor argument.
+/// Rank, emptiness and element count of one contiguous tensor argument.
 fn check_tensor<'a>(name: &str, t: &TensorView<'a>, layout: &str) -> Result<&'a [usize]> {
     let rank = layout.split(',').count();
     if t.shape.len() != rank {
@@ -73,6 +74,19 @@ fn check_tensor<'a>(name: &str, t: &TensorView<'a>, layout: &str) -> Result<&'a 
     Ok(t.shape)
 }
 
+/// Emptiness, unit D stride and bounds of one strided input.
+fn check_view(name: &str, t: &StridedView<'_>, layout: &str) -> Result<[usize; 4]> {
+    if t.shape.contains(&0) {
+        return Err(Error::invalid(
+            name,
+            format!("a non-empty tensor {layout}"),
+            shape_str(&t.shape),
+        ));
+    }
+    t.check(name)?;
+    Ok(t.shape)
+}
+
 fn check_dim(name: &str, what: &str, want: usize, got: usize, shape: &[usize]) -> Result<()> {
     if want != got {
         return Err(Error::invalid(
@@ -84,12 +98,12 @@ fn check_dim(name: &str, what: &str, want: usize, got: usize, shape: &[usize]) -
     Ok(())
 }
 
-fn check_same_dtype(name: &str, t: &TensorView<'_>, want: DType) -> Result<()> {
-    if t.dtype() != want {
+fn check_same_dtype(name: &str, got: DType, want: DType) -> Result<()> {
+    if got != want {
         return Err(Error::invalid(
             name,
             format!("dtype {want} (the storage dtype of q)"),
-            t.dtype(),
+            got,
         ));
     }
     Ok(())
@@ -104,35 +118,24 @@ fn check_positive(name: &str, v: Option<f32>) -> Result<()> {
     Ok(())
 }
 
-/// Checks q, k, v, the plan and the options of a forward call.
-pub fn check_forward(
-    q: &TensorView<'_>,
-    k: &TensorView<'_>,
-    v: &TensorView<'_>,
-    plan: &Plan,
-    options: &AttnOptions,
-) -> Result<Dims> {
-    let d = check_inputs(q, k, v, options)?;
+/// Checks the inputs, the plan and the options of a forward call.
+pub fn check_forward(inputs: &AttnInputs<'_>, plan: &Plan, options: &AttnOptions) -> Result<Dims> {
+    let d = check_inputs(inputs, options)?;
     check_plan(plan, &d)?;
     Ok(d)
 }
 
 /// Checks q, k, v and the options (everything [`check_forward`] checks except the plan).
-pub fn check_inputs(
-    q: &TensorView<'_>,
-    k: &TensorView<'_>,
-    v: &TensorView<'_>,
-    options: &AttnOptions,
-) -> Result<Dims> {
-    let qs = check_tensor("q", q, "[B, Hq, Lq, Dqk]")?;
-    let ks = check_tensor("k", k, "[B, Hkv, Lkv, Dqk]")?;
-    let vs = check_tensor("v", v, "[B, Hkv, Lkv, Dv]")?;
-    let dtype = q.dtype();
+pub fn check_inputs(inputs: &AttnInputs<'_>, options: &AttnOptions) -> Result<Dims> {
+    let qs = check_view("q", &inputs.q, "[B, Hq, Lq, Dqk]")?;
+    let ks = check_view("k", &inputs.k, "[B, Hkv, Lkv, Dqk]")?;
+    let vs = check_view("v", &inputs.v, "[B, Hkv, Lkv, Dv]")?;
+    let dtype = inputs.q.dtype();
     if !matches!(dtype, DType::F32 | DType::BF16) {
         return Err(Error::invalid("q", "dtype f32 or bf16", dtype));
     }
-    check_same_dtype("k", k, dtype)?;
-    check_same_dtype("v", v, dtype)?;
+    check_same_dtype("k", inputs.k.dtype(), dtype)?;
+    check_same_dtype("v", inputs.v.dtype(), dtype)?;
     let d = Dims {
         batch: qs[0],
         heads_q: qs[1],
@@ -143,11 +146,11 @@ pub fn check_inputs(
         d_v: vs[3],
         dtype,
     };
-    check_dim("k", "batch B (as q)", d.batch, ks[0], ks)?;
-    check_dim("k", "head dim Dqk (as q)", d.d_qk, ks[3], ks)?;
-    check_dim("v", "batch B (as q)", d.batch, vs[0], vs)?;
-    check_dim("v", "kv heads Hkv (as k)", d.heads_kv, vs[1], vs)?;
-    check_dim("v", "kv length Lkv (as k)", d.kv_len, vs[2], vs)?;
+    check_dim("k", "batch B (as q)", d.batch, ks[0], &ks)?;
+    check_dim("k", "head dim Dqk (as q)", d.d_qk, ks[3], &ks)?;
+    check_dim("v", "batch B (as q)", d.batch, vs[0], &vs)?;
+    check_dim("v", "kv heads Hkv (as k)", d.heads_kv, vs[1], &vs)?;
+    check_dim("v", "kv length Lkv (as k)", d.kv_len, vs[2], &vs)?;
     if !d.heads_q.is_multiple_of(d.heads_kv) {
         return Err(Error::invalid(
             "k",
@@ -179,40 +182,27 @@ pub fn check_inputs(
     Ok(d)
 }
 
-/// Checks d_o (`[B, Hq, Lq, Dv]`, q's dtype) against validated dims.
-pub(crate) fn check_grad_out(d_o: &TensorView<'_>, d: &Dims) -> Result<()> {
-    check_o_like("d_o", d_o, d)
-}
-
-fn check_o_like(name: &str, t: &TensorView<'_>, d: &Dims) -> Result<()> {
+/// Checks an O-shaped input (`[B, Hq, Lq, Dv]`, q's dtype) against validated dims.
+pub(crate) fn check_o_like(name: &str, t: &StridedView<'_>, d: &Dims) -> Result<()> {
     let want_o = [d.batch, d.heads_q, d.q_len, d.d_v];
-    let s = check_tensor(name, t, "[B, Hq, Lq, Dv]")?;
+    let s = check_view(name, t, "[B, Hq, Lq, Dv]")?;
     if s != want_o {
         return Err(Error::invalid(
             name,
             format!("shape {want_o:?} ([B, Hq, Lq, Dv] from q and v)"),
-            shape_str(s),
+            shape_str(&s),
         ));
     }
-    check_same_dtype(name, t, d.dtype)
+    check_same_dtype(name, t.dtype(), d.dtype)
 }
 
 /// Checks the inputs of a backward call: everything [`check_forward`] checks, plus o and d_o
-/// (`[B, Hq, Lq, Dv]`, q's dtype) and lse (`[B, Hq, Lq]` f32).
-#[allow(clippy::too_many_arguments)]
-pub fn check_backward(
-    q: &TensorView<'_>,
-    k: &TensorView<'_>,
-    v: &TensorView<'_>,
-    o: &TensorView<'_>,
-    lse: &TensorView<'_>,
-    d_o: &TensorView<'_>,
-    plan: &Plan,
-    options: &AttnOptions,
-) -> Result<Dims> {
-    let d = check_forward(q, k, v, plan, options)?;
-    check_o_like("o", o, &d)?;
-    check_o_like("d_o", d_o, &d)?;
+/// (`[B, Hq, Lq, Dv]`, q's dtype) and lse (`[B, Hq, Lq]` f32, contiguous).
+pub fn check_backward(inputs: &GradInputs<'_>, plan: &Plan, options: &AttnOptions) -> Result<Dims> {
+    let d = check_forward(&inputs.forward(), plan, options)?;
+    check_o_like("o", &inputs.o, &d)?;
+    check_o_like("d_o", &inputs.d_o, &d)?;
+    let lse = &inputs.lse;
     let s = check_tensor("lse", lse, "[B, Hq, Lq]")?;
     let want_lse = [d.batch, d.heads_q, d.q_len];
     if s != want_lse {
@@ -226,6 +216,119 @@ pub fn check_backward(
         return Err(Error::invalid("lse", "dtype f32", lse.dtype()));
     }
     Ok(d)
+}
+
+fn check_out(
+    name: &str,
+    len: usize,
+    dtype: DType,
+    want: usize,
+    d: &Dims,
+    layout: &str,
+) -> Result<()> {
+    if dtype != d.dtype {
+        return Err(Error::invalid(
+            name,
+            format!("dtype {} (the storage dtype of q)", d.dtype),
+            dtype,
+        ));
+    }
+    if len != want {
+        return Err(Error::invalid(
+            name,
+            format!("a contiguous buffer of {want} elements {layout}"),
+            format!("{len} elements"),
+        ));
+    }
+    Ok(())
+}
+
+/// Checks caller-owned forward outputs against validated dims.
+pub fn check_forward_out(out: &ForwardOut<'_>, d: &Dims) -> Result<()> {
+    let bh = d.batch * d.heads_q;
+    check_out(
+        "o",
+        out.o.len(),
+        out.o.dtype(),
+        bh * d.q_len * d.d_v,
+        d,
+        "[B, Hq, Lq, Dv]",
+    )?;
+    check_out(
+        "lse",
+        out.lse.len(),
+        DType::F32,
+        bh * d.q_len,
+        &Dims {
+            dtype: DType::F32,
+            ..*d
+        },
+        "[B, Hq, Lq]",
+    )?;
+    check_out(
+        "max_logit",
+        out.max_logit.len(),
+        DType::F32,
+        bh,
+        &Dims {
+            dtype: DType::F32,
+            ..*d
+        },
+        "[B, Hq]",
+    )
+}
+
+/// Checks caller-owned backward outputs against validated dims (dsinks exactly when `sinks`).
+pub fn check_grad_out(out: &GradOut<'_>, d: &Dims, sinks: bool) -> Result<()> {
+    let kv = d.batch * d.heads_kv * d.kv_len;
+    check_out(
+        "dq",
+        out.dq.len(),
+        out.dq.dtype(),
+        d.batch * d.heads_q * d.q_len * d.d_qk,
+        d,
+        "[B, Hq, Lq, Dqk]",
+    )?;
+    check_out(
+        "dk",
+        out.dk.len(),
+        out.dk.dtype(),
+        kv * d.d_qk,
+        d,
+        "[B, Hkv, Lkv, Dqk]",
+    )?;
+    check_out(
+        "dv",
+        out.dv.len(),
+        out.dv.dtype(),
+        kv * d.d_v,
+        d,
+        "[B, Hkv, Lkv, Dv]",
+    )?;
+    match (&out.dsinks, sinks) {
+        (Some(s), true) => check_out(
+            "dsinks",
+            s.len(),
+            DType::F32,
+            d.heads_q,
+            &Dims {
+                dtype: DType::F32,
+                ..*d
+            },
+            "[Hq]",
+        ),
+        (None, false) => Ok(()),
+        (None, true) => Err(Error::invalid(
+            "dsinks",
+            "an [Hq] f32 buffer (sinks were given)",
+            "none",
+        )),
+        (Some(_), false) => Err(Error::invalid(
+            "dsinks",
+            "no buffer (no sinks were given)",
+            "a buffer",
+        )),
+    }
 }
 
 fn bad_plan(found: impl std::fmt::Display) -> Error {

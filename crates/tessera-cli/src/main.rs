@@ -60,22 +60,8 @@ fn restore_sigpipe() {
     }
 }
 
-/// Keeps freed memory in the process (glibc): attention outputs are tens of MB, freed and
-/// reallocated every step; with the default dynamic trim threshold glibc returns them to the
-/// kernel on free, and the next step page-faults them back in (measured: ~10K faults and up to
-/// ~20% of an 8K-token documents backward). Frameworks cache such buffers the same way.
-fn keep_freed_memory() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: a malloc tuning call at start-up, before any threads exist.
-    unsafe {
-        libc::mallopt(libc::M_TRIM_THRESHOLD, 1 << 30);
-        libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
-    }
-}
-
 fn main() -> ExitCode {
     restore_sigpipe();
-    keep_freed_memory();
     // A bug must still end with one clear line and exit code 1, never a backtrace.
     std::panic::set_hook(Box::new(|info| {
         let msg = info

@@ -7,14 +7,16 @@
 //! tensor [`io`], gated [`telemetry`]). Each sub-crate is also reachable as a module.
 //!
 //! ```
-//! use tessera::{build_plan, AttnOptions, Backend, CpuBackend, Mask, PlanShape, Segments,
-//!               SegmentIds, Tensor, TileShape};
+//! use std::sync::Arc;
+//! use tessera::{build_plan, AttnInputs, AttnOptions, Backend, CpuBackend, CpuWorkspace,
+//!               ForwardBufs, GradBufs, GradInputs, Mask, Par, PlanShape, SegmentIds,
+//!               Segments, Tensor, TileShape};
 //!
 //! // Two documents packed into one 300-token row, causal within each.
 //! let seg: Vec<i64> = (0..300).map(|i| if i < 180 { 0 } else { 1 }).collect();
 //! let mask = Mask::causal() & Mask::document(Segments::shared(SegmentIds::shared(seg)?));
 //! let (b, h, l, d) = (1, 2, 300, 32);
-//! let plan = build_plan(&mask, PlanShape::new(b, h, l, l)?, TileShape::new(64, 64)?)?;
+//! let plan = Arc::new(build_plan(&mask, PlanShape::new(b, h, l, l)?, TileShape::new(64, 64)?)?);
 //! assert!(plan.stats.density < 0.5);
 //!
 //! let x = |seed: u32| -> tessera::Result<Tensor> {
@@ -22,13 +24,19 @@
 //!     Tensor::from_f32(vec![b, h, l, d], v.collect())
 //! };
 //! let (q, k, v, d_o) = (x(1)?, x(2)?, x(3)?, x(4)?);
-//! let cpu = CpuBackend::new();
-//! let fwd = cpu.forward(q.view(), k.view(), v.view(), &plan, &AttnOptions::default())?;
-//! let grads = cpu.backward(
-//!     q.view(), k.view(), v.view(), fwd.o.view(), fwd.lse.view(), d_o.view(),
-//!     &plan, &AttnOptions::default(),
-//! )?;
-//! assert_eq!(grads.dq.shape(), &[b, h, l, d]);
+//! // Prepare once, then call with caller-owned outputs and workspace (reused across steps).
+//! let (cpu, opts) = (CpuBackend::new(), AttnOptions::default());
+//! let prepared = cpu.prepare(&plan)?;
+//! let mut ws = CpuWorkspace::new();
+//! let inputs = AttnInputs::contiguous(q.view(), k.view(), v.view())?;
+//! let dims = tessera::attn::check_inputs(&inputs, &opts)?;
+//! let mut fwd = ForwardBufs::new(&dims);
+//! cpu.forward_into(&prepared, &inputs, &opts, fwd.out(), &mut ws, Par::Current)?;
+//! let fwd = fwd.finish(&dims)?;
+//! let grads_in = GradInputs::contiguous(inputs, fwd.o.view(), fwd.lse.view(), d_o.view())?;
+//! let mut grads = GradBufs::new(&dims, false);
+//! cpu.backward_into(&prepared, &grads_in, &opts, grads.out(), &mut ws, Par::Current)?;
+//! assert_eq!(grads.finish(&dims)?.dq.shape(), &[b, h, l, d]);
 //! # Ok::<(), tessera::Error>(())
 //! ```
 
@@ -43,7 +51,9 @@ pub use tessera_plan as plan;
 pub use tessera_telemetry as telemetry;
 
 pub use tessera_attn::{
-    AttnOptions, Backend, BackwardOutput, CpuBackend, ForwardOutput, TensorView, ViewData,
+    AttnInputs, AttnOptions, Backend, BackwardOutput, CpuBackend, CpuPlan, CpuWorkspace,
+    ForwardBufs, ForwardOut, ForwardOutput, GradBufs, GradInputs, GradOut, OutData, Par, Prepared,
+    StridedView, TensorView, ViewData,
 };
 pub use tessera_cache::{CacheConfig, PlanCache};
 pub use tessera_core::{DType, Error, Result, Tensor, TensorData};

@@ -19,7 +19,7 @@
 //! slots fit [`SCRATCH_FLOATS`] (a round may exceed it only to give each thread two items), so
 //! the scratch stays bounded at any sequence length. A q tile whose kv tiles span several rounds
 //! carries its running dQ sum from round to round in the same sequential order, so results do
-//! not depend on the split. The scratch buffer is kept between calls ([`ScratchPool`]).
+//! not depend on the split. The scratch buffer lives in the caller's workspace.
 //! Every output element is written by one item in a fixed order: no atomics, bit-identical
 //! results for any thread count.
 
@@ -29,14 +29,12 @@ mod bf16;
 use super::gemm::{gemm, product, round_up, RB};
 use super::live::{LiveBlocks, SB};
 use super::math::{self, Simd};
-use super::{
-    isa_entry, load_transposed, row_off, rows, run_items, Geometry, Isa, Out, OutBuf, Src,
-};
-use crate::{AttnOptions, BackwardOutput, Dims};
+use super::workspace::{grown, Rest};
+use super::{isa_entry, load_transposed, rows, run_items, Geometry, Isa, Out, Prep, Src};
+use crate::{AttnOptions, Dims, GradInputs, GradOut};
 use rayon::prelude::*;
-use tessera_core::tensor::TensorView;
 use tessera_core::tensor::ViewData;
-use tessera_core::{Error, Result, Tensor};
+use tessera_core::{Error, Result};
 use tessera_plan::Plan;
 
 /// Upper bound on the dQ scratch of one round, in f32 elements (exceeded only to give every
@@ -54,7 +52,7 @@ pub(crate) struct BwdCtx<'a> {
     d_o: Src<'a>,
     lse: &'a [f32],
     delta: &'a [f32],
-    live: LiveBlocks,
+    live: &'a LiveBlocks,
     scale: f32,
     softcap: Option<f32>,
     exact: bool,
@@ -71,6 +69,38 @@ pub(crate) struct BwdWs {
     dobuf: Vec<f32>,
     dk: Vec<f32>,
     dv: Vec<f32>,
+}
+
+/// f32 elements of one [`BwdWs`].
+pub(crate) fn ws_floats(g: &Geometry, d: &Dims) -> usize {
+    2 * g.tq * g.tk
+        + d.d_qk.max(d.d_v)
+        + (d.d_qk + d.d_v) * g.tk
+        + g.tk * (2 * g.dqkp + g.dvp)
+        + g.tq * (g.dqkp + g.dvp)
+}
+
+/// f32 elements of one bf16 item workspace (`u32` words count as one each).
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn bf16_ws_floats(g: &Geometry, d: &Dims) -> usize {
+    bf16::ws_words(g, d)
+}
+
+/// No bf16 kernel off x86-64.
+#[cfg(not(target_arch = "x86_64"))]
+pub(crate) fn bf16_ws_floats(_: &Geometry, _: &Dims) -> usize {
+    0
+}
+
+/// f32 elements of the buffers shared by the workers: Δ, the dQ scratch of the largest round,
+/// the cross-round carries and the reduce workspaces.
+pub(crate) fn shared_floats(plan: &Plan, d: &Dims, g: &Geometry, threads: usize) -> usize {
+    let sz = g.tq * g.dqkp;
+    let bh = d.batch * d.heads_q;
+    let rounds = rounds(plan, d, sz, threads);
+    let max_slots = rounds.iter().map(|r| r.slots).max().unwrap_or(0);
+    let split = rounds.iter().flat_map(|r| &r.parts).count() > d.batch * d.heads_kv;
+    bh * d.q_len + max_slots * sz + if split { bh * plan.q_tiles * sz } else { 0 } + threads * sz
 }
 
 impl BwdWs {
@@ -93,28 +123,37 @@ impl BwdWs {
 
 pub(crate) fn run(
     isa: Isa,
+    prep: Prep<'_>,
     d: &Dims,
-    views: [TensorView<'_>; 6],
-    plan: &Plan,
+    inputs: &GradInputs<'_>,
     options: &AttnOptions,
-) -> Result<BackwardOutput> {
-    let [q, k, v, o, lse, d_o] = views;
+    out: GradOut<'_>,
+    rest: Rest<'_>,
+) -> Result<()> {
+    let plan = prep.plan;
     let g = Geometry::new(plan, d);
     let (q, k, v, o, d_o) = (
-        Src::new(&q)?,
-        Src::new(&k)?,
-        Src::new(&v)?,
-        Src::new(&o)?,
-        Src::new(&d_o)?,
+        Src::new(&inputs.q)?,
+        Src::new(&inputs.k)?,
+        Src::new(&inputs.v)?,
+        Src::new(&inputs.o)?,
+        Src::new(&inputs.d_o)?,
     );
-    let ViewData::F32(lse) = lse.data else {
+    let ViewData::F32(lse) = inputs.lse.data else {
         return Err(Error::Internal("unvalidated lse dtype".into()));
     };
     let exact = !(q.all_finite() && k.all_finite() && v.all_finite() && d_o.all_finite());
     let (bh, lq, dv) = (d.batch * d.heads_q, d.q_len, d.d_v);
+    let GradOut {
+        mut dq,
+        mut dk,
+        dv: mut dvb,
+        dsinks,
+    } = out;
+    let Rest { items: pool, bufs } = rest;
 
     // 1. Δ and the sink gradient.
-    let mut delta = vec![0f32; bh * lq];
+    let delta = grown(&mut bufs.delta, bh * lq);
     let mut sink_part = vec![0f64; bh];
     let sinks = options.sinks.as_deref();
     delta
@@ -123,12 +162,12 @@ pub(crate) fn run(
         .enumerate()
         .for_each(|(slab, (dl, sp))| {
             let (mut orow, mut drow) = (vec![0f32; dv], vec![0f32; dv]);
-            let sigma = sinks.map(|s| s[slab % d.heads_q] as f64);
+            let (b, h) = (slab / d.heads_q, slab % d.heads_q);
+            let sigma = sinks.map(|s| s[h] as f64);
             let mut acc = 0f64;
             for (i, out) in dl.iter_mut().enumerate() {
-                let off = (slab * lq + i) * dv;
-                o.load(off, &mut orow, 1.0);
-                d_o.load(off, &mut drow, 1.0);
+                o.load(o.row(b, h, i), &mut orow, 1.0);
+                d_o.load(d_o.row(b, h, i), &mut drow, 1.0);
                 let dot: f64 = orow
                     .iter()
                     .zip(&drow)
@@ -145,19 +184,13 @@ pub(crate) fn run(
             }
             *sp = acc;
         });
-    let dsinks = match sinks {
-        None => None,
-        Some(_) => {
-            let ds: Vec<f32> = (0..d.heads_q)
-                .map(|h| {
-                    -(0..d.batch)
-                        .map(|b| sink_part[b * d.heads_q + h])
-                        .sum::<f64>() as f32
-                })
-                .collect();
-            Some(Tensor::from_f32(vec![d.heads_q], ds)?)
+    if let Some(ds) = dsinks {
+        for (h, x) in ds.iter_mut().enumerate() {
+            *x = -(0..d.batch)
+                .map(|b| sink_part[b * d.heads_q + h])
+                .sum::<f64>() as f32;
         }
-    };
+    }
 
     // 2 + 3. dK/dV/dQ-slot items, then dQ reduce items, per chunk of (batch, kv head) pairs.
     let cx = BwdCtx {
@@ -169,8 +202,8 @@ pub(crate) fn run(
         v,
         d_o,
         lse,
-        delta: &delta,
-        live: LiveBlocks::new(plan),
+        delta,
+        live: &prep.data.live,
         scale: options.scale_for(d.d_qk),
         softcap: options.softcap,
         exact,
@@ -181,10 +214,6 @@ pub(crate) fn run(
     #[cfg(not(target_arch = "x86_64"))]
     let bf16_inputs: Option<()> = None;
     let (hkv, nkt, nqt, grp) = (d.heads_kv, plan.kv_tiles, plan.q_tiles, d.group());
-    let kv_rows = d.batch * hkv * d.kv_len;
-    let mut dk = OutBuf::poisoned(d.dtype, kv_rows * d.d_qk);
-    let mut dvb = OutBuf::poisoned(d.dtype, kv_rows * dv);
-    let mut dq = OutBuf::poisoned(d.dtype, bh * lq * d.d_qk);
     {
         let sz = g.tq * g.dqkp;
         fn take<T>(v: Vec<T>) -> Vec<Option<T>> {
@@ -193,16 +222,13 @@ pub(crate) fn run(
         let mut dk_p = take(dk.pieces(d.kv_len * d.d_qk, plan.tile.kv * d.d_qk));
         let mut dv_p = take(dvb.pieces(d.kv_len * dv, plan.tile.kv * dv));
         let mut dq_p = take(dq.pieces(lq * d.d_qk, plan.tile.q * d.d_qk));
-        let rounds = rounds(plan, d, sz);
+        let rounds = rounds(plan, d, sz, rayon::current_num_threads());
         let max_slots = rounds.iter().map(|r| r.slots).max().unwrap_or(0);
-        // Running dQ sums of q tiles whose kv tiles span several rounds (only then allocated).
+        // Running dQ sums of q tiles whose kv tiles span several rounds (only then used).
         let split = rounds.iter().flat_map(|r| &r.parts).count() > d.batch * hkv;
-        let mut carry = if split {
-            vec![0f32; bh * nqt * sz]
-        } else {
-            Vec::new()
-        };
-        let mut scratch = ScratchPool::take(max_slots * sz);
+        let carry = grown(&mut bufs.carry, if split { bh * nqt * sz } else { 0 });
+        // Every slot is written before it is read: the buffer's old contents never matter.
+        let scratch = grown(&mut bufs.scratch, max_slots * sz);
         for round in &rounds {
             let mut slots: Vec<Option<&mut [f32]>> = scratch[..round.slots * sz]
                 .chunks_mut(sz.max(1))
@@ -252,11 +278,13 @@ pub(crate) fn run(
                     #[cfg(target_arch = "x86_64")]
                     Some(inp) => run_items(
                         items,
+                        pool,
                         || bf16::Ws::new(&g, d),
                         |ws, it| bf16::entry(&cx, inp, ws, it),
                     ),
                     _ => run_items(
                         items,
+                        pool,
                         || BwdWs::new(&g, d),
                         |ws, it| entry(isa, &cx, ws, it),
                     ),
@@ -305,18 +333,13 @@ pub(crate) fn run(
             }
             run_items(
                 items,
+                pool,
                 || vec![0f32; sz],
                 |ws, it| reduce_entry(isa, &cx, ws, it),
             );
         }
-        ScratchPool::give_back(scratch);
     }
-    Ok(BackwardOutput {
-        dq: dq.into_tensor(vec![d.batch, d.heads_q, lq, d.d_qk])?,
-        dk: dk.into_tensor(vec![d.batch, hkv, d.kv_len, d.d_qk])?,
-        dv: dvb.into_tensor(vec![d.batch, hkv, d.kv_len, dv])?,
-        dsinks,
-    })
+    Ok(())
 }
 
 pub(crate) struct DkvItem<'a> {
@@ -408,9 +431,9 @@ struct Round {
 /// Splits the (pair, kv tile) sequence into rounds whose dQ slots fit [`SCRATCH_FLOATS`], each
 /// round holding at least two items per thread when the sequence has them (so both cores stay
 /// busy even when single kv tiles have long columns; a round may then exceed the bound).
-fn rounds(plan: &Plan, d: &Dims, sz: usize) -> Vec<Round> {
+fn rounds(plan: &Plan, d: &Dims, sz: usize, threads: usize) -> Vec<Round> {
     let (hkv, grp) = (d.heads_kv, d.group());
-    let min_items = 2 * rayon::current_num_threads();
+    let min_items = 2 * threads;
     let mut out: Vec<Round> = Vec::new();
     let mut cur = Round {
         parts: Vec::new(),
@@ -496,37 +519,6 @@ impl SlotLayout {
             .binary_search_by_key(&(kt as u32), |x| x.tile)
             .expect("plan: kv-major entry missing from its q-major row");
         self.start[qt] + pos - self.lo[qt]
-    }
-}
-
-/// The dQ scratch, kept between calls: its size is bounded by [`SCRATCH_FLOATS`] (or a few kv
-/// tiles' columns), and a fresh buffer per call cost page faults on every call (~8K faults,
-/// ~20% of an 8K-token documents backward). Concurrent calls each get their own buffer.
-struct ScratchPool;
-
-static SCRATCH_POOL: std::sync::Mutex<Vec<f32>> = std::sync::Mutex::new(Vec::new());
-
-impl ScratchPool {
-    /// A buffer of at least `n` floats (contents unspecified: every slot is written before
-    /// it is read).
-    fn take(n: usize) -> Vec<f32> {
-        let mut v = SCRATCH_POOL
-            .lock()
-            .map(|mut g| std::mem::take(&mut *g))
-            .unwrap_or_default();
-        if v.len() < n {
-            v.resize(n, 0.0);
-        }
-        v
-    }
-
-    /// Returns a buffer to the pool (the larger one is kept).
-    fn give_back(v: Vec<f32>) {
-        if let Ok(mut g) = SCRATCH_POOL.lock() {
-            if v.len() > g.len() {
-                *g = v;
-            }
-        }
     }
 }
 
@@ -726,34 +718,9 @@ fn dkv_item<S: Simd>(cx: &BwdCtx<'_>, ws: &mut BwdWs, it: DkvItem<'_>) {
         dk,
         dv: dva,
     } = ws;
-    load_transposed(
-        cx.k,
-        row_off(b, gh, k0, d.heads_kv, d.kv_len, dqk),
-        nk,
-        dqk,
-        cx.scale,
-        tmp,
-        kst,
-        tk,
-    );
-    load_transposed(
-        cx.v,
-        row_off(b, gh, k0, d.heads_kv, d.kv_len, dv),
-        nk,
-        dv,
-        1.0,
-        tmp,
-        vt,
-        tk,
-    );
-    let (ka, ldk) = rows(
-        cx.k,
-        row_off(b, gh, k0, d.heads_kv, d.kv_len, dqk),
-        nk,
-        mk,
-        dqk,
-        kbuf,
-    );
+    load_transposed(cx.k, cx.k.row(b, gh, k0), nk, dqk, cx.scale, tmp, kst, tk);
+    load_transposed(cx.v, cx.v.row(b, gh, k0), nk, dv, 1.0, tmp, vt, tk);
+    let (ka, ldk) = rows(cx.k, cx.k.row(b, gh, k0), nk, mk, dqk, kbuf);
     dk[..mk * dqkp].fill(0.0);
     dva[..mk * dvp].fill(0.0);
     let mut slot_it = dq_slots.iter_mut();
@@ -765,22 +732,8 @@ fn dkv_item<S: Simd>(cx: &BwdCtx<'_>, ws: &mut BwdWs, it: DkvItem<'_>) {
             let (q0, q1) = plan.q_range(e.tile as usize);
             let nq = q1 - q0;
             let mq = round_up(nq, RB);
-            let (qa, ldq) = rows(
-                cx.q,
-                row_off(b, h, q0, d.heads_q, d.q_len, dqk),
-                nq,
-                mq,
-                dqk,
-                qbuf,
-            );
-            let (da, ldd) = rows(
-                cx.d_o,
-                row_off(b, h, q0, d.heads_q, d.q_len, dv),
-                nq,
-                mq,
-                dv,
-                dobuf,
-            );
+            let (qa, ldq) = rows(cx.q, cx.q.row(b, h, q0), nq, mq, dqk, qbuf);
+            let (da, ldd) = rows(cx.d_o, cx.d_o.row(b, h, q0), nq, mq, dv, dobuf);
             let lse = &cx.lse[bh * d.q_len + q0..bh * d.q_len + q1];
             let delta = &cx.delta[bh * d.q_len + q0..bh * d.q_len + q1];
             if e.is_full() {
@@ -893,8 +846,9 @@ fn store_dkv(
 mod tests {
     use super::*;
     use crate::cpu::CpuBackend;
-    use crate::Backend;
+    use crate::{AttnInputs, Backend};
     use tessera_core::DType;
+    use tessera_core::Tensor;
     use tessera_mask::Mask;
     use tessera_plan::{build_plan, PlanShape, TileShape};
 
@@ -925,7 +879,9 @@ mod tests {
         let mask = (Mask::causal() & !Mask::window(40, 0)) | Mask::prefix(5) | Mask::chunk(64);
         let (b, hq, hkv, l, dim) = (2, 4, 2, 300, 24);
         let shape = PlanShape::new(b, hq, l, l).expect("shape");
-        let plan = build_plan(&mask, shape, TileShape { q: 32, kv: 32 }).expect("plan");
+        let plan = std::sync::Arc::new(
+            build_plan(&mask, shape, TileShape { q: 32, kv: 32 }).expect("plan"),
+        );
         for dt in [DType::F32, DType::BF16] {
             let q = tensor(dt, vec![b, hq, l, dim], 1);
             let k = tensor(dt, vec![b, hkv, l, dim], 2);
@@ -936,22 +892,11 @@ mod tests {
                     continue;
                 };
                 let opts = AttnOptions::default();
-                let f = be
-                    .forward(q.view(), k.view(), v.view(), &plan, &opts)
-                    .expect("fwd");
-                let run = || {
-                    be.backward(
-                        q.view(),
-                        k.view(),
-                        v.view(),
-                        f.o.view(),
-                        f.lse.view(),
-                        d_o.view(),
-                        &plan,
-                        &opts,
-                    )
-                    .expect("bwd")
-                };
+                let inputs = AttnInputs::contiguous(q.view(), k.view(), v.view()).expect("inputs");
+                let f = be.forward(&inputs, &plan, &opts).expect("fwd");
+                let grads = GradInputs::contiguous(inputs, f.o.view(), f.lse.view(), d_o.view())
+                    .expect("grad inputs");
+                let run = || be.backward(&grads, &plan, &opts).expect("bwd");
                 let whole = run();
                 let d = Dims {
                     batch: b,
@@ -964,9 +909,10 @@ mod tests {
                     dtype: dt,
                 };
                 let sz = Geometry::new(&plan, &d).tq * Geometry::new(&plan, &d).dqkp;
-                assert_eq!(rounds(&plan, &d, sz).len(), 1);
+                let threads = rayon::current_num_threads();
+                assert_eq!(rounds(&plan, &d, sz, threads).len(), 1);
                 TEST_BOUND.with(|c| c.set(Some(1)));
-                assert!(rounds(&plan, &d, sz).len() > 4);
+                assert!(rounds(&plan, &d, sz, threads).len() > 4);
                 let split = run();
                 TEST_BOUND.with(|c| c.set(None));
                 for (a, c) in [

@@ -23,18 +23,25 @@
 //! atomics, each output written by one item.
 
 #[cfg(target_arch = "x86_64")]
-pub(crate) use imp::{item, run, Ctx, FALLBACK};
+pub(crate) use imp::{item, run, Ctx};
 
 #[cfg(not(target_arch = "x86_64"))]
 pub(crate) fn run(
+    prep: super::Prep<'_>,
     d: &crate::Dims,
-    q: tessera_core::tensor::TensorView<'_>,
-    k: tessera_core::tensor::TensorView<'_>,
-    v: tessera_core::tensor::TensorView<'_>,
-    plan: &tessera_plan::Plan,
+    inputs: &crate::AttnInputs<'_>,
     options: &crate::AttnOptions,
-) -> tessera_core::Result<crate::ForwardOutput> {
-    super::forward::run(super::Isa::Portable, d, q, k, v, plan, options)
+    out: crate::ForwardOut<'_>,
+    rest: super::Rest<'_>,
+) -> tessera_core::Result<()> {
+    super::forward::run(super::Isa::Portable, prep, d, inputs, options, out, rest)
+}
+
+/// `u32` words of packed K and V a bf16 forward of `d` keeps in the workspace.
+pub(crate) fn pack_words(plan: &tessera_plan::Plan, d: &crate::Dims) -> usize {
+    let tkp = super::gemm::round_up(plan.tile.kv, 16);
+    let blocks = d.batch * d.heads_kv * plan.kv_tiles;
+    blocks * (tkp * d.d_qk.div_ceil(2) + tkp / 2 * super::gemm::round_up(d.d_v, 16))
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -44,11 +51,11 @@ mod imp {
     use super::super::gemm::{round_up, RB};
     use super::super::live::{self, LiveBlocks, SB};
     use super::super::math::{self, Avx512, Simd};
-    use super::super::{row_off, Isa, MasksT, Src};
-    use crate::{AttnOptions, Dims, ForwardOutput};
+    use super::super::workspace::{grown, Bufs, Rest};
+    use super::super::{Isa, MasksT, Prep, Src};
+    use crate::{AttnInputs, AttnOptions, Dims, ForwardOut};
     use half::bf16;
     use rayon::prelude::*;
-    use tessera_core::tensor::TensorView;
     use tessera_core::Result;
     use tessera_plan::Plan;
 
@@ -62,13 +69,14 @@ mod imp {
         tkp: usize,
         dpair: usize,
         dvp: usize,
-        q: &'a [bf16],
-        kp: Vec<u32>,
-        vp: Vec<u32>,
+        q: Src<'a>,
+        qx: &'a [bf16],
+        kp: &'a [u32],
+        vp: &'a [u32],
         /// Per kv block, the non-finite V entries (empty when V is finite).
         fix: Vec<Vec<Fixup>>,
-        masks_t: MasksT,
-        live: LiveBlocks,
+        masks_t: &'a MasksT,
+        live: &'a LiveBlocks,
         scale: f32,
         softcap: Option<f32>,
         sinks: Option<&'a [f32]>,
@@ -98,19 +106,30 @@ mod imp {
     }
 
     pub(crate) fn run(
+        prep: Prep<'_>,
         d: &Dims,
-        q: TensorView<'_>,
-        k: TensorView<'_>,
-        v: TensorView<'_>,
-        plan: &Plan,
+        inputs: &AttnInputs<'_>,
         options: &AttnOptions,
-    ) -> Result<ForwardOutput> {
-        let Some(cx) = Ctx::new(d, q, k, v, plan, options)? else {
-            return forward::run(FALLBACK, d, q, k, v, plan, options);
-        };
+        out: ForwardOut<'_>,
+        rest: Rest<'_>,
+    ) -> Result<()> {
+        if d.dtype != tessera_core::DType::BF16 {
+            return forward::run(FALLBACK, prep, d, inputs, options, out, rest);
+        }
+        let Rest { items, bufs } = rest;
+        let Bufs {
+            kpack,
+            vpack,
+            maxes,
+            ..
+        } = bufs;
+        let cx = Ctx::new(prep, d, inputs, options, kpack, vpack)?;
         forward::schedule(
-            plan,
+            prep.plan,
             d,
+            out,
+            items,
+            maxes,
             || cx.workspace(),
             // SAFETY: this kernel is only selected as `Isa::Avx512Bf16`, which is handed out
             // only when the CPU has AVX-512F/BW/VL, FMA and AVX512-BF16.
@@ -118,23 +137,29 @@ mod imp {
         )
     }
 
-    /// The f32 kernel copy that runs when [`Ctx::new`] declines the inputs.
+    /// The f32 kernel copy that runs for inputs that are not bf16.
     pub(crate) const FALLBACK: Isa = Isa::Avx512;
 
     impl<'a> Ctx<'a> {
-        /// Packs K and V; `None` when the inputs are not all bf16 (run the [`FALLBACK`] copy of
-        /// the f32 kernel instead).
+        /// Packs K and V (bf16 inputs, checked by the caller) into the workspace's buffers.
         pub(crate) fn new(
+            prep: Prep<'a>,
             d: &Dims,
-            q: TensorView<'a>,
-            k: TensorView<'a>,
-            v: TensorView<'a>,
-            plan: &'a Plan,
+            inputs: &AttnInputs<'a>,
             options: &'a AttnOptions,
-        ) -> Result<Option<Self>> {
-            let (qs, ks, vs) = (Src::new(&q)?, Src::new(&k)?, Src::new(&v)?);
-            let (Src::BF16(qx), Src::BF16(kx), Src::BF16(vx)) = (qs, ks, vs) else {
-                return Ok(None);
+            kpack: &'a mut Vec<u32>,
+            vpack: &'a mut Vec<u32>,
+        ) -> Result<Self> {
+            let plan = prep.plan;
+            let (qs, ks, vs) = (
+                Src::new(&inputs.q)?,
+                Src::new(&inputs.k)?,
+                Src::new(&inputs.v)?,
+            );
+            let (Some(qx), Some(kx), Some(vx)) = (qs.bf16(), ks.bf16(), vs.bf16()) else {
+                return Err(tessera_core::Error::Internal(
+                    "bf16 kernel handed non-bf16 inputs".into(),
+                ));
             };
             let tq = round_up(plan.tile.q, 16);
             let tkp = round_up(plan.tile.kv, 16);
@@ -143,19 +168,23 @@ mod imp {
             let nkt = plan.kv_tiles;
             let blocks = d.batch * d.heads_kv * nkt;
             // Pack K and V once: per kv tile, zero padded to tkp keys.
-            let mut kp = vec![0u32; blocks * tkp * dpair];
-            let mut vp = vec![0u32; blocks * (tkp / 2) * dvp];
-            let (dqk, dv) = (d.d_qk, d.d_v);
+            let kp = grown(kpack, blocks * tkp * dpair);
+            let vp = grown(vpack, blocks * (tkp / 2) * dvp);
+            let (dqk, dv, hkv) = (d.d_qk, d.d_v, d.heads_kv);
             kp.par_chunks_mut(tkp * dpair)
                 .zip(vp.par_chunks_mut(tkp / 2 * dvp))
                 .enumerate()
                 .for_each(|(blk, (kd, vd))| {
                     let (bg, kt) = (blk / nkt, blk % nkt);
+                    let (b, g) = (bg / hkv, bg % hkv);
                     let (k0, k1) = plan.kv_range(kt);
                     let nk = k1 - k0;
                     let bits = |x: &bf16| x.to_bits();
+                    // Padding keys are zero (the buffer is reused: clear them explicitly).
+                    kd[nk * dpair..].fill(0);
+                    vd[nk.div_ceil(2) * dvp..].fill(0);
                     for j in 0..nk {
-                        let off = (bg * d.kv_len + k0 + j) * dqk;
+                        let off = ks.row(b, g, k0 + j);
                         let (src, dst) = (&kx[off..off + dqk], &mut kd[j * dpair..(j + 1) * dpair]);
                         // Pairs along D are the row's own bytes: a straight (vectorized) copy.
                         for (o, p) in dst.iter_mut().zip(src.chunks_exact(2)) {
@@ -166,11 +195,14 @@ mod imp {
                         }
                     }
                     for jp in 0..nk.div_ceil(2) {
-                        let off0 = (bg * d.kv_len + k0 + 2 * jp) * dv;
-                        let dst = &mut vd[jp * dvp..jp * dvp + dv];
+                        let off0 = vs.row(b, g, k0 + 2 * jp);
+                        let dst = &mut vd[jp * dvp..(jp + 1) * dvp];
+                        dst[dv..].fill(0);
+                        let dst = &mut dst[..dv];
                         let v0 = &vx[off0..off0 + dv];
                         if 2 * jp + 1 < nk {
-                            let v1 = &vx[off0 + dv..off0 + 2 * dv];
+                            let off1 = vs.row(b, g, k0 + 2 * jp + 1);
+                            let v1 = &vx[off1..off1 + dv];
                             for ((o, a), b) in dst.iter_mut().zip(v0).zip(v1) {
                                 *o = pair(bits(a), bits(b));
                             }
@@ -188,23 +220,27 @@ mod imp {
             let mut fix: Vec<Vec<Fixup>> = Vec::new();
             if !vs.all_finite() {
                 fix = vec![Vec::new(); blocks];
-                for (idx, x) in vx.iter().enumerate() {
-                    if x.is_finite() {
-                        continue;
+                for bg in 0..d.batch * hkv {
+                    for row in 0..d.kv_len {
+                        let off = vs.row(bg / hkv, bg % hkv, row);
+                        for (col, x) in vx[off..off + dv].iter().enumerate() {
+                            if x.is_finite() {
+                                continue;
+                            }
+                            let kt = row / plan.tile.kv;
+                            let j = row - plan.kv_range(kt).0;
+                            let blk = bg * nkt + kt;
+                            let half = j % 2;
+                            let w = &mut vp[(blk * (tkp / 2) + j / 2) * dvp + col];
+                            *w &= if half == 0 { 0xFFFF_0000 } else { 0x0000_FFFF };
+                            fix[blk].push(Fixup {
+                                jp: j / 2,
+                                half,
+                                col,
+                                val: x.to_f32(),
+                            });
+                        }
                     }
-                    let (bg, row, col) = (idx / (d.kv_len * dv), (idx / dv) % d.kv_len, idx % dv);
-                    let kt = row / plan.tile.kv;
-                    let j = row - plan.kv_range(kt).0;
-                    let blk = bg * nkt + kt;
-                    let half = j % 2;
-                    let w = &mut vp[(blk * (tkp / 2) + j / 2) * dvp + col];
-                    *w &= if half == 0 { 0xFFFF_0000 } else { 0x0000_FFFF };
-                    fix[blk].push(Fixup {
-                        jp: j / 2,
-                        half,
-                        col,
-                        val: x.to_f32(),
-                    });
                 }
             }
             let cx = Ctx {
@@ -214,17 +250,18 @@ mod imp {
                 tkp,
                 dpair,
                 dvp,
-                q: qx,
+                q: qs,
+                qx,
                 kp,
                 vp,
                 fix,
-                masks_t: MasksT::new(plan),
-                live: LiveBlocks::new(plan),
+                masks_t: &prep.data.masks_t,
+                live: &prep.data.live,
                 scale: options.scale_for(d.d_qk),
                 softcap: options.softcap,
                 sinks: options.sinks.as_deref(),
             };
-            Ok(Some(cx))
+            Ok(cx)
         }
 
         /// A fresh per-worker workspace.
@@ -279,17 +316,17 @@ mod imp {
             raw_max,
         } = ws;
         // Q pairs along D, queries contiguous; padding queries zero.
-        let q_off = row_off(b, h, q0, d.heads_q, d.q_len, dqk);
+        let (q_off, qld) = (cx.q.row(b, h, q0), cx.q.ld());
         for dp in 0..dpair {
             let row = &mut qp[dp * tq..(dp + 1) * tq];
             for (i, x) in row[..nq].iter_mut().enumerate() {
-                let off = q_off + i * dqk + 2 * dp;
+                let off = q_off + i * qld + 2 * dp;
                 let hi = if 2 * dp + 1 < dqk {
-                    cx.q[off + 1].to_bits()
+                    cx.qx[off + 1].to_bits()
                 } else {
                     0
                 };
-                *x = pair(cx.q[off].to_bits(), hi);
+                *x = pair(cx.qx[off].to_bits(), hi);
             }
             row[nq..nqp].fill(0);
         }

@@ -11,13 +11,12 @@
 use super::gemm::{gemm, gemm_colmax, product, round_up, RB};
 use super::live::{self, LiveBlocks, SB};
 use super::math::{self, Simd};
+use super::workspace::{grown, Rest, WsPool};
 use super::{
-    f32_pieces, isa_entry, load_transposed, row_off, rows, run_items, Geometry, Isa, MasksT, Out,
-    OutBuf, Src,
+    f32_pieces, isa_entry, load_transposed, rows, run_items, Geometry, Isa, MasksT, Out, Prep, Src,
 };
-use crate::{AttnOptions, Dims, ForwardOutput};
-use tessera_core::tensor::TensorView;
-use tessera_core::{Result, Tensor};
+use crate::{AttnInputs, AttnOptions, Dims, ForwardOut};
+use tessera_core::Result;
 use tessera_plan::Plan;
 
 const NEG_INF: f32 = f32::NEG_INFINITY;
@@ -73,8 +72,8 @@ pub(crate) struct FwdCtx<'a> {
     q: Src<'a>,
     k: Src<'a>,
     v: Src<'a>,
-    masks_t: MasksT,
-    live: LiveBlocks,
+    masks_t: &'a MasksT,
+    live: &'a LiveBlocks,
     scale: f32,
     softcap: Option<f32>,
     sinks: Option<&'a [f32]>,
@@ -111,6 +110,11 @@ pub(crate) struct FwdWs {
     tmp: Vec<f32>,
 }
 
+/// f32 elements of one [`FwdWs`].
+pub(crate) fn ws_floats(g: &Geometry, d: &Dims) -> usize {
+    d.d_qk * g.tq + g.tk * (g.dqkp + g.dvp + g.tq) + g.tq * g.dvp + 6 * g.tq + d.d_qk.max(d.d_v)
+}
+
 impl FwdWs {
     fn new(g: &Geometry, d: &Dims) -> Self {
         let z = |n: usize| vec![0f32; n];
@@ -133,29 +137,38 @@ impl FwdWs {
 
 pub(crate) fn run(
     isa: Isa,
+    prep: Prep<'_>,
     d: &Dims,
-    q: TensorView<'_>,
-    k: TensorView<'_>,
-    v: TensorView<'_>,
-    plan: &Plan,
+    inputs: &AttnInputs<'_>,
     options: &AttnOptions,
-) -> Result<ForwardOutput> {
-    let cx = FwdCtx::new(d, q, k, v, plan, options)?;
-    run_with(&cx, || cx.workspace(), |ws, it| entry(isa, &cx, ws, it))
+    out: ForwardOut<'_>,
+    rest: Rest<'_>,
+) -> Result<()> {
+    let cx = FwdCtx::new(prep, d, inputs, options)?;
+    run_with(
+        &cx,
+        out,
+        rest,
+        || cx.workspace(),
+        |ws, it| entry(isa, &cx, ws, it),
+    )
 }
 
 impl<'a> FwdCtx<'a> {
     /// The per-call state every item reads (inputs, transposed masks, options).
     pub(super) fn new(
+        prep: Prep<'a>,
         d: &Dims,
-        q: TensorView<'a>,
-        k: TensorView<'a>,
-        v: TensorView<'a>,
-        plan: &'a Plan,
+        inputs: &AttnInputs<'a>,
         options: &'a AttnOptions,
     ) -> Result<Self> {
+        let plan = prep.plan;
         let g = Geometry::new(plan, d);
-        let (q, k, v) = (Src::new(&q)?, Src::new(&k)?, Src::new(&v)?);
+        let (q, k, v) = (
+            Src::new(&inputs.q)?,
+            Src::new(&inputs.k)?,
+            Src::new(&inputs.v)?,
+        );
         // Only V needs the zero-skipping product: a non-finite logit (from Q or K) is either
         // masked (set to -inf, so P is exactly 0) or propagates through P as it must, and a
         // zero P times a finite V row is 0. Skipping the Q/K scans saves two full input reads.
@@ -167,8 +180,8 @@ impl<'a> FwdCtx<'a> {
             q,
             k,
             v,
-            masks_t: MasksT::new(plan),
-            live: LiveBlocks::new(plan),
+            masks_t: &prep.data.masks_t,
+            live: &prep.data.live,
             scale: options.scale_for(d.d_qk),
             softcap: options.softcap,
             sinks: options.sinks.as_deref(),
@@ -185,12 +198,22 @@ impl<'a> FwdCtx<'a> {
 /// Splits O, LSE and the per-item max logits into work items (batch, query head, q-tile) and runs
 /// `work` on every item on the rayon pool (longest first), each worker with its own workspace
 /// from `make_ws`; assembles the outputs.
-pub(super) fn run_with<W>(
+pub(super) fn run_with<W: std::any::Any + Send>(
     cx: &FwdCtx<'_>,
+    out: ForwardOut<'_>,
+    rest: Rest<'_>,
     make_ws: impl Fn() -> W + Sync,
     work: impl Fn(&mut W, FwdItem<'_>) + Sync,
-) -> Result<ForwardOutput> {
-    schedule(cx.plan, &cx.d, make_ws, work)
+) -> Result<()> {
+    schedule(
+        cx.plan,
+        &cx.d,
+        out,
+        rest.items,
+        &mut rest.bufs.maxes,
+        make_ws,
+        work,
+    )
 }
 
 /// Online-softmax step shared by the forward kernels: folds this tile's column maxima `col` into
@@ -240,22 +263,28 @@ pub(super) fn finish_row(l: f32, m: f32, sink: Option<f64>, orow: &mut [f32]) ->
     }
 }
 
-/// The scheduling shared by every forward kernel: poisoned outputs split into one item per
-/// (batch, query head, q tile), run longest first on the rayon pool, max logits reduced per
-/// (batch, head) with NaN propagated.
-pub(super) fn schedule<W>(
+/// The scheduling shared by every forward kernel: the caller's outputs split into one item per
+/// (batch, query head, q tile), run longest first on the current pool with per-worker workspaces
+/// from `pool`, max logits (per item in `maxes`) reduced per (batch, head) with NaN propagated.
+pub(super) fn schedule<W: std::any::Any + Send>(
     plan: &Plan,
     d: &Dims,
+    out: ForwardOut<'_>,
+    pool: &WsPool,
+    maxes: &mut Vec<f32>,
     make_ws: impl Fn() -> W + Sync,
     work: impl Fn(&mut W, FwdItem<'_>) + Sync,
-) -> Result<ForwardOutput> {
+) -> Result<()> {
     let (bh, nqt) = (d.batch * d.heads_q, plan.q_tiles);
-    let mut o = OutBuf::poisoned(d.dtype, bh * d.q_len * d.d_v);
-    let mut lse = vec![f32::NAN; bh * d.q_len];
-    let mut maxes = vec![f32::NAN; bh * nqt];
+    let ForwardOut {
+        mut o,
+        lse,
+        max_logit,
+    } = out;
+    let maxes = grown(maxes, bh * nqt);
     {
         let o_pieces = o.pieces(d.q_len * d.d_v, plan.tile.q * d.d_v);
-        let l_pieces = f32_pieces(&mut lse, d.q_len, plan.tile.q);
+        let l_pieces = f32_pieces(lse, d.q_len, plan.tile.q);
         let items: Vec<(usize, FwdItem<'_>)> = o_pieces
             .into_iter()
             .zip(l_pieces)
@@ -277,25 +306,18 @@ pub(super) fn schedule<W>(
                 )
             })
             .collect();
-        run_items(items, make_ws, work);
+        run_items(items, pool, make_ws, work);
     }
-    let max_logit: Vec<f32> = maxes
-        .chunks(nqt)
-        .map(|c| {
-            c.iter().fold(NEG_INF, |a, &x| {
-                if x.is_nan() || a.is_nan() {
-                    f32::NAN
-                } else {
-                    a.max(x)
-                }
-            })
-        })
-        .collect();
-    Ok(ForwardOutput {
-        o: o.into_tensor(vec![d.batch, d.heads_q, d.q_len, d.d_v])?,
-        lse: Tensor::from_f32(vec![d.batch, d.heads_q, d.q_len], lse)?,
-        max_logit: Tensor::from_f32(vec![d.batch, d.heads_q], max_logit)?,
-    })
+    for (m, c) in max_logit.iter_mut().zip(maxes.chunks(nqt)) {
+        *m = c.iter().fold(NEG_INF, |a, &x| {
+            if x.is_nan() || a.is_nan() {
+                f32::NAN
+            } else {
+                a.max(x)
+            }
+        });
+    }
+    Ok(())
 }
 
 isa_entry!(entry, item, (cx: &FwdCtx<'_>, ws: &mut FwdWs, it: FwdItem<'_>));
@@ -333,7 +355,7 @@ pub(super) fn item_with<S: Simd, T: TileObserver>(
         raw_max,
         tmp,
     } = ws;
-    let q_off = row_off(b, h, q0, d.heads_q, d.q_len, dqk);
+    let q_off = cx.q.row(b, h, q0);
     load_transposed(cx.q, q_off, nq, dqk, cx.scale, tmp, qt, tq);
     o[..mq * dvp].fill(0.0);
     m[..nq].fill(NEG_INF);
@@ -344,14 +366,7 @@ pub(super) fn item_with<S: Simd, T: TileObserver>(
         let (k0, k1) = plan.kv_range(e.tile as usize);
         let nk = k1 - k0;
         let mk = round_up(nk, RB);
-        let (ka, lda) = rows(
-            cx.k,
-            row_off(b, kvh, k0, d.heads_kv, d.kv_len, dqk),
-            nk,
-            mk,
-            dqk,
-            kbuf,
-        );
+        let (ka, lda) = rows(cx.k, cx.k.row(b, kvh, k0), nk, mk, dqk, kbuf);
         let full = e.is_full();
         // Live query-column span of key row `j` (whole tile for full tiles; per 16-key block of
         // the partial mask otherwise, see `live`).
@@ -446,14 +461,7 @@ pub(super) fn item_with<S: Simd, T: TileObserver>(
             }
         }
         obs.on_tile(col, mu, &alpha[..nq]);
-        let (vb, ldv) = rows(
-            cx.v,
-            row_off(b, kvh, k0, d.heads_kv, d.kv_len, dv),
-            nk,
-            nk,
-            dv,
-            vbuf,
-        );
+        let (vb, ldv) = rows(cx.v, cx.v.row(b, kvh, k0), nk, nk, dv, vbuf);
         if full {
             product::<S, true, true>(cx.exact, mq, dvp, nk, s, tq, vb, ldv, o, dvp);
         } else {

@@ -31,17 +31,25 @@ mod live;
 mod math;
 mod telemetry;
 
+mod workspace;
+
+use live::LiveBlocks;
+pub use workspace::CpuWorkspace;
+pub(crate) use workspace::{Rest, WsPool};
+
+use crate::validate::{check_forward_out, check_grad_out};
 use crate::{
-    check_backward, check_forward, AttnOptions, Backend, BackwardOutput, Dims, ForwardOutput,
+    check_backward, check_forward, AttnInputs, AttnOptions, Backend, BackwardOutput, Dims,
+    ForwardBufs, ForwardOut, ForwardOutput, GradBufs, GradInputs, GradOut, OutData, Par, Prepared,
+    StridedView,
 };
 use half::bf16;
 use rayon::prelude::*;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
-use tessera_core::tensor::TensorView;
 use tessera_core::tensor::ViewData;
-use tessera_core::{metrics, DType, Error, Result, Tensor};
+use tessera_core::{metrics, DType, Error, Result};
 use tessera_plan::{Plan, TileShape};
 
 /// Instruction set of the kernel copy a [`CpuBackend`] runs.
@@ -153,58 +161,265 @@ impl CpuBackend {
     }
 }
 
+/// A plan prepared for the CPU kernels: the plan plus what every call derives from it (the
+/// partial masks transposed for the key-major loops, and their live 16 × 16 sub-blocks).
+pub struct CpuPlan {
+    plan: Arc<Plan>,
+    data: PlanData,
+}
+
+impl Prepared for CpuPlan {
+    fn plan(&self) -> &Plan {
+        &self.plan
+    }
+}
+
+/// Everything the CPU kernels derive from a plan, built once by [`CpuBackend::prepare`].
+pub(crate) struct PlanData {
+    pub(crate) masks_t: MasksT,
+    pub(crate) live: LiveBlocks,
+}
+
+impl PlanData {
+    /// Builds the derived data; counted as kernel variant `cpu.prepare` in the metrics, so a
+    /// caller can show that calls on a prepared plan do no preprocessing.
+    pub(crate) fn new(plan: &Plan) -> Self {
+        let start = Instant::now();
+        let data = PlanData {
+            masks_t: MasksT::new(plan),
+            live: LiveBlocks::new(plan),
+        };
+        metrics::record_kernel("cpu.prepare", start.elapsed());
+        data
+    }
+}
+
+/// A plan and its derived data, as the kernels read them.
+#[derive(Clone, Copy)]
+pub(crate) struct Prep<'a> {
+    pub(crate) plan: &'a Plan,
+    pub(crate) data: &'a PlanData,
+}
+
+impl CpuPlan {
+    fn prep(&self) -> Prep<'_> {
+        Prep {
+            plan: &self.plan,
+            data: &self.data,
+        }
+    }
+}
+
+/// Catches a panic inside a kernel call so that a bug surfaces as [`Error::Internal`] and the
+/// process (and the caller's workspace, which is reset) stays usable for the next call.
+fn guarded<R>(ws: &mut CpuWorkspace, f: impl FnOnce(&mut CpuWorkspace) -> Result<R>) -> Result<R> {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(ws))) {
+        Ok(r) => r,
+        Err(p) => {
+            *ws = CpuWorkspace::default();
+            let msg = p
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| p.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "unknown panic".into());
+            Err(Error::Internal(format!("cpu kernel panicked: {msg}")))
+        }
+    }
+}
+
 impl Backend for CpuBackend {
+    type Prepared = CpuPlan;
+    type Workspace = CpuWorkspace;
+
     fn name(&self) -> &str {
         "cpu"
     }
 
-    fn forward(
-        &self,
-        q: TensorView<'_>,
-        k: TensorView<'_>,
-        v: TensorView<'_>,
-        plan: &Plan,
-        options: &AttnOptions,
-    ) -> Result<ForwardOutput> {
-        let d = check_forward(&q, &k, &v, plan, options)?;
-        let start = Instant::now();
-        let out = if runs_bf16dot(self.isa, d.dtype) {
-            bf16dot::run(&d, q, k, v, plan, options)?
-        } else {
-            forward::run(self.isa, &d, q, k, v, plan, options)?
-        };
-        metrics::record_kernel(&format!("cpu.forward.{}", d.dtype), start.elapsed());
-        Ok(out)
+    fn prepare(&self, plan: &Arc<Plan>) -> Result<CpuPlan> {
+        Ok(CpuPlan {
+            plan: plan.clone(),
+            data: PlanData::new(plan),
+        })
     }
 
-    fn forward_with_telemetry(
+    fn forward_workspace_size(
         &self,
-        q: TensorView<'_>,
-        k: TensorView<'_>,
-        v: TensorView<'_>,
-        plan: &Plan,
+        prepared: &CpuPlan,
+        inputs: &AttnInputs<'_>,
+        par: Par<'_>,
+    ) -> Result<usize> {
+        let d = check_forward(inputs, &prepared.plan, &AttnOptions::default())?;
+        Ok(workspace::forward_bytes(
+            self.isa,
+            &prepared.plan,
+            &d,
+            par_threads(par),
+        ))
+    }
+
+    fn backward_workspace_size(
+        &self,
+        prepared: &CpuPlan,
+        inputs: &GradInputs<'_>,
+        par: Par<'_>,
+    ) -> Result<usize> {
+        let d = check_backward(inputs, &prepared.plan, &AttnOptions::default())?;
+        Ok(workspace::backward_bytes(
+            self.isa,
+            &prepared.plan,
+            &d,
+            par_threads(par),
+        ))
+    }
+
+    fn forward_into(
+        &self,
+        prepared: &CpuPlan,
+        inputs: &AttnInputs<'_>,
+        options: &AttnOptions,
+        out: ForwardOut<'_>,
+        ws: &mut CpuWorkspace,
+        par: Par<'_>,
+    ) -> Result<()> {
+        self.forward_prep(prepared.prep(), inputs, options, out, ws, par)
+    }
+
+    fn forward_with_telemetry_into(
+        &self,
+        prepared: &CpuPlan,
+        inputs: &AttnInputs<'_>,
         options: &AttnOptions,
         tel: &crate::TelemetryInput<'_>,
-    ) -> Result<(ForwardOutput, crate::AttnSummary)> {
-        telemetry::forward(self, q, k, v, plan, options, tel)
+        out: ForwardOut<'_>,
+        ws: &mut CpuWorkspace,
+        par: Par<'_>,
+    ) -> Result<crate::AttnSummary> {
+        let prep = prepared.prep();
+        let d = check_forward(inputs, prep.plan, options)?;
+        check_forward_out(&out, &d)?;
+        tel.check(d.batch, d.kv_len)?;
+        guarded(ws, |ws| {
+            let (pools, rest) = ws.split(&prep, &d);
+            par.run(pools, || {
+                telemetry::forward(self, prep, &d, inputs, options, tel, out, rest)
+            })?
+        })
+    }
+
+    fn backward_into(
+        &self,
+        prepared: &CpuPlan,
+        inputs: &GradInputs<'_>,
+        options: &AttnOptions,
+        out: GradOut<'_>,
+        ws: &mut CpuWorkspace,
+        par: Par<'_>,
+    ) -> Result<()> {
+        self.backward_prep(prepared.prep(), inputs, options, out, ws, par)
+    }
+
+    fn forward(
+        &self,
+        inputs: &AttnInputs<'_>,
+        plan: &Arc<Plan>,
+        options: &AttnOptions,
+    ) -> Result<ForwardOutput> {
+        let data = PlanData::new(plan);
+        let prep = Prep { plan, data: &data };
+        let d = check_forward(inputs, plan, options)?;
+        let mut bufs = ForwardBufs::new(&d);
+        let mut ws = CpuWorkspace::default();
+        self.forward_prep(prep, inputs, options, bufs.out(), &mut ws, Par::Current)?;
+        bufs.finish(&d)
     }
 
     fn backward(
         &self,
-        q: TensorView<'_>,
-        k: TensorView<'_>,
-        v: TensorView<'_>,
-        o: TensorView<'_>,
-        lse: TensorView<'_>,
-        d_o: TensorView<'_>,
-        plan: &Plan,
+        inputs: &GradInputs<'_>,
+        plan: &Arc<Plan>,
         options: &AttnOptions,
     ) -> Result<BackwardOutput> {
-        let d = check_backward(&q, &k, &v, &o, &lse, &d_o, plan, options)?;
+        let data = PlanData::new(plan);
+        let prep = Prep { plan, data: &data };
+        let d = check_backward(inputs, plan, options)?;
+        let mut bufs = GradBufs::new(&d, options.sinks.is_some());
+        let mut ws = CpuWorkspace::default();
+        self.backward_prep(prep, inputs, options, bufs.out(), &mut ws, Par::Current)?;
+        bufs.finish(&d)
+    }
+}
+
+impl CpuBackend {
+    fn forward_prep(
+        &self,
+        prep: Prep<'_>,
+        inputs: &AttnInputs<'_>,
+        options: &AttnOptions,
+        out: ForwardOut<'_>,
+        ws: &mut CpuWorkspace,
+        par: Par<'_>,
+    ) -> Result<()> {
+        let d = check_forward(inputs, prep.plan, options)?;
+        check_forward_out(&out, &d)?;
         let start = Instant::now();
-        let out = backward::run(self.isa, &d, [q, k, v, o, lse, d_o], plan, options)?;
+        guarded(ws, |ws| {
+            let (pools, rest) = ws.split(&prep, &d);
+            par.run(pools, || {
+                dispatch_forward(self.isa, prep, &d, inputs, options, out, rest)
+            })?
+        })?;
+        metrics::record_kernel(&format!("cpu.forward.{}", d.dtype), start.elapsed());
+        Ok(())
+    }
+
+    fn backward_prep(
+        &self,
+        prep: Prep<'_>,
+        inputs: &GradInputs<'_>,
+        options: &AttnOptions,
+        out: GradOut<'_>,
+        ws: &mut CpuWorkspace,
+        par: Par<'_>,
+    ) -> Result<()> {
+        let d = check_backward(inputs, prep.plan, options)?;
+        check_grad_out(&out, &d, options.sinks.is_some())?;
+        let start = Instant::now();
+        guarded(ws, |ws| {
+            let (pools, rest) = ws.split(&prep, &d);
+            par.run(pools, || {
+                backward::run(self.isa, prep, &d, inputs, options, out, rest)
+            })?
+        })?;
         metrics::record_kernel(&format!("cpu.backward.{}", d.dtype), start.elapsed());
-        Ok(out)
+        Ok(())
+    }
+}
+
+/// The production forward kernel for this copy and dtype (the plain and the telemetry forward
+/// both dispatch through [`runs_bf16dot`]).
+fn dispatch_forward(
+    isa: Isa,
+    prep: Prep<'_>,
+    d: &Dims,
+    inputs: &AttnInputs<'_>,
+    options: &AttnOptions,
+    out: ForwardOut<'_>,
+    rest: Rest<'_>,
+) -> Result<()> {
+    if runs_bf16dot(isa, d.dtype) {
+        bf16dot::run(prep, d, inputs, options, out, rest)
+    } else {
+        forward::run(isa, prep, d, inputs, options, out, rest)
+    }
+}
+
+/// Threads a call on `par` runs on (for workspace sizing).
+fn par_threads(par: Par<'_>) -> usize {
+    match par {
+        Par::Seq => 1,
+        Par::Rayon(0) | Par::Current => rayon::current_num_threads(),
+        Par::Rayon(n) => n,
+        Par::Pool(p) => p.current_num_threads(),
     }
 }
 
@@ -215,19 +430,54 @@ fn runs_bf16dot(isa: Isa, dtype: DType) -> bool {
     isa == Isa::Avx512Bf16 && dtype == DType::BF16
 }
 
-/// A validated f32 or bf16 input, read row by row into f32 tiles.
+/// The storage of a validated f32 or bf16 input.
 #[derive(Clone, Copy)]
-pub(crate) enum Src<'a> {
+pub(crate) enum SrcData<'a> {
     F32(&'a [f32]),
     BF16(&'a [bf16]),
 }
 
+/// A validated f32 or bf16 input `[B, H, L, D]` with its strides, read row by row into f32
+/// tiles. Row `i` of head `h` in batch `b` starts at [`Src::row`]; consecutive rows are
+/// [`Src::ld`] elements apart (`D` when contiguous); a row's D elements are contiguous.
+#[derive(Clone, Copy)]
+pub(crate) struct Src<'a> {
+    pub(crate) data: SrcData<'a>,
+    shape: [usize; 4],
+    strides: [usize; 4],
+}
+
 impl<'a> Src<'a> {
-    fn new(v: &TensorView<'a>) -> Result<Self> {
-        match v.data {
-            ViewData::F32(x) => Ok(Src::F32(x)),
-            ViewData::BF16(x) => Ok(Src::BF16(x)),
-            _ => Err(Error::Internal(format!("unvalidated dtype {}", v.dtype()))),
+    pub(crate) fn new(v: &StridedView<'a>) -> Result<Self> {
+        let data = match v.data {
+            ViewData::F32(x) => SrcData::F32(x),
+            ViewData::BF16(x) => SrcData::BF16(x),
+            _ => return Err(Error::Internal(format!("unvalidated dtype {}", v.dtype()))),
+        };
+        Ok(Src {
+            data,
+            shape: v.shape,
+            strides: v.strides,
+        })
+    }
+
+    /// Element offset of row `i` of head `h` in batch `b`.
+    #[inline(always)]
+    pub(crate) fn row(&self, b: usize, h: usize, i: usize) -> usize {
+        b * self.strides[0] + h * self.strides[1] + i * self.strides[2]
+    }
+
+    /// Elements between consecutive rows.
+    #[inline(always)]
+    pub(crate) fn ld(&self) -> usize {
+        self.strides[2]
+    }
+
+    /// The bf16 storage, if that is the dtype.
+    pub(crate) fn bf16(&self) -> Option<&'a [bf16]> {
+        match self.data {
+            SrcData::BF16(x) => Some(x),
+            SrcData::F32(_) => None,
         }
     }
 
@@ -235,13 +485,13 @@ impl<'a> Src<'a> {
     #[inline(always)]
     pub(crate) fn load(self, off: usize, dst: &mut [f32], scale: f32) {
         let n = dst.len();
-        match self {
-            Src::F32(x) => {
+        match self.data {
+            SrcData::F32(x) => {
                 for (d, &s) in dst.iter_mut().zip(&x[off..off + n]) {
                     *d = s * scale;
                 }
             }
-            Src::BF16(x) => {
+            SrcData::BF16(x) => {
                 for (d, &s) in dst.iter_mut().zip(&x[off..off + n]) {
                     *d = math::bf16_to_f32(s) * scale;
                 }
@@ -249,99 +499,49 @@ impl<'a> Src<'a> {
         }
     }
 
-    /// Whether every element is finite.
-    fn all_finite(self) -> bool {
-        match self {
-            // Branch-free folds over the exponent bits (vectorize; an early exit per element
-            // does not): a value is non-finite when its exponent field is all ones.
-            Src::F32(x) => x.par_chunks(1 << 16).all(|c| {
+    /// `(b, h)` slabs as `(offset of row 0, rows, whether the rows are back to back)`.
+    fn slabs(&self) -> impl Iterator<Item = (usize, usize, bool)> + '_ {
+        let [nb, nh, nl, nd] = self.shape;
+        let dense = self.strides[2] == nd;
+        (0..nb * nh).map(move |bh| (self.row(bh / nh, bh % nh, 0), nl, dense))
+    }
+
+    /// Every `(b, h, i)` row's D elements, as `(offset, len)` runs (whole slabs when dense).
+    fn runs(&self) -> Vec<(usize, usize)> {
+        let nd = self.shape[3];
+        let mut out = Vec::new();
+        for (off, nl, dense) in self.slabs() {
+            if dense {
+                out.push((off, nl * nd));
+            } else {
+                out.extend((0..nl).map(|i| (off + i * self.ld(), nd)));
+            }
+        }
+        out
+    }
+
+    /// Whether every element of the view is finite.
+    pub(crate) fn all_finite(self) -> bool {
+        // Branch-free folds over the exponent bits (vectorize; an early exit per element
+        // does not): a value is non-finite when its exponent field is all ones.
+        let runs = self.runs();
+        runs.par_iter().all(|&(off, n)| match self.data {
+            SrcData::F32(x) => x[off..off + n].chunks(1 << 16).all(|c| {
                 c.iter().fold(0u32, |a, v| {
                     a | u32::from(v.to_bits() & 0x7F80_0000 == 0x7F80_0000)
                 }) == 0
             }),
-            Src::BF16(x) => x.par_chunks(1 << 16).all(|c| {
+            SrcData::BF16(x) => x[off..off + n].chunks(1 << 16).all(|c| {
                 c.iter()
                     .fold(0u16, |a, v| a | u16::from(v.to_bits() & 0x7F80 == 0x7F80))
                     == 0
             }),
-        }
+        })
     }
 }
 
 /// A mutable slice of an output in the storage dtype.
-pub(crate) enum Out<'a> {
-    F32(&'a mut [f32]),
-    BF16(&'a mut [bf16]),
-}
-
-impl Out<'_> {
-    /// `self[off + i] = src[i] * scale`, rounded to the storage dtype.
-    #[inline(always)]
-    pub(crate) fn store(&mut self, off: usize, src: &[f32], scale: f32) {
-        let n = src.len();
-        match self {
-            Out::F32(x) => {
-                for (d, &s) in x[off..off + n].iter_mut().zip(src) {
-                    *d = s * scale;
-                }
-            }
-            Out::BF16(x) => {
-                for (d, &s) in x[off..off + n].iter_mut().zip(src) {
-                    *d = bf16::from_f32(s * scale);
-                }
-            }
-        }
-    }
-}
-
-/// An owned output buffer, NaN-poisoned at creation.
-pub(crate) enum OutBuf {
-    F32(Vec<f32>),
-    BF16(Vec<bf16>),
-}
-
-impl OutBuf {
-    pub(crate) fn poisoned(dtype: DType, n: usize) -> Self {
-        // Zeroed allocation (fresh pages, no serial write), then the poison fill on every
-        // thread, so the page faults and the fill of a large output are spread over the pool.
-        match dtype {
-            DType::BF16 => {
-                let mut v = vec![bf16::ZERO; n];
-                v.par_chunks_mut(1 << 16).for_each(|c| c.fill(bf16::NAN));
-                OutBuf::BF16(v)
-            }
-            _ => {
-                let mut v = vec![0f32; n];
-                v.par_chunks_mut(1 << 16).for_each(|c| c.fill(f32::NAN));
-                OutBuf::F32(v)
-            }
-        }
-    }
-
-    /// Splits into consecutive slabs of `slab` elements, each split into pieces of `piece`
-    /// (the last piece of a slab may be shorter); slab-major order.
-    pub(crate) fn pieces(&mut self, slab: usize, piece: usize) -> Vec<Out<'_>> {
-        match self {
-            OutBuf::F32(v) => v
-                .chunks_mut(slab)
-                .flat_map(|s| s.chunks_mut(piece))
-                .map(Out::F32)
-                .collect(),
-            OutBuf::BF16(v) => v
-                .chunks_mut(slab)
-                .flat_map(|s| s.chunks_mut(piece))
-                .map(Out::BF16)
-                .collect(),
-        }
-    }
-
-    pub(crate) fn into_tensor(self, shape: Vec<usize>) -> Result<Tensor> {
-        match self {
-            OutBuf::F32(v) => Tensor::from_f32(shape, v),
-            OutBuf::BF16(v) => Tensor::from_bf16(shape, v),
-        }
-    }
-}
+pub(crate) type Out<'a> = OutData<'a>;
 
 /// f32 slices of `slab`-sized slabs split into `piece`-sized pieces (slab-major).
 pub(crate) fn f32_pieces(v: &mut [f32], slab: usize, piece: usize) -> Vec<&mut [f32]> {
@@ -350,10 +550,12 @@ pub(crate) fn f32_pieces(v: &mut [f32], slab: usize, piece: usize) -> Vec<&mut [
         .collect()
 }
 
-/// Runs `work` on every item on the rayon pool: items sorted by cost (descending, stable), each
-/// worker pulling the next item from the shared queue with its own workspace from `make_ws`.
-pub(crate) fn run_items<T: Send, W>(
+/// Runs `work` on every item on the current rayon pool: items sorted by cost (descending,
+/// stable), each worker pulling the next item from the shared queue, with a workspace taken from
+/// `pool` (or made by `make_ws` when the pool has none) and given back at the end.
+pub(crate) fn run_items<T: Send, W: std::any::Any + Send>(
     items: Vec<(usize, T)>,
+    pool: &WsPool,
     make_ws: impl Fn() -> W + Sync,
     work: impl Fn(&mut W, T) + Sync,
 ) {
@@ -372,8 +574,12 @@ pub(crate) fn run_items<T: Send, W>(
             let Some(slot) = slots.get(i) else { break };
             let item = slot.lock().ok().and_then(|mut g| g.take());
             if let Some(item) = item {
-                work(ws.get_or_insert_with(&make_ws), item);
+                let w = ws.get_or_insert_with(|| pool.take::<W>().unwrap_or_else(&make_ws));
+                work(w, item);
             }
+        }
+        if let Some(w) = ws {
+            pool.give(w);
         }
     });
 }
@@ -399,7 +605,7 @@ impl Geometry {
     }
 }
 
-/// Rows `[off/dim, off/dim + n)` of a `[.., dim]` input as an f32 matrix with at least `m >= n`
+/// Rows `n` rows from element `off` of an input (at its row stride) as an f32 matrix with at least `m >= n`
 /// readable rows and at least `round_up(dim, 16)` readable columns: borrowed when the input is f32,
 /// `dim` is a multiple of 16 and enough rows follow, else converted into `buf` (leading dimension
 /// `round_up(dim, 16)`, rows `n..m` zeroed; `buf`'s padding columns must already be zero).
@@ -413,20 +619,23 @@ pub(crate) fn rows<'s>(
     dim: usize,
     buf: &'s mut [f32],
 ) -> (&'s [f32], usize) {
-    if let Src::F32(x) = src {
-        if dim.is_multiple_of(16) && off + m * dim <= x.len() {
-            return (&x[off..off + m * dim], dim);
+    let sl = src.ld();
+    if let SrcData::F32(x) = src.data {
+        // `dim` a multiple of 16: the products read exactly `dim` columns of each row, so the
+        // rows are used in place at their own stride.
+        if dim.is_multiple_of(16) && sl >= dim && off + (m - 1) * sl + dim <= x.len() {
+            return (&x[off..off + (m - 1) * sl + dim], sl);
         }
     }
     let ld = gemm::round_up(dim, 16);
     for r in 0..n {
-        src.load(off + r * dim, &mut buf[r * ld..r * ld + dim], 1.0);
+        src.load(off + r * sl, &mut buf[r * ld..r * ld + dim], 1.0);
     }
     buf[n * ld..m * ld].fill(0.0);
     (&buf[..m * ld], ld)
 }
 
-/// Writes rows `[off/dim, off/dim + n)` of a `[.., dim]` input, times `scale`, transposed into
+/// Writes `n` rows from element `off` of an input (at its row stride), times `scale`, transposed into
 /// `dst[x * ld + r]` (`x < dim`, `r < n`), zeroing columns `n..round_up(n, 16)`.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
@@ -442,7 +651,7 @@ pub(crate) fn load_transposed(
 ) {
     let tmp = &mut tmp[..dim];
     for r in 0..n {
-        src.load(off + r * dim, tmp, scale);
+        src.load(off + r * src.ld(), tmp, scale);
         for (x, &val) in tmp.iter().enumerate() {
             dst[x * ld + r] = val;
         }
@@ -498,12 +707,6 @@ impl MasksT {
         let o = (id as usize * self.rows + j) * self.words;
         &self.data[o..o + self.words]
     }
-}
-
-/// Element offsets of row `i` of head `h` in batch `b` of a `[B, H, L, D]` tensor.
-#[inline(always)]
-pub(crate) fn row_off(b: usize, h: usize, i: usize, heads: usize, len: usize, dim: usize) -> usize {
-    ((b * heads + h) * len + i) * dim
 }
 
 /// Declares the per-ISA entry points of an item kernel: a `#[target_feature]` copy per ISA

@@ -31,13 +31,16 @@
 use super::bf16dot;
 use super::forward::{self, FwdCtx, FwdItem, FwdWs, TileObserver};
 use super::math::Simd;
-use super::{isa_entry, CpuBackend, Geometry, Isa};
-use crate::{check_forward, AttnOptions, Backend, Dims, ForwardOutput, TelemetryInput};
+#[cfg(target_arch = "x86_64")]
+use super::workspace::Bufs;
+use super::workspace::{Rest, WsPool};
+use super::{isa_entry, CpuBackend, Geometry, Isa, Prep};
+use crate::{AttnInputs, AttnOptions, Dims, ForwardOut, OutData, TelemetryInput};
 use rayon::prelude::*;
 use std::sync::Mutex;
 use std::time::Instant;
-use tessera_core::tensor::TensorView;
-use tessera_core::{metrics, Error, Result, Tensor, TensorData};
+use tessera_core::tensor::{TensorView, ViewData};
+use tessera_core::{metrics, Result};
 use tessera_plan::Plan;
 use tessera_telemetry::{AttnSummary, HeadAccum, OutlierStats};
 
@@ -184,47 +187,54 @@ fn item<S: Simd>(cx: &FwdCtx<'_>, ws: &mut FwdWs, it: FwdItem<'_>, obs: &mut Tel
 }
 
 /// The hooked forward: the kernel the plain forward would run (`CpuBackend::forward`'s dispatch),
-/// instantiated with [`TelObserver`]; outputs plus one sink-stream accumulator per query head.
-/// `sink_flags` is `[B, Lkv]` (checked by the caller).
+/// instantiated with [`TelObserver`]; writes the outputs and returns one sink-stream accumulator
+/// per query head. `sink_flags` is `[B, Lkv]` (checked by the caller).
 #[allow(clippy::too_many_arguments)]
 fn run(
     isa: Isa,
+    prep: Prep<'_>,
     d: &Dims,
-    q: TensorView<'_>,
-    k: TensorView<'_>,
-    v: TensorView<'_>,
-    plan: &Plan,
+    inputs: &AttnInputs<'_>,
     options: &AttnOptions,
     sink_flags: &[bool],
-) -> Result<(ForwardOutput, Vec<HeadAccum>)> {
+    out: ForwardOut<'_>,
+    rest: Rest<'_>,
+) -> Result<Vec<HeadAccum>> {
+    let Rest { items, bufs } = rest;
     #[cfg(target_arch = "x86_64")]
-    let isa = if super::runs_bf16dot(isa, d.dtype) {
-        match bf16dot::Ctx::new(d, q, k, v, plan, options)? {
-            Some(cx) => {
-                return observed(
-                    plan,
-                    d,
-                    options,
-                    sink_flags,
-                    || cx.workspace(),
-                    |ws, it, obs| {
-                        // SAFETY: `Isa::Avx512Bf16` is only handed out when the CPU has
-                        // AVX-512F/BW/VL, FMA and AVX512-BF16.
-                        unsafe { bf16dot::item(&cx, ws, it, obs) }
-                    },
-                );
-            }
-            None => bf16dot::FALLBACK,
-        }
-    } else {
-        isa
-    };
-    let cx = FwdCtx::new(d, q, k, v, plan, options)?;
+    if super::runs_bf16dot(isa, d.dtype) {
+        let Bufs {
+            kpack,
+            vpack,
+            maxes,
+            ..
+        } = bufs;
+        let cx = bf16dot::Ctx::new(prep, d, inputs, options, kpack, vpack)?;
+        return observed(
+            prep.plan,
+            d,
+            options,
+            sink_flags,
+            out,
+            items,
+            maxes,
+            || cx.workspace(),
+            |ws, it, obs| {
+                // SAFETY: `Isa::Avx512Bf16` is only handed out when the CPU has
+                // AVX-512F/BW/VL, FMA and AVX512-BF16.
+                unsafe { bf16dot::item(&cx, ws, it, obs) }
+            },
+        );
+    }
+    let cx = FwdCtx::new(prep, d, inputs, options)?;
     observed(
-        plan,
+        prep.plan,
         d,
         options,
         sink_flags,
+        out,
+        items,
+        &mut bufs.maxes,
         || cx.workspace(),
         |ws, it, obs| entry(isa, &cx, ws, it, obs),
     )
@@ -232,14 +242,18 @@ fn run(
 
 /// Runs `kernel` on every work item with the item's [`TelObserver`] (its workspace from
 /// `make_ws`) and collects the observers' sums per query head.
-fn observed<W>(
+#[allow(clippy::too_many_arguments)]
+fn observed<W: std::any::Any + Send>(
     plan: &Plan,
     d: &Dims,
     options: &AttnOptions,
     sink_flags: &[bool],
+    out: ForwardOut<'_>,
+    pool: &WsPool,
+    maxes: &mut Vec<f32>,
     make_ws: impl Fn() -> W + Sync,
     kernel: impl Fn(&mut W, FwdItem<'_>, &mut TelObserver<'_>) + Sync,
-) -> Result<(ForwardOutput, Vec<HeadAccum>)> {
+) -> Result<Vec<HeadAccum>> {
     let tq = Geometry::new(plan, d).tq;
     let (hq, lkv) = (d.heads_q, d.kv_len);
     // One accumulator per (b, h); each item adds its sums (exact additions, so order-free).
@@ -247,11 +261,14 @@ fn observed<W>(
         .map(|_| Mutex::new(HeadAccum::default()))
         .collect();
     let sinks = options.sinks.as_deref();
-    let out = forward::schedule(
+    forward::schedule(
         plan,
         d,
+        out,
+        pool,
+        maxes,
         || (make_ws(), TelWs::new(tq)),
-        |(ws, tws), it| {
+        |(ws, tws): &mut (W, TelWs), it| {
             let (b, h) = (it.b, it.h);
             let flags = &sink_flags[b * lkv..(b + 1) * lkv];
             let mut obs = TelObserver::new(flags, sinks.map(|s| s[h] as f64), tws);
@@ -269,25 +286,45 @@ fn observed<W>(
             .unwrap_or_else(|poisoned| poisoned.into_inner());
         heads[idx % hq].merge(&acc);
     }
-    Ok((out, heads))
+    Ok(heads)
 }
 
-/// [`Backend::forward_with_telemetry`] of the CPU backend.
+/// [`Backend::forward_with_telemetry_into`](crate::Backend::forward_with_telemetry_into) of the
+/// CPU backend (inputs, outputs and `tel` already checked).
+#[allow(clippy::too_many_arguments)]
 pub(super) fn forward(
     be: &CpuBackend,
-    q: TensorView<'_>,
-    k: TensorView<'_>,
-    v: TensorView<'_>,
-    plan: &Plan,
+    prep: Prep<'_>,
+    d: &Dims,
+    inputs: &AttnInputs<'_>,
     options: &AttnOptions,
     tel: &TelemetryInput<'_>,
-) -> Result<(ForwardOutput, AttnSummary)> {
-    let d = check_forward(&q, &k, &v, plan, options)?;
-    tel.check(d.batch, d.kv_len)?;
+    out: ForwardOut<'_>,
+    rest: Rest<'_>,
+) -> Result<AttnSummary> {
     let mut summary = AttnSummary::new(tel.step, tel.layer, d.heads_q, options.sinks.is_some());
-    let out = if tel.streams.sink {
+    let ForwardOut {
+        mut o,
+        lse,
+        max_logit,
+    } = out;
+    let out = ForwardOut {
+        o: o.reborrow(),
+        lse,
+        max_logit: &mut *max_logit,
+    };
+    if tel.streams.sink {
         let start = Instant::now();
-        let (out, heads) = run(be.isa(), &d, q, k, v, plan, options, tel.sink_flags)?;
+        let heads = run(
+            be.isa(),
+            prep,
+            d,
+            inputs,
+            options,
+            tel.sink_flags,
+            out,
+            rest,
+        )?;
         metrics::record_kernel(
             &format!("cpu.forward.telemetry.{}", d.dtype),
             start.elapsed(),
@@ -295,41 +332,42 @@ pub(super) fn forward(
         for (acc, h) in summary.heads.iter_mut().zip(&heads) {
             acc.merge(h);
         }
-        out
     } else {
-        be.forward(q, k, v, plan, options)?
-    };
-    summary.absorb_max_logit(&out.max_logit.view())?;
-    if tel.streams.outlier {
-        add_output(&mut summary, &out.o, tel.outlier_ratio)?;
+        super::dispatch_forward(be.isa(), prep, d, inputs, options, out, rest)?;
     }
-    Ok((out, summary))
+    let shape = [d.batch, d.heads_q];
+    summary.absorb_max_logit(&TensorView::new(&shape, ViewData::F32(max_logit))?)?;
+    if tel.streams.outlier {
+        add_output(&mut summary, &o, d, tel.outlier_ratio)?;
+    }
+    Ok(summary)
 }
 
 /// [`AttnSummary::add_output`] with the (b, h) slices of O on the rayon pool: the same
 /// per-slice statistics ([`OutlierStats::of_f32`]) merged exactly, so the same result bit for bit.
-fn add_output(summary: &mut AttnSummary, o: &Tensor, ratio: f64) -> Result<()> {
-    let [_, hq, lq, dv] = *o.shape() else {
-        return Err(Error::Internal(format!("O shape {:?}", o.shape())));
-    };
+fn add_output(summary: &mut AttnSummary, o: &OutData<'_>, d: &Dims, ratio: f64) -> Result<()> {
+    let (hq, slice) = (d.heads_q, d.q_len * d.d_v);
+    let shape = [d.batch, hq, d.q_len, d.d_v];
     if ratio.is_nan() || ratio < 0.0 || ratio.is_infinite() || hq != summary.heads.len() {
         // Let the sequential path produce the error.
-        return summary.add_output(&o.view(), ratio);
+        let view = match o {
+            OutData::F32(x) => TensorView::new(&shape, ViewData::F32(x))?,
+            OutData::BF16(x) => TensorView::new(&shape, ViewData::BF16(x))?,
+        };
+        return summary.add_output(&view, ratio);
     }
-    let slice = lq * dv;
-    let stats: Vec<OutlierStats> = match o.data() {
-        TensorData::F32(x) => x
+    let stats: Vec<OutlierStats> = match o {
+        OutData::F32(x) => x
             .par_chunks(slice)
             .map(|c| OutlierStats::of_f32(c, ratio))
             .collect(),
-        TensorData::BF16(x) => x
+        OutData::BF16(x) => x
             .par_chunks(slice)
             .map(|c| {
                 let c: Vec<f32> = c.iter().map(|v| v.to_f32()).collect();
                 OutlierStats::of_f32(&c, ratio)
             })
             .collect(),
-        _ => return summary.add_output(&o.view(), ratio),
     };
     for (idx, st) in stats.iter().enumerate() {
         summary.heads[idx % hq].out.merge(st);

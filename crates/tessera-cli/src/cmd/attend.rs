@@ -11,7 +11,10 @@ use crate::ctx::{print_json, Ctx};
 use crate::maskload::MaskArgs;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
-use tessera_attn::{effective_gflops, forward_logged, AttnOptions, Backend, CpuBackend};
+use tessera_attn::{
+    effective_gflops, forward_logged, AttnInputs, AttnOptions, Backend, CpuBackend, GradInputs,
+    LogContext,
+};
 use tessera_core::{DType, Error, Result, Tensor};
 use tessera_telemetry::{
     Telemetry, TelemetryConfig, TelemetryRecord, TelemetrySink, DEFAULT_SINK_TOKENS,
@@ -200,17 +203,18 @@ pub fn run(args: AttendArgs, ctx: &Ctx) -> Result<()> {
     let mut sink = TelemetrySink::new(config);
 
     let t0 = Instant::now();
+    let inputs = AttnInputs::contiguous(q.view(), k.view(), v.view())?;
     let f = forward_logged(
         &backend,
-        q.view(),
-        k.view(),
-        v.view(),
+        &inputs,
         &plan,
         &opts,
-        &tel,
-        &mask,
-        0,
-        &mut sink,
+        LogContext {
+            tel: &tel,
+            mask: &mask,
+            layer: 0,
+            sink: &mut sink,
+        },
     )?;
     let forward_s = t0.elapsed().as_secs_f64();
     let mut written = Vec::new();
@@ -232,12 +236,7 @@ pub fn run(args: AttendArgs, ctx: &Ctx) -> Result<()> {
         let d_o = tessera_io::read_tensor(spec, dtype)?;
         let t1 = Instant::now();
         let g = backend.backward(
-            q.view(),
-            k.view(),
-            v.view(),
-            f.o.view(),
-            f.lse.view(),
-            d_o.view(),
+            &GradInputs::contiguous(inputs, f.o.view(), f.lse.view(), d_o.view())?,
             &plan,
             &opts,
         )?;

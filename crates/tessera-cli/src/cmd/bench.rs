@@ -8,7 +8,10 @@ use crate::ctx::{print_json, Ctx};
 use crate::peak;
 use crate::workloads::{named_mask, random_tensor, MASK_NAMES};
 use std::time::{Duration, Instant};
-use tessera_attn::{AttnOptions, Backend, CpuBackend};
+use tessera_attn::{
+    check_inputs, AttnInputs, AttnOptions, Backend, CpuBackend, CpuWorkspace, ForwardBufs,
+    GradBufs, GradInputs, Par,
+};
 use tessera_core::{DType, Error, Result};
 use tessera_plan::{PlanShape, TileShape};
 
@@ -150,7 +153,24 @@ pub fn run(mut args: BenchArgs, ctx: &Ctx) -> Result<()> {
                         DType::BF16 => p.bf16_gflops.unwrap_or(p.f32_gflops),
                         _ => p.f32_gflops,
                     });
-                    let fwd = backend.forward(q.view(), k.view(), v.view(), &plan, &opts)?;
+                    // The training-loop path: the plan prepared once, caller-owned outputs and
+                    // workspace reused by every call.
+                    let prepared = backend.prepare(&plan)?;
+                    let inputs = AttnInputs::contiguous(q.view(), k.view(), v.view())?;
+                    let dims = check_inputs(&inputs, &opts)?;
+                    let mut ws = CpuWorkspace::new();
+                    let mut fwd = ForwardBufs::new(&dims);
+                    backend.forward_into(
+                        &prepared,
+                        &inputs,
+                        &opts,
+                        fwd.out(),
+                        &mut ws,
+                        Par::Current,
+                    )?;
+                    let fwd = fwd.finish(&dims)?;
+                    let mut out = ForwardBufs::new(&dims);
+                    let mut grads = GradBufs::new(&dims, false);
                     let mut push = |pass: &str, times: Vec<f64>, flops: f64| {
                         let ms = median(times) * 1e3;
                         let gflops = flops / (ms / 1e3) / 1e9;
@@ -171,24 +191,33 @@ pub fn run(mut args: BenchArgs, ctx: &Ctx) -> Result<()> {
                     };
                     if args.passes.iter().any(|p| p == "fwd") {
                         let times = timed_calls(args.reps, || {
-                            backend.forward(q.view(), k.view(), v.view(), &plan, &opts)?;
-                            Ok(())
+                            backend.forward_into(
+                                &prepared,
+                                &inputs,
+                                &opts,
+                                out.out(),
+                                &mut ws,
+                                Par::Current,
+                            )
                         })?;
                         push("fwd", times, plan.forward_flops(d, d));
                     }
                     if args.passes.iter().any(|p| p == "bwd") {
+                        let g_in = GradInputs::contiguous(
+                            inputs,
+                            fwd.o.view(),
+                            fwd.lse.view(),
+                            d_o.view(),
+                        )?;
                         let times = timed_calls(args.reps, || {
-                            backend.backward(
-                                q.view(),
-                                k.view(),
-                                v.view(),
-                                fwd.o.view(),
-                                fwd.lse.view(),
-                                d_o.view(),
-                                &plan,
+                            backend.backward_into(
+                                &prepared,
+                                &g_in,
                                 &opts,
-                            )?;
-                            Ok(())
+                                grads.out(),
+                                &mut ws,
+                                Par::Current,
+                            )
                         })?;
                         push("bwd", times, plan.backward_flops(d, d));
                         // The forward row of this case, if it ran, sits just before.

@@ -12,8 +12,12 @@ use crate::cmd::plan::PlanReport;
 use crate::ctx::Ctx;
 use crate::workloads::random_tensor;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Instant;
-use tessera_attn::{forward_logged, AttnOptions, Backend, CpuBackend};
+use tessera_attn::{
+    check_inputs, forward_logged_into, AttnInputs, AttnOptions, Backend, CpuBackend, CpuWorkspace,
+    ForwardBufs, GradInputs, LogContext, Par,
+};
 use tessera_core::{DType, Error, Result, Tensor};
 use tessera_mask::{Mask, SegmentIds, Segments};
 use tessera_pack::{PackConfig, Strategy};
@@ -50,7 +54,7 @@ struct Timing {
 }
 
 /// One forward and one backward over `plan` with seeded inputs.
-fn attend_once(plan: &Plan, heads: usize, d: usize) -> Result<Timing> {
+fn attend_once(plan: &Arc<Plan>, heads: usize, d: usize) -> Result<Timing> {
     let len = plan.shape.q_len;
     let shape = vec![1, heads, len, d];
     let q = random_tensor(shape.clone(), DType::F32, 11)?;
@@ -60,16 +64,12 @@ fn attend_once(plan: &Plan, heads: usize, d: usize) -> Result<Timing> {
     let backend = CpuBackend::new();
     let opts = AttnOptions::default();
     let t = Instant::now();
-    let f = backend.forward(q.view(), k.view(), v.view(), plan, &opts)?;
+    let inputs = AttnInputs::contiguous(q.view(), k.view(), v.view())?;
+    let f = backend.forward(&inputs, plan, &opts)?;
     let fwd_s = t.elapsed().as_secs_f64();
     let t = Instant::now();
     backend.backward(
-        q.view(),
-        k.view(),
-        v.view(),
-        f.o.view(),
-        f.lse.view(),
-        d_o.view(),
+        &GradInputs::contiguous(inputs, f.o.view(), f.lse.view(), d_o.view())?,
         plan,
         &opts,
     )?;
@@ -246,19 +246,31 @@ fn telemetry_steps(ctx: &Ctx, row0: &[i64], d: usize, dir: &Path) -> Result<()> 
     let mut sink = TelemetrySink::new(config);
     let backend = CpuBackend::new();
     let opts = AttnOptions::default();
+    // A training loop's shape: the plan prepared once, outputs and workspace reused every step.
+    let prepared = backend.prepare(&plan)?;
+    let mut ws = CpuWorkspace::new();
+    let mut out: Option<ForwardBufs> = None;
     for step in 0..TEL_STEPS {
         let [q, k, v] = step_inputs(step, len, d, &flags)?;
-        forward_logged(
+        let inputs = AttnInputs::contiguous(q.view(), k.view(), v.view())?;
+        let bufs = match &mut out {
+            Some(b) => b,
+            None => out.insert(ForwardBufs::new(&check_inputs(&inputs, &opts)?)),
+        };
+        forward_logged_into(
             &backend,
-            q.view(),
-            k.view(),
-            v.view(),
-            &plan,
+            &prepared,
+            &inputs,
             &opts,
-            &tel,
-            &mask,
-            0,
-            &mut sink,
+            bufs.out(),
+            &mut ws,
+            Par::Current,
+            LogContext {
+                tel: &tel,
+                mask: &mask,
+                layer: 0,
+                sink: &mut sink,
+            },
         )?;
         tel.advance();
     }

@@ -23,13 +23,13 @@
 use super::super::bf16gemm::{dot_gemm, pair};
 use super::super::gemm::{round_up, RB};
 use super::super::math::Avx512;
-use super::super::{row_off, Geometry, Isa, Src};
+use super::super::{Geometry, Isa};
 use super::{key_blocks, p_ds_block, p_ds_full, query_blocks, store_dkv, BwdCtx, DkvItem};
 use crate::Dims;
 use half::bf16;
 use std::arch::x86_64::*;
 
-/// The bf16 inputs of a backward call.
+/// The bf16 inputs of a backward call (storage and layout).
 pub(crate) struct Inputs<'a> {
     q: &'a [bf16],
     k: &'a [bf16],
@@ -37,18 +37,23 @@ pub(crate) struct Inputs<'a> {
     d_o: &'a [bf16],
 }
 
+/// Row strides up to this many elements keep a kv tile's gather offsets inside `i32`.
+const MAX_GATHER_STRIDE: usize = (1 << 30) / 256;
+
 /// `x` as a bf16 bit pattern.
 #[inline(always)]
 fn bits(x: &bf16) -> u16 {
     x.to_bits()
 }
 
-/// Packs rows `[off/dim, off/dim + n)` of a `[.., dim]` bf16 input into `dpk` (pairs along D,
+/// Packs `n` rows (`sl` elements apart, from element `off`) of a bf16 input into `dpk` (pairs along D,
 /// `[tq × ⌈dim/2⌉]`) and `qpk` (pairs of consecutive rows, `[tq/2 × ld]`), zero padded.
 #[inline(always)]
+#[allow(clippy::too_many_arguments)]
 fn pack_rows(
     x: &[bf16],
     off: usize,
+    sl: usize,
     n: usize,
     dim: usize,
     ld: usize,
@@ -61,7 +66,7 @@ fn pack_rows(
             dst.fill(0);
             continue;
         }
-        let row = &x[off + r * dim..off + (r + 1) * dim];
+        let row = &x[off + r * sl..off + r * sl + dim];
         // Pairs along D are the row's own bytes (little-endian): a straight copy.
         for (o, p) in dst.iter_mut().zip(row.chunks_exact(2)) {
             *o = pair(bits(&p[0]), bits(&p[1]));
@@ -70,25 +75,33 @@ fn pack_rows(
             dst[dh - 1] = pair(bits(&row[dim - 1]), 0);
         }
     }
-    pack_row_pairs(x, off, n, dim, ld, qpk);
+    pack_row_pairs(x, off, sl, n, dim, ld, qpk);
 }
 
 /// `out[(r/2)·ld + c]` = bf16 pair (row `r`, row `r + 1`) of column `c`, for the rows `[0, n)` of
-/// a `[.., dim]` input starting at `off`, over all `out.len() / ld` pair rows; columns
+/// an input starting at `off` (rows `sl` elements apart), over all `out.len() / ld` pair rows; columns
 /// `dim..ld` and rows from `n` on are zero. Each pair row is written once (no fill first).
 #[inline(always)]
-fn pack_row_pairs(x: &[bf16], off: usize, n: usize, dim: usize, ld: usize, out: &mut [u32]) {
+fn pack_row_pairs(
+    x: &[bf16],
+    off: usize,
+    sl: usize,
+    n: usize,
+    dim: usize,
+    ld: usize,
+    out: &mut [u32],
+) {
     for (rp, dst) in out.chunks_exact_mut(ld).enumerate() {
         let (r0, r1) = (2 * rp, 2 * rp + 1);
         let (cols, pad) = dst.split_at_mut(dim);
         if r1 < n {
-            let a = &x[off + r0 * dim..off + (r0 + 1) * dim];
-            let b = &x[off + r1 * dim..off + (r1 + 1) * dim];
+            let a = &x[off + r0 * sl..off + r0 * sl + dim];
+            let b = &x[off + r1 * sl..off + r1 * sl + dim];
             for ((o, p), q) in cols.iter_mut().zip(a).zip(b) {
                 *o = pair(bits(p), bits(q));
             }
         } else if r0 < n {
-            let a = &x[off + r0 * dim..off + (r0 + 1) * dim];
+            let a = &x[off + r0 * sl..off + r0 * sl + dim];
             for (o, p) in cols.iter_mut().zip(a) {
                 *o = bits(p) as u32;
             }
@@ -106,12 +119,17 @@ impl<'a> Inputs<'a> {
         if isa != Isa::Avx512Bf16 {
             return None;
         }
-        match (cx.q, cx.k, cx.v, cx.d_o) {
-            (Src::BF16(q), Src::BF16(k), Src::BF16(v), Src::BF16(d_o)) => {
-                Some(Inputs { q, k, v, d_o })
-            }
-            _ => None,
+        // Gather offsets of a kv tile (< 256 keys) must fit i32: larger strides (never seen
+        // in practice) take the f32 item.
+        if cx.k.ld().max(cx.v.ld()) > MAX_GATHER_STRIDE || cx.plan.tile.kv > 256 {
+            return None;
         }
+        Some(Inputs {
+            q: cx.q.bf16()?,
+            k: cx.k.bf16()?,
+            v: cx.v.bf16()?,
+            d_o: cx.d_o.bf16()?,
+        })
     }
 }
 
@@ -137,6 +155,18 @@ pub(crate) struct Ws {
     qq: Vec<u32>,
     dod: Vec<u32>,
     doq: Vec<u32>,
+}
+
+/// Words (`u32` or f32) of one [`Ws`].
+pub(crate) fn ws_words(g: &Geometry, d: &Dims) -> usize {
+    let (tq, tk, dh, vh) = (g.tq, g.tk, d.d_qk.div_ceil(2), d.d_v.div_ceil(2));
+    (dh + vh) * tk
+        + tk / 2 * g.dqkp
+        + 2 * tq * tk
+        + 3 * (tq / 2 * tk)
+        + tk * (g.dqkp + g.dvp)
+        + tq * (dh + vh)
+        + tq / 2 * (g.dqkp + g.dvp)
 }
 
 impl Ws {
@@ -176,6 +206,7 @@ pub(crate) fn entry(cx: &BwdCtx<'_>, inp: &Inputs<'_>, ws: &mut Ws, it: DkvItem<
 unsafe fn pack_kv(
     x: &[bf16],
     off: usize,
+    sl: usize,
     nk: usize,
     dim: usize,
     tk: usize,
@@ -186,7 +217,8 @@ unsafe fn pack_kv(
     let nkp = round_up(nk, 16);
     // Whole pairs (both halves inside the row): one masked gather per 16 keys and pair.
     let whole = dim / 2;
-    assert!(off + nk * dim <= x.len() && (dh - 1) * tk + nkp <= t.len() && nk * dim < 1 << 30);
+    assert!(nk > 0 && off + (nk - 1) * sl + dim <= x.len() && (dh - 1) * tk + nkp <= t.len());
+    assert!(nk * sl < 1 << 30);
     let base = x.as_ptr().wrapping_add(off).cast::<i32>();
     let lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     for j0 in (0..nkp).step_by(16) {
@@ -195,7 +227,7 @@ unsafe fn pack_kv(
         // Element offsets (in bf16 units) of key j0 + l, pair 0.
         let rows = _mm512_mullo_epi32(
             _mm512_add_epi32(lanes, _mm512_set1_epi32(j0 as i32)),
-            _mm512_set1_epi32(dim as i32),
+            _mm512_set1_epi32(sl as i32),
         );
         for dp in 0..whole {
             let idx = _mm512_add_epi32(rows, _mm512_set1_epi32(2 * dp as i32));
@@ -213,14 +245,14 @@ unsafe fn pack_kv(
         let last = &mut t[(dh - 1) * tk..(dh - 1) * tk + nkp];
         for (j, o) in last.iter_mut().enumerate() {
             *o = if j < nk {
-                bits(&x[off + j * dim + dim - 1]) as u32
+                bits(&x[off + j * sl + dim - 1]) as u32
             } else {
                 0
             };
         }
     }
     if let Some((kk, ld)) = kk {
-        pack_row_pairs(x, off, nk, dim, ld, kk);
+        pack_row_pairs(x, off, sl, nk, dim, ld, kk);
     }
 }
 
@@ -330,18 +362,19 @@ unsafe fn item(cx: &BwdCtx<'_>, inp: &Inputs<'_>, ws: &mut Ws, it: DkvItem<'_>) 
         dod,
         doq,
     } = ws;
-    let koff = row_off(b, gh, k0, d.heads_kv, d.kv_len, dqk);
+    let koff = cx.k.row(b, gh, k0);
     pack_kv(
         inp.k,
         koff,
+        cx.k.ld(),
         nk,
         dqk,
         tk,
         ktp,
         Some((&mut kk[..tk / 2 * dqkp], dqkp)),
     );
-    let voff = row_off(b, gh, k0, d.heads_kv, d.kv_len, dv);
-    pack_kv(inp.v, voff, nk, dv, tk, vt, None);
+    let voff = cx.v.row(b, gh, k0);
+    pack_kv(inp.v, voff, cx.v.ld(), nk, dv, tk, vt, None);
     dk[..mk * dqkp].fill(0.0);
     dva[..mk * dvp].fill(0.0);
     let mut slot_it = dq_slots.iter_mut();
@@ -354,10 +387,10 @@ unsafe fn item(cx: &BwdCtx<'_>, inp: &Inputs<'_>, ws: &mut Ws, it: DkvItem<'_>) 
             let (q0, q1) = plan.q_range(qt);
             let nq = q1 - q0;
             let mq = round_up(nq, RB);
-            let oq = row_off(b, h, q0, d.heads_q, d.q_len, dqk);
-            pack_rows(inp.q, oq, nq, dqk, dqkp, qd, qq);
-            let od = row_off(b, h, q0, d.heads_q, d.q_len, dv);
-            pack_rows(inp.d_o, od, nq, dv, dvp, dod, doq);
+            let oq = cx.q.row(b, h, q0);
+            pack_rows(inp.q, oq, cx.q.ld(), nq, dqk, dqkp, qd, qq);
+            let od = cx.d_o.row(b, h, q0);
+            pack_rows(inp.d_o, od, cx.d_o.ld(), nq, dv, dvp, dod, doq);
             let lse = &cx.lse[bh * d.q_len + q0..bh * d.q_len + q1];
             let delta = &cx.delta[bh * d.q_len + q0..bh * d.q_len + q1];
             if e.is_full() {
