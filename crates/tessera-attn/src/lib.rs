@@ -26,8 +26,10 @@
 //! - Results are deterministic: bit-identical run to run with the same thread count (the CPU
 //!   backend's results do not even depend on the thread count; no atomics, fixed reduction order).
 //!
-//! Crate map: [`Backend`] and the options/result types here; [`cpu`] (work-list driven tiled
-//! kernels, runtime ISA dispatch); [`reference`](mod@reference) (f64, mask-driven, the yardstick);
+//! Crate map: [`Backend`] and its argument structs (`backend`), strided views and output
+//! buffers (`views`), [`Par`] (`par`), validation (`validate`), gated telemetry (`telemetry`);
+//! [`cpu`] (work-list driven tiled kernels, runtime ISA dispatch; its module doc maps the kernel
+//! phases to files); [`cuda`] (the GPU backend's place, empty in this build); [`reference`](mod@reference) (f64, mask-driven, the yardstick);
 //! [`conformance`] (the suite every backend runs: `run_case(&backend, &case)` over
 //! [`conformance::standard_cases`]). A new backend implements [`Backend`], calls
 //! [`check_forward`]/[`check_backward`] first, and must pass the suite.
@@ -35,6 +37,7 @@
 mod backend;
 pub mod conformance;
 pub mod cpu;
+pub mod cuda;
 mod par;
 pub mod reference;
 mod telemetry;
@@ -74,7 +77,7 @@ impl AttnOptions {
     }
 }
 
-/// Effective GFLOP/s: `flops` (for example [`Plan::forward_flops`], counted over allowed pairs
+/// Effective GFLOP/s: `flops` (for example [`Plan::forward_flops`](tessera_plan::Plan::forward_flops), counted over allowed pairs
 /// only) done in `seconds`. Zero when `seconds` is not positive.
 pub fn effective_gflops(flops: f64, seconds: f64) -> f64 {
     if seconds > 0.0 {

@@ -9,110 +9,61 @@
 //!   contribution to its own scratch slot, then dQ items (batch, query head, q-tile) summing
 //!   their slots in q-major list order. No atomics; each output element is produced by exactly
 //!   one item in a fixed order, so results are bit-identical run to run (for any thread count).
-//! - Items run on the rayon pool, longest work list first (dynamic pull from a sorted queue).
-//! - Per-thread workspace is bounded by the tile sizes and head dims; nothing of size Lq·Lkv.
+//! - Items run on the call's threads ([`Par`]), longest work list first (dynamic pull from a
+//!   sorted queue), each worker with a workspace from the caller's [`CpuWorkspace`].
+//! - Per-worker workspace is bounded by the tile sizes and head dims; nothing of size Lq·Lkv.
 //! - Hot loops are generic code compiled three times (AVX-512F/BW/VL+FMA, AVX2+FMA, portable)
 //!   and selected at run time; [`Isa`] names the copy in use. With AVX512-BF16
-//!   ([`Isa::Avx512Bf16`]) bf16 calls with finite inputs run dedicated `vdpbf16ps` kernels
-//!   (`bf16dot` forward, `backward::bf16`; products in `bf16gemm`: bf16 operands including P
-//!   and dS, f32 softmax and accumulation).
-//! - Partial tiles only compute their live 16 × 16 sub-blocks (`live`, precomputed per plan
-//!   call from the deduplicated partial masks); masked pairs inside are still excluded exactly.
-//! - Output buffers are filled with NaN before any work, so an element a kernel forgot to write is
-//!   visible to the conformance suite.
+//!   ([`Isa::Avx512Bf16`]) bf16 calls run dedicated `vdpbf16ps` kernels (bf16 operands
+//!   including P and dS, f32 softmax and accumulation).
+//! - Partial tiles only compute their live 16 × 16 sub-blocks, precomputed once per plan by
+//!   `prepare`; masked pairs inside are still excluded exactly.
+//!
+//! Code map (one concept per file):
+//! - `isa`: the instruction sets and the per-ISA kernel copies; `prepare`: what a plan is turned
+//!   into once (`live_blocks`, `mask_partial_tile`'s transposed masks); `workspace`: the
+//!   caller-owned scratch; `schedule`: work items on the pool; `load_tile`: strided inputs into
+//!   tiles.
+//! - Phases of a tile: `tile_matmul` (f32 `S = K·Qᵀ`, `P·V` and the backward products) and
+//!   `tile_matmul_bf16` (`vdpbf16ps`); `mask_partial_tile` (where a pair of a partial tile is
+//!   excluded, forward and backward); `online_softmax` (running max, rescale, finish); `simd`
+//!   (exp, tanh, row helpers).
+//! - Passes: `forward` (the f32 item, `forward::bf16`, `forward::telemetry`), `backward`
+//!   (Δ, rounds, slots, reduce, the f32 item, `backward::bf16`).
 
 mod backward;
-mod bf16dot;
-#[cfg(target_arch = "x86_64")]
-mod bf16gemm;
 mod forward;
-mod gemm;
-mod live;
-mod math;
-mod telemetry;
+mod isa;
+mod live_blocks;
+mod load_tile;
+mod mask_partial_tile;
+mod online_softmax;
+mod prepare;
+mod schedule;
+mod simd;
+mod tile_matmul;
+#[cfg(target_arch = "x86_64")]
+mod tile_matmul_bf16;
 
 mod workspace;
 
-use live::LiveBlocks;
+pub(crate) use isa::isa_entry;
+pub use isa::Isa;
+pub(crate) use load_tile::{load_transposed, rows, Src};
+pub(crate) use prepare::{PlanData, Prep};
+pub(crate) use schedule::{f32_pieces, run_items, Geometry};
 pub use workspace::CpuWorkspace;
-pub(crate) use workspace::{Rest, WsPool};
+pub(crate) use workspace::Rest;
 
 use crate::validate::{check_forward_out, check_grad_out};
 use crate::{
     check_backward, check_forward, AttnInputs, AttnOptions, Backend, BackwardOutput, Dims,
     ForwardBufs, ForwardOut, ForwardOutput, GradBufs, GradInputs, GradOut, OutData, Par, Prepared,
-    StridedView,
 };
-use half::bf16;
-use rayon::prelude::*;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Instant;
-use tessera_core::tensor::ViewData;
 use tessera_core::{metrics, DType, Error, Result};
 use tessera_plan::{Plan, TileShape};
-
-/// Instruction set of the kernel copy a [`CpuBackend`] runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Isa {
-    /// AVX-512F, BW, VL, FMA and AVX512-BF16: the f32 kernels of [`Isa::Avx512`], plus bf16
-    /// forward and backward kernels on `vdpbf16ps` (bf16 operands, including P and dS; f32
-    /// softmax and accumulation).
-    Avx512Bf16,
-    /// AVX-512F, BW, VL and FMA.
-    Avx512,
-    /// AVX2 and FMA.
-    Avx2,
-    /// Baseline target features (any CPU).
-    Portable,
-}
-
-impl Isa {
-    /// The best copy this CPU supports.
-    pub fn detect() -> Isa {
-        #[cfg(target_arch = "x86_64")]
-        {
-            if is_x86_feature_detected!("avx512f")
-                && is_x86_feature_detected!("avx512bw")
-                && is_x86_feature_detected!("avx512vl")
-                && is_x86_feature_detected!("fma")
-            {
-                if is_x86_feature_detected!("avx512bf16") {
-                    return Isa::Avx512Bf16;
-                }
-                return Isa::Avx512;
-            }
-            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-                return Isa::Avx2;
-            }
-        }
-        Isa::Portable
-    }
-
-    /// Whether this CPU can run the copy.
-    pub fn supported(self) -> bool {
-        match self {
-            Isa::Portable => true,
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx512Bf16 => Isa::detect() == Isa::Avx512Bf16,
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 => matches!(Isa::detect(), Isa::Avx512 | Isa::Avx512Bf16),
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"),
-            #[cfg(not(target_arch = "x86_64"))]
-            _ => false,
-        }
-    }
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Isa::Avx512Bf16 => "avx512-bf16",
-            Isa::Avx512 => "avx512",
-            Isa::Avx2 => "avx2",
-            Isa::Portable => "portable",
-        }
-    }
-}
 
 /// Flash attention on the CPU (rayon's global pool).
 #[derive(Debug, Clone, Copy)]
@@ -172,33 +123,6 @@ impl Prepared for CpuPlan {
     fn plan(&self) -> &Plan {
         &self.plan
     }
-}
-
-/// Everything the CPU kernels derive from a plan, built once by [`CpuBackend::prepare`].
-pub(crate) struct PlanData {
-    pub(crate) masks_t: MasksT,
-    pub(crate) live: LiveBlocks,
-}
-
-impl PlanData {
-    /// Builds the derived data; counted as kernel variant `cpu.prepare` in the metrics, so a
-    /// caller can show that calls on a prepared plan do no preprocessing.
-    pub(crate) fn new(plan: &Plan) -> Self {
-        let start = Instant::now();
-        let data = PlanData {
-            masks_t: MasksT::new(plan),
-            live: LiveBlocks::new(plan),
-        };
-        metrics::record_kernel("cpu.prepare", start.elapsed());
-        data
-    }
-}
-
-/// A plan and its derived data, as the kernels read them.
-#[derive(Clone, Copy)]
-pub(crate) struct Prep<'a> {
-    pub(crate) plan: &'a Plan,
-    pub(crate) data: &'a PlanData,
 }
 
 impl CpuPlan {
@@ -301,7 +225,7 @@ impl Backend for CpuBackend {
         guarded(ws, |ws| {
             let (pools, rest) = ws.split(&prep, &d);
             par.run(pools, || {
-                telemetry::forward(self, prep, &d, inputs, options, tel, out, rest)
+                forward::telemetry::forward(self, prep, &d, inputs, options, tel, out, rest)
             })?
         })
     }
@@ -396,7 +320,7 @@ impl CpuBackend {
 }
 
 /// The production forward kernel for this copy and dtype (the plain and the telemetry forward
-/// both dispatch through [`runs_bf16dot`]).
+/// both dispatch through [`runs_bf16_kernel`]).
 fn dispatch_forward(
     isa: Isa,
     prep: Prep<'_>,
@@ -406,8 +330,8 @@ fn dispatch_forward(
     out: ForwardOut<'_>,
     rest: Rest<'_>,
 ) -> Result<()> {
-    if runs_bf16dot(isa, d.dtype) {
-        bf16dot::run(prep, d, inputs, options, out, rest)
+    if runs_bf16_kernel(isa, d.dtype) {
+        forward::bf16::run(prep, d, inputs, options, out, rest)
     } else {
         forward::run(isa, prep, d, inputs, options, out, rest)
     }
@@ -423,317 +347,11 @@ fn par_threads(par: Par<'_>) -> usize {
     }
 }
 
-/// Whether a forward of this dtype on this kernel copy runs the `bf16dot` kernel (which itself
-/// falls back to the f32 kernels when the inputs are not all bf16); the plain and the telemetry
-/// forward both dispatch on it.
-fn runs_bf16dot(isa: Isa, dtype: DType) -> bool {
+/// Whether a forward of this dtype on this kernel copy runs the `forward::bf16` (`vdpbf16ps`)
+/// kernel; the plain and the telemetry forward both dispatch on it.
+fn runs_bf16_kernel(isa: Isa, dtype: DType) -> bool {
     isa == Isa::Avx512Bf16 && dtype == DType::BF16
-}
-
-/// The storage of a validated f32 or bf16 input.
-#[derive(Clone, Copy)]
-pub(crate) enum SrcData<'a> {
-    F32(&'a [f32]),
-    BF16(&'a [bf16]),
-}
-
-/// A validated f32 or bf16 input `[B, H, L, D]` with its strides, read row by row into f32
-/// tiles. Row `i` of head `h` in batch `b` starts at [`Src::row`]; consecutive rows are
-/// [`Src::ld`] elements apart (`D` when contiguous); a row's D elements are contiguous.
-#[derive(Clone, Copy)]
-pub(crate) struct Src<'a> {
-    pub(crate) data: SrcData<'a>,
-    shape: [usize; 4],
-    strides: [usize; 4],
-}
-
-impl<'a> Src<'a> {
-    pub(crate) fn new(v: &StridedView<'a>) -> Result<Self> {
-        let data = match v.data {
-            ViewData::F32(x) => SrcData::F32(x),
-            ViewData::BF16(x) => SrcData::BF16(x),
-            _ => return Err(Error::Internal(format!("unvalidated dtype {}", v.dtype()))),
-        };
-        Ok(Src {
-            data,
-            shape: v.shape,
-            strides: v.strides,
-        })
-    }
-
-    /// Element offset of row `i` of head `h` in batch `b`.
-    #[inline(always)]
-    pub(crate) fn row(&self, b: usize, h: usize, i: usize) -> usize {
-        b * self.strides[0] + h * self.strides[1] + i * self.strides[2]
-    }
-
-    /// Elements between consecutive rows.
-    #[inline(always)]
-    pub(crate) fn ld(&self) -> usize {
-        self.strides[2]
-    }
-
-    /// The bf16 storage, if that is the dtype.
-    pub(crate) fn bf16(&self) -> Option<&'a [bf16]> {
-        match self.data {
-            SrcData::BF16(x) => Some(x),
-            SrcData::F32(_) => None,
-        }
-    }
-
-    /// `dst[i] = self[off + i] * scale` for `i < dst.len()`.
-    #[inline(always)]
-    pub(crate) fn load(self, off: usize, dst: &mut [f32], scale: f32) {
-        let n = dst.len();
-        match self.data {
-            SrcData::F32(x) => {
-                for (d, &s) in dst.iter_mut().zip(&x[off..off + n]) {
-                    *d = s * scale;
-                }
-            }
-            SrcData::BF16(x) => {
-                for (d, &s) in dst.iter_mut().zip(&x[off..off + n]) {
-                    *d = math::bf16_to_f32(s) * scale;
-                }
-            }
-        }
-    }
-
-    /// `(b, h)` slabs as `(offset of row 0, rows, whether the rows are back to back)`.
-    fn slabs(&self) -> impl Iterator<Item = (usize, usize, bool)> + '_ {
-        let [nb, nh, nl, nd] = self.shape;
-        let dense = self.strides[2] == nd;
-        (0..nb * nh).map(move |bh| (self.row(bh / nh, bh % nh, 0), nl, dense))
-    }
-
-    /// Every `(b, h, i)` row's D elements, as `(offset, len)` runs (whole slabs when dense).
-    fn runs(&self) -> Vec<(usize, usize)> {
-        let nd = self.shape[3];
-        let mut out = Vec::new();
-        for (off, nl, dense) in self.slabs() {
-            if dense {
-                out.push((off, nl * nd));
-            } else {
-                out.extend((0..nl).map(|i| (off + i * self.ld(), nd)));
-            }
-        }
-        out
-    }
-
-    /// Whether every element of the view is finite.
-    pub(crate) fn all_finite(self) -> bool {
-        // Branch-free folds over the exponent bits (vectorize; an early exit per element
-        // does not): a value is non-finite when its exponent field is all ones.
-        let runs = self.runs();
-        runs.par_iter().all(|&(off, n)| match self.data {
-            SrcData::F32(x) => x[off..off + n].chunks(1 << 16).all(|c| {
-                c.iter().fold(0u32, |a, v| {
-                    a | u32::from(v.to_bits() & 0x7F80_0000 == 0x7F80_0000)
-                }) == 0
-            }),
-            SrcData::BF16(x) => x[off..off + n].chunks(1 << 16).all(|c| {
-                c.iter()
-                    .fold(0u16, |a, v| a | u16::from(v.to_bits() & 0x7F80 == 0x7F80))
-                    == 0
-            }),
-        })
-    }
 }
 
 /// A mutable slice of an output in the storage dtype.
 pub(crate) type Out<'a> = OutData<'a>;
-
-/// f32 slices of `slab`-sized slabs split into `piece`-sized pieces (slab-major).
-pub(crate) fn f32_pieces(v: &mut [f32], slab: usize, piece: usize) -> Vec<&mut [f32]> {
-    v.chunks_mut(slab)
-        .flat_map(|s| s.chunks_mut(piece))
-        .collect()
-}
-
-/// Runs `work` on every item on the current rayon pool: items sorted by cost (descending,
-/// stable), each worker pulling the next item from the shared queue, with a workspace taken from
-/// `pool` (or made by `make_ws` when the pool has none) and given back at the end.
-pub(crate) fn run_items<T: Send, W: std::any::Any + Send>(
-    items: Vec<(usize, T)>,
-    pool: &WsPool,
-    make_ws: impl Fn() -> W + Sync,
-    work: impl Fn(&mut W, T) + Sync,
-) {
-    let mut items = items;
-    items.sort_by_key(|(cost, _)| std::cmp::Reverse(*cost));
-    let slots: Vec<Mutex<Option<T>>> = items
-        .into_iter()
-        .map(|(_, t)| Mutex::new(Some(t)))
-        .collect();
-    let next = AtomicUsize::new(0);
-    let workers = rayon::current_num_threads().min(slots.len()).max(1);
-    (0..workers).into_par_iter().with_max_len(1).for_each(|_| {
-        let mut ws: Option<W> = None;
-        loop {
-            let i = next.fetch_add(1, Ordering::Relaxed);
-            let Some(slot) = slots.get(i) else { break };
-            let item = slot.lock().ok().and_then(|mut g| g.take());
-            if let Some(item) = item {
-                let w = ws.get_or_insert_with(|| pool.take::<W>().unwrap_or_else(&make_ws));
-                work(w, item);
-            }
-        }
-        if let Some(w) = ws {
-            pool.give(w);
-        }
-    });
-}
-
-/// Sizes shared by the kernels: tile sides and padded head dims.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Geometry {
-    pub tq: usize,
-    pub tk: usize,
-    /// `Dqk`, `Dv` rounded up to 16.
-    pub dqkp: usize,
-    pub dvp: usize,
-}
-
-impl Geometry {
-    pub(crate) fn new(plan: &Plan, d: &Dims) -> Self {
-        Geometry {
-            tq: gemm::round_up(plan.tile.q, 16),
-            tk: gemm::round_up(plan.tile.kv, 16),
-            dqkp: gemm::round_up(d.d_qk, 16),
-            dvp: gemm::round_up(d.d_v, 16),
-        }
-    }
-}
-
-/// Rows `n` rows from element `off` of an input (at its row stride) as an f32 matrix with at least `m >= n`
-/// readable rows and at least `round_up(dim, 16)` readable columns: borrowed when the input is f32,
-/// `dim` is a multiple of 16 and enough rows follow, else converted into `buf` (leading dimension
-/// `round_up(dim, 16)`, rows `n..m` zeroed; `buf`'s padding columns must already be zero).
-/// Returns the matrix and its leading dimension.
-#[inline(always)]
-pub(crate) fn rows<'s>(
-    src: Src<'s>,
-    off: usize,
-    n: usize,
-    m: usize,
-    dim: usize,
-    buf: &'s mut [f32],
-) -> (&'s [f32], usize) {
-    let sl = src.ld();
-    if let SrcData::F32(x) = src.data {
-        // `dim` a multiple of 16: the products read exactly `dim` columns of each row, so the
-        // rows are used in place at their own stride.
-        if dim.is_multiple_of(16) && sl >= dim && off + (m - 1) * sl + dim <= x.len() {
-            return (&x[off..off + (m - 1) * sl + dim], sl);
-        }
-    }
-    let ld = gemm::round_up(dim, 16);
-    for r in 0..n {
-        src.load(off + r * sl, &mut buf[r * ld..r * ld + dim], 1.0);
-    }
-    buf[n * ld..m * ld].fill(0.0);
-    (&buf[..m * ld], ld)
-}
-
-/// Writes `n` rows from element `off` of an input (at its row stride), times `scale`, transposed into
-/// `dst[x * ld + r]` (`x < dim`, `r < n`), zeroing columns `n..round_up(n, 16)`.
-#[inline(always)]
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn load_transposed(
-    src: Src<'_>,
-    off: usize,
-    n: usize,
-    dim: usize,
-    scale: f32,
-    tmp: &mut [f32],
-    dst: &mut [f32],
-    ld: usize,
-) {
-    let tmp = &mut tmp[..dim];
-    for r in 0..n {
-        src.load(off + r * src.ld(), tmp, scale);
-        for (x, &val) in tmp.iter().enumerate() {
-            dst[x * ld + r] = val;
-        }
-    }
-    let np = gemm::round_up(n, 16);
-    if np > n {
-        for x in 0..dim {
-            dst[x * ld + n..x * ld + np].fill(0.0);
-        }
-    }
-}
-
-/// The plan's partial bitmasks transposed: mask `id`, key row `j` holds bit `i % 64` of word
-/// `i / 64` set when pair (query `i`, key `j`) of the tile is allowed.
-pub(crate) struct MasksT {
-    words: usize,
-    rows: usize,
-    data: Vec<u64>,
-}
-
-impl MasksT {
-    pub(crate) fn new(plan: &Plan) -> Self {
-        let (tq, tk) = (plan.tile.q, plan.tile.kv);
-        let words = tq.div_ceil(64);
-        let per = tk * words;
-        let p = &plan.partials;
-        let mut data = vec![0u64; p.len() * per];
-        data.par_chunks_mut(per.max(1))
-            .enumerate()
-            .for_each(|(id, out)| {
-                for r in 0..tq {
-                    for (w, &word) in p.row(id as u32, r).iter().enumerate() {
-                        let mut bits = word;
-                        while bits != 0 {
-                            let c = w * 64 + bits.trailing_zeros() as usize;
-                            bits &= bits - 1;
-                            if c < tk {
-                                out[c * words + r / 64] |= 1u64 << (r % 64);
-                            }
-                        }
-                    }
-                }
-            });
-        MasksT {
-            words,
-            rows: tk,
-            data,
-        }
-    }
-
-    #[inline(always)]
-    pub(crate) fn row(&self, id: u32, j: usize) -> &[u64] {
-        let o = (id as usize * self.rows + j) * self.words;
-        &self.data[o..o + self.words]
-    }
-}
-
-/// Declares the per-ISA entry points of an item kernel: a `#[target_feature]` copy per ISA
-/// around the same generic, `#[inline(always)]` body.
-macro_rules! isa_entry {
-    ($name:ident, $body:ident, ($($arg:ident : $ty:ty),*)) => {
-        pub(crate) fn $name(isa: crate::cpu::Isa, $($arg: $ty),*) {
-            #[cfg(target_arch = "x86_64")]
-            #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
-            fn avx512($($arg: $ty),*) {
-                $body::<crate::cpu::math::Avx512>($($arg),*)
-            }
-            #[cfg(target_arch = "x86_64")]
-            #[target_feature(enable = "avx2,fma")]
-            fn avx2($($arg: $ty),*) {
-                $body::<crate::cpu::math::Avx2>($($arg),*)
-            }
-            match isa {
-                // SAFETY: `Isa::detect`/`CpuBackend::with_isa` only hand out copies whose
-                // features this CPU has.
-                #[cfg(target_arch = "x86_64")]
-                crate::cpu::Isa::Avx512 | crate::cpu::Isa::Avx512Bf16 => unsafe { avx512($($arg),*) },
-                #[cfg(target_arch = "x86_64")]
-                crate::cpu::Isa::Avx2 => unsafe { avx2($($arg),*) },
-                _ => $body::<crate::cpu::math::Portable>($($arg),*),
-            }
-        }
-    };
-}
-pub(crate) use isa_entry;

@@ -120,8 +120,8 @@ pub(crate) fn forward_bytes(isa: Isa, plan: &Plan, d: &Dims, threads: usize) -> 
     let g = Geometry::new(plan, d);
     let bh = d.batch * d.heads_q;
     let mut floats = threads * forward::ws_floats(&g, d) + bh * plan.q_tiles;
-    if super::runs_bf16dot(isa, d.dtype) {
-        floats += super::bf16dot::pack_words(plan, d);
+    if super::runs_bf16_kernel(isa, d.dtype) {
+        floats += super::forward::bf16::pack_words(plan, d);
     }
     4 * floats
 }

@@ -3,7 +3,7 @@
 //! runs otherwise). Same walk, slots and reduction as the f32 item of the parent module; only the
 //! five tile products change.
 //!
-//! Layout (bf16 pairs as `u32`, see [`super::super::bf16gemm`]):
+//! Layout (bf16 pairs as `u32`, see [`super::super::tile_matmul_bf16`]):
 //! - per visited q tile, zero-padded to `tq` queries: Q and dO with pairs along D
 //!   (`[tq × ⌈D/2⌉]`, the A side of `S = Q·Kᵀ`, `dP = dO·Vᵀ`) and with pairs of consecutive
 //!   queries (`[tq/2 × Dp]`, the B side of `dK += dSᵀ·Q`, `dV += Pᵀ·dO`); re-packing per visit
@@ -20,9 +20,9 @@
 //! bf16 adds ≤ 2⁻⁹ relative error per term (FlashAttention rounds them the same way), well inside
 //! the 1e-2 bf16 tolerance. Deterministic: fixed loop order, no atomics.
 
-use super::super::bf16gemm::{dot_gemm, pair};
-use super::super::gemm::{round_up, RB};
-use super::super::math::Avx512;
+use super::super::simd::Avx512;
+use super::super::tile_matmul::{round_up, RB};
+use super::super::tile_matmul_bf16::{dot_gemm, pair};
 use super::super::{Geometry, Isa};
 use super::{key_blocks, p_ds_block, p_ds_full, query_blocks, store_dkv, BwdCtx, DkvItem};
 use crate::Dims;

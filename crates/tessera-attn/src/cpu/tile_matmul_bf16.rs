@@ -12,7 +12,7 @@
 //! f32 product of the same (bf16) inputs only by summation order.
 //! The caller must run on a CPU with AVX-512F/BW/VL, FMA and AVX512-BF16.
 
-use super::gemm::RB;
+use super::tile_matmul::RB;
 use std::arch::x86_64::*;
 
 /// Two bf16 bit patterns as one `u32` (`lo` in the low half).

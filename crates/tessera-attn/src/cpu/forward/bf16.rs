@@ -10,9 +10,9 @@
 //! the scale is folded into the exponent (`exp(scale·s − m)`), the online softmax runs in f32
 //! exactly as in the f32 kernel, and `P` is rounded to bf16 pairs along the keys (`[tk/2 × tq]`)
 //! for `O += P·V` by `vdpbf16ps` (f32 accumulators in `O`). The column sums `l` use the f32 `P`.
-//! Partial tiles use the same live sub-block spans as the f32 kernel ([`super::live`]).
+//! Partial tiles use the same live sub-block spans as the f32 kernel ([`crate::cpu::live_blocks`]).
 //!
-//! Telemetry: `item` is generic over [`super::forward::TileObserver`] like the f32 kernel
+//! Telemetry: `item` is generic over [`crate::cpu::forward::TileObserver`] like the f32 kernel
 //! (production: `NoTelemetry`, hooks compiled out). An observing copy gets every hook with the
 //! trait's semantics, per key row (both keys of a pair) with the f32 P before rounding, so its
 //! outputs are bit-identical to the production copy's.
@@ -27,32 +27,42 @@ pub(crate) use imp::{item, run, Ctx};
 
 #[cfg(not(target_arch = "x86_64"))]
 pub(crate) fn run(
-    prep: super::Prep<'_>,
+    prep: crate::cpu::Prep<'_>,
     d: &crate::Dims,
     inputs: &crate::AttnInputs<'_>,
     options: &crate::AttnOptions,
     out: crate::ForwardOut<'_>,
-    rest: super::Rest<'_>,
+    rest: crate::cpu::Rest<'_>,
 ) -> tessera_core::Result<()> {
-    super::forward::run(super::Isa::Portable, prep, d, inputs, options, out, rest)
+    crate::cpu::forward::run(
+        crate::cpu::Isa::Portable,
+        prep,
+        d,
+        inputs,
+        options,
+        out,
+        rest,
+    )
 }
 
 /// `u32` words of packed K and V a bf16 forward of `d` keeps in the workspace.
 pub(crate) fn pack_words(plan: &tessera_plan::Plan, d: &crate::Dims) -> usize {
-    let tkp = super::gemm::round_up(plan.tile.kv, 16);
+    let tkp = crate::cpu::tile_matmul::round_up(plan.tile.kv, 16);
     let blocks = d.batch * d.heads_kv * plan.kv_tiles;
-    blocks * (tkp * d.d_qk.div_ceil(2) + tkp / 2 * super::gemm::round_up(d.d_v, 16))
+    blocks * (tkp * d.d_qk.div_ceil(2) + tkp / 2 * crate::cpu::tile_matmul::round_up(d.d_v, 16))
 }
 
 #[cfg(target_arch = "x86_64")]
 mod imp {
-    use super::super::bf16gemm::{dot_gemm, pair, round_bits};
-    use super::super::forward::{self, NoTelemetry, TileObserver};
-    use super::super::gemm::{round_up, RB};
-    use super::super::live::{self, LiveBlocks, SB};
-    use super::super::math::{self, Avx512, Simd};
-    use super::super::workspace::{grown, Bufs, Rest};
-    use super::super::{Isa, MasksT, Prep, Src};
+    use crate::cpu::forward::{self, NoTelemetry, TileObserver};
+    use crate::cpu::live_blocks::{LiveBlocks, SB};
+    use crate::cpu::mask_partial_tile::{mask_partial_row, MasksT};
+    use crate::cpu::online_softmax::{self, column_max, finish_row};
+    use crate::cpu::simd::{self, Avx512, Simd};
+    use crate::cpu::tile_matmul::{round_up, RB};
+    use crate::cpu::tile_matmul_bf16::{dot_gemm, pair, round_bits};
+    use crate::cpu::workspace::{grown, Bufs, Rest};
+    use crate::cpu::{Isa, Prep, Src};
     use crate::{AttnInputs, AttnOptions, Dims, ForwardOut};
     use half::bf16;
     use rayon::prelude::*;
@@ -374,7 +384,12 @@ mod imp {
                 }
                 for j in 0..nk {
                     let (a, bb) = span(j);
-                    live::mask_span(&mut s[j * tq..j * tq + bb], cx.masks_t.row(e.mask, j), a);
+                    mask_partial_row(
+                        &mut s[j * tq..j * tq + bb],
+                        cx.masks_t.row(e.mask, j),
+                        a,
+                        NEG_INF,
+                    );
                 }
             }
             // Max of the raw logits; the scale (> 0) commutes with the max.
@@ -382,14 +397,14 @@ mod imp {
             if cx.softcap.is_some() {
                 for j in 0..nk {
                     let (a, bb) = span(j);
-                    math::scale_row(&mut s[j * tq + a..j * tq + bb], cx.scale);
+                    simd::scale_row(&mut s[j * tq + a..j * tq + bb], cx.scale);
                 }
                 sc = 1.0;
             }
             if !fused_max {
                 for j in 0..nk {
                     let (a, bb) = span(j);
-                    live::col_max_span(&s[j * tq..j * tq + bb], &mut col[..bb], a);
+                    column_max(&s[j * tq..j * tq + bb], &mut col[..bb], a);
                 }
             }
             // The fused max is of the unscaled logits; the pass above saw them scaled in place
@@ -403,11 +418,11 @@ mod imp {
                 col[..nq].fill(NEG_INF);
                 for j in 0..nk {
                     let (a, bb) = span(j);
-                    math::softcap_row::<Avx512>(&mut s[j * tq + a..j * tq + bb], cap);
-                    live::col_max_span(&s[j * tq..j * tq + bb], &mut col[..bb], a);
+                    simd::softcap_row::<Avx512>(&mut s[j * tq + a..j * tq + bb], cap);
+                    column_max(&s[j * tq..j * tq + bb], &mut col[..bb], a);
                 }
             }
-            forward::update_max::<Avx512>(
+            online_softmax::update_max::<Avx512>(
                 &col[..nq],
                 &mut m[..nq],
                 &mut m_use[..nq],
@@ -457,8 +472,8 @@ mod imp {
                     .enumerate();
                 for (k, (((pv, c), (&x0, &x1)), &u)) in lanes {
                     let live_i = a + k < bb;
-                    let p0 = math::exp::<Avx512>(Avx512::madd(x0, sc, -u));
-                    let p1 = math::exp::<Avx512>(Avx512::madd(x1, sc, -u));
+                    let p0 = simd::exp::<Avx512>(Avx512::madd(x0, sc, -u));
+                    let p1 = simd::exp::<Avx512>(Avx512::madd(x1, sc, -u));
                     let p0 = if live_i { p0 } else { 0.0 };
                     let p1 = if live_i && has1 { p1 } else { 0.0 };
                     *c += p0 + p1;
@@ -468,7 +483,7 @@ mod imp {
             for i in 0..nq {
                 l[i] = l[i] * alpha[i] + col[i];
                 if alpha[i] != 1.0 {
-                    math::scale_row(&mut o[i * dvp..i * dvp + dv], alpha[i]);
+                    simd::scale_row(&mut o[i * dvp..i * dvp + dv], alpha[i]);
                 }
             }
             obs.on_tile(&col[..nq], &m_use[..nq], &alpha[..nq]);
@@ -523,7 +538,7 @@ mod imp {
         let mut any_nan = false;
         for i in 0..nq {
             let orow = &mut o[i * dvp..i * dvp + dv];
-            let (factor, lse) = forward::finish_row(l[i], m[i], sink, orow);
+            let (factor, lse) = finish_row(l[i], m[i], sink, orow);
             it.o.store(i * dv, orow, factor as f32);
             it.lse[i] = lse as f32;
             any_nan |= lse.is_nan();
@@ -532,7 +547,7 @@ mod imp {
         *it.max_logit = if any_nan {
             f32::NAN
         } else {
-            math::max_row(&raw_max[..nq])
+            simd::max_row(&raw_max[..nq])
         };
     }
 
@@ -553,13 +568,13 @@ mod imp {
         if let Some(acc) = obs.entropy_terms(a, bb) {
             for ((x, &u), e) in live.iter_mut().zip(mu).zip(acc.iter_mut()) {
                 let d = Avx512::madd(*x, sc, -u);
-                let p = math::exp::<Avx512>(d);
+                let p = simd::exp::<Avx512>(d);
                 *x = p;
                 *e += p * if d > -88.0 { d } else { -88.0 };
             }
         } else {
             for (x, &u) in live.iter_mut().zip(mu) {
-                *x = math::exp::<Avx512>(Avx512::madd(*x, sc, -u));
+                *x = simd::exp::<Avx512>(Avx512::madd(*x, sc, -u));
             }
         }
         row[bb..].fill(0.0);

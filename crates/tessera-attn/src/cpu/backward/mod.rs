@@ -9,7 +9,7 @@
 //!    `dK += dSᵀ·Q`, and the tile's dQ contribution `dS·K` written to its own scratch slot:
 //!    slot = (q tile, position of this kv tile in the q tile's forward row `row(qt)`). Five tile
 //!    products per active tile (the dQ pass no longer recomputes `S` and `dP`).
-//!    Partial tiles only compute their live 16 × 16 sub-blocks (`live`): `S`/`dP` per 16-query
+//!    Partial tiles only compute their live 16 × 16 sub-blocks (`live_blocks`): `S`/`dP` per 16-query
 //!    block over its key span, `Pᵀ·dO`/`dSᵀ·Q` per 16-key block over its query span, `dS·K` per
 //!    16-query block over its key span; `P`/`dS` are zeroed outside the spans.
 //! 3. dQ reduce items (batch, query head, q-tile): the slots of the q tile summed in ascending
@@ -26,9 +26,10 @@
 #[cfg(target_arch = "x86_64")]
 mod bf16;
 
-use super::gemm::{gemm, product, round_up, RB};
-use super::live::{LiveBlocks, SB};
-use super::math::{self, Simd};
+use super::live_blocks::{LiveBlocks, SB};
+use super::mask_partial_tile::mask_partial_row;
+use super::simd::{self, Simd};
+use super::tile_matmul::{gemm, product, round_up, RB};
 use super::workspace::{grown, Rest};
 use super::{isa_entry, load_transposed, rows, run_items, Geometry, Isa, Out, Prep, Src};
 use crate::{AttnOptions, Dims, GradInputs, GradOut};
@@ -539,12 +540,12 @@ fn p_ds_row<S: Simd, const SOFTCAP: bool>(
     for (x, g) in s.iter_mut().zip(dp.iter_mut()) {
         let xs = *x * sc;
         let (v, dc) = if SOFTCAP {
-            let t = math::tanh::<S>(xs * inv);
+            let t = simd::tanh::<S>(xs * inv);
             (cap * t, 1.0 - t * t)
         } else {
             (xs, 1.0)
         };
-        let p = math::exp::<S>(v - lse);
+        let p = simd::exp::<S>(v - lse);
         let ds = p * (*g - delta) * dc;
         *x = p;
         *g = if p == 0.0 { 0.0 } else { ds };
@@ -683,8 +684,8 @@ fn p_ds_block<S: Simd>(
             );
             // From the 64-key word holding n0 on (the keys before n0 are 0 already).
             let (w0, bits) = (n0 / 64, cx.plan.partials.row(mask, i));
-            math::mask_row(&mut sr[w0 * 64..r1], &bits[w0..], 0.0);
-            math::mask_row(&mut dr[w0 * 64..r1], &bits[w0..], 0.0);
+            mask_partial_row(&mut sr[w0 * 64..r1], &bits[w0..], 0, 0.0);
+            mask_partial_row(&mut dr[w0 * 64..r1], &bits[w0..], 0, 0.0);
         }
         sr[r1..n1].fill(0.0);
         dr[r1..n1].fill(0.0);

@@ -142,18 +142,6 @@ pub(crate) fn softcap_row<S: Simd>(s: &mut [f32], cap: f32) {
     }
 }
 
-/// Sets `s[c] = fill` wherever bit `c` of the row bitmask is 0.
-#[inline(always)]
-pub(crate) fn mask_row(s: &mut [f32], bits: &[u64], fill: f32) {
-    for (chunk, &w) in s.chunks_mut(64).zip(bits) {
-        for (c, x) in chunk.iter_mut().enumerate() {
-            if (w >> c) & 1 == 0 {
-                *x = fill;
-            }
-        }
-    }
-}
-
 /// `dst[i] *= a`.
 #[inline(always)]
 pub(crate) fn scale_row(dst: &mut [f32], a: f32) {
@@ -213,12 +201,5 @@ mod tests {
         let m = max_row(&v);
         assert_eq!(m, v.iter().cloned().fold(f32::NEG_INFINITY, f32::max));
         assert_eq!(max_row(&[]), f32::NEG_INFINITY);
-        let mut r = vec![1.0f32; 70];
-        mask_row(&mut r, &[0b101, 1], f32::NEG_INFINITY);
-        assert_eq!(r[0], 1.0);
-        assert_eq!(r[1], f32::NEG_INFINITY);
-        assert_eq!(r[2], 1.0);
-        assert_eq!(r[64], 1.0);
-        assert_eq!(r[65], f32::NEG_INFINITY);
     }
 }

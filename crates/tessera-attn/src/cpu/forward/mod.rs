@@ -1,4 +1,8 @@
-//! Forward kernel: one work item per (batch, query head, q-tile).
+//! The forward pass: work items, their scheduling ([`schedule`]), the telemetry hooks
+//! ([`TileObserver`]) and the f32 item kernel; the `vdpbf16ps` item is [`bf16`], the hooked
+//! logging-step variant [`telemetry`].
+//!
+//! One work item per (batch, query head, q-tile).
 //!
 //! Per item the scaled Q tile is packed transposed once (`Qsᵀ`, `[Dqk × tq]`); for every kv tile
 //! of the item's forward work-list row the kernel computes `Sᵀ = K_tile · Qsᵀ` (`[tk × tq]`, so
@@ -8,26 +12,31 @@
 //! contiguous over Dv. The item finishes with the sink, the normalisation, LSE and the item's
 //! pre-softcap max logit.
 
-use super::gemm::{gemm, gemm_colmax, product, round_up, RB};
-use super::live::{self, LiveBlocks, SB};
-use super::math::{self, Simd};
+use super::live_blocks::{LiveBlocks, SB};
+use super::mask_partial_tile::{mask_partial_row, MasksT};
+use super::online_softmax::{self, column_max, finish_row};
+use super::simd::{self, Simd};
+use super::tile_matmul::{gemm, gemm_colmax, product, round_up, RB};
 use super::workspace::{grown, Rest, WsPool};
 use super::{
-    f32_pieces, isa_entry, load_transposed, rows, run_items, Geometry, Isa, MasksT, Out, Prep, Src,
+    f32_pieces, isa_entry, load_transposed, rows, run_items, Geometry, Isa, Out, Prep, Src,
 };
 use crate::{AttnInputs, AttnOptions, Dims, ForwardOut};
 use tessera_core::Result;
 use tessera_plan::Plan;
 
+pub(crate) mod bf16;
+pub(crate) mod telemetry;
+
 const NEG_INF: f32 = f32::NEG_INFINITY;
 
 /// Compile-time hook into the forward kernels (`item_with` here and the AVX512-BF16
-/// `bf16dot::item`). The production kernels use [`NoTelemetry`] (every hook is an empty inline
-/// function, so it compiles to nothing); the telemetry variant (`super::telemetry`: per-row sink
+/// `forward::bf16::item`). The production kernels use [`NoTelemetry`] (every hook is an empty inline
+/// function, so it compiles to nothing); the telemetry variant (`super::forward::telemetry`: per-row sink
 /// mass, entropy) implements the hooks and is instantiated as a separate kernel copy. Hooks only
 /// read kernel state; they never change what the kernel computes.
 pub(crate) trait TileObserver {
-    /// Whether any hook does something: `bf16dot` keeps no f32 P row, and only writes one per key
+    /// Whether any hook does something: `forward::bf16` keeps no f32 P row, and only writes one per key
     /// for the hooks when this is true (read only by that x86-64 kernel).
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     const OBSERVES: bool = true;
@@ -216,53 +225,6 @@ pub(super) fn run_with<W: std::any::Any + Send>(
     )
 }
 
-/// Online-softmax step shared by the forward kernels: folds this tile's column maxima `col` into
-/// the running maxima `m`, and gives the exponent base `m_use` and the rescale factor `alpha` of
-/// the previous sums for every row.
-#[inline(always)]
-pub(super) fn update_max<S: Simd>(
-    col: &[f32],
-    m: &mut [f32],
-    m_use: &mut [f32],
-    alpha: &mut [f32],
-) {
-    for i in 0..col.len() {
-        let m_old = m[i];
-        let m_new = if col[i] > m_old { col[i] } else { m_old };
-        // A row with nothing allowed yet keeps -inf as its max but exponentiates against 0,
-        // so masked logits give exactly 0 and NaN logits stay NaN.
-        let u = if m_new == NEG_INF { 0.0 } else { m_new };
-        m_use[i] = u;
-        alpha[i] = if m_old == u {
-            1.0
-        } else {
-            math::exp::<S>(m_old - u)
-        };
-        m[i] = m_new;
-    }
-}
-
-/// Normalization of one finished row from its running max `m` and sum `l`: returns the factor
-/// that turns the accumulated `orow` into O, and the row's LSE (the sink joins the denominator).
-/// A row with no allowed key gets O = 0 (`orow` is zeroed) and LSE = σ, or -inf without a sink.
-#[inline]
-pub(super) fn finish_row(l: f32, m: f32, sink: Option<f64>, orow: &mut [f32]) -> (f64, f64) {
-    let (li, mi) = (l as f64, m as f64);
-    if li == 0.0 {
-        orow.fill(0.0);
-        return (0.0, sink.unwrap_or(f64::NEG_INFINITY));
-    }
-    let a = mi + li.ln();
-    match sink {
-        None => (1.0 / li, a),
-        Some(sg) => {
-            let hi = a.max(sg);
-            let lse = hi + ((a - hi).exp() + (sg - hi).exp()).ln();
-            ((mi - lse).exp(), lse)
-        }
-    }
-}
-
 /// The scheduling shared by every forward kernel: the caller's outputs split into one item per
 /// (batch, query head, q tile), run longest first on the current pool with per-worker workspaces
 /// from `pool`, max logits (per item in `maxes`) reduced per (batch, head) with NaN propagated.
@@ -369,7 +331,7 @@ pub(super) fn item_with<S: Simd, T: TileObserver>(
         let (ka, lda) = rows(cx.k, cx.k.row(b, kvh, k0), nk, mk, dqk, kbuf);
         let full = e.is_full();
         // Live query-column span of key row `j` (whole tile for full tiles; per 16-key block of
-        // the partial mask otherwise, see `live`).
+        // the partial mask otherwise, see `live_blocks`).
         let span = |j: usize| cx.live.row_span(full, e.mask, j, nq);
         // Full tiles without padding key rows get the column max fused into the product.
         let fused_max = full && mk == nk;
@@ -398,14 +360,19 @@ pub(super) fn item_with<S: Simd, T: TileObserver>(
             }
             for j in 0..nk {
                 let (a, b) = span(j);
-                live::mask_span(&mut s[j * tq..j * tq + b], cx.masks_t.row(e.mask, j), a);
+                mask_partial_row(
+                    &mut s[j * tq..j * tq + b],
+                    cx.masks_t.row(e.mask, j),
+                    a,
+                    NEG_INF,
+                );
             }
         }
         let col = &mut col[..nq];
         if !fused_max {
             for j in 0..nk {
                 let (a, b) = span(j);
-                live::col_max_span(&s[j * tq..j * tq + b], &mut col[..b], a);
+                column_max(&s[j * tq..j * tq + b], &mut col[..b], a);
             }
         }
         for (r, &c) in raw_max[..nq].iter_mut().zip(col.iter()) {
@@ -415,11 +382,16 @@ pub(super) fn item_with<S: Simd, T: TileObserver>(
             col.fill(NEG_INF);
             for j in 0..nk {
                 let (a, b) = span(j);
-                math::softcap_row::<S>(&mut s[j * tq + a..j * tq + b], cap);
-                live::col_max_span(&s[j * tq..j * tq + b], &mut col[..b], a);
+                simd::softcap_row::<S>(&mut s[j * tq + a..j * tq + b], cap);
+                column_max(&s[j * tq..j * tq + b], &mut col[..b], a);
             }
         }
-        update_max::<S>(&col[..nq], &mut m[..nq], &mut m_use[..nq], &mut alpha[..nq]);
+        online_softmax::update_max::<S>(
+            &col[..nq],
+            &mut m[..nq],
+            &mut m_use[..nq],
+            &mut alpha[..nq],
+        );
         col.fill(0.0);
         let mu = &m_use[..nq];
         for j in 0..nk {
@@ -436,7 +408,7 @@ pub(super) fn item_with<S: Simd, T: TileObserver>(
                     .zip(col[a..b].iter_mut());
                 for (((x, &u), c), e) in lanes.zip(acc.iter_mut()) {
                     let d = *x - u;
-                    let p = math::exp::<S>(d);
+                    let p = simd::exp::<S>(d);
                     *x = p;
                     *c += p;
                     *e += p * if d > -88.0 { d } else { -88.0 };
@@ -447,7 +419,7 @@ pub(super) fn item_with<S: Simd, T: TileObserver>(
                     .zip(&mu[a..b])
                     .zip(col[a..b].iter_mut())
                 {
-                    let p = math::exp::<S>(*x - u);
+                    let p = simd::exp::<S>(*x - u);
                     *x = p;
                     *c += p;
                 }
@@ -457,7 +429,7 @@ pub(super) fn item_with<S: Simd, T: TileObserver>(
         for i in 0..nq {
             l[i] = l[i] * alpha[i] + col[i];
             if alpha[i] != 1.0 {
-                math::scale_row(&mut o[i * dvp..i * dvp + dv], alpha[i]);
+                simd::scale_row(&mut o[i * dvp..i * dvp + dv], alpha[i]);
             }
         }
         obs.on_tile(col, mu, &alpha[..nq]);
@@ -499,6 +471,6 @@ pub(super) fn item_with<S: Simd, T: TileObserver>(
     *it.max_logit = if any_nan {
         f32::NAN
     } else {
-        math::max_row(&raw_max[..nq])
+        simd::max_row(&raw_max[..nq])
     };
 }

@@ -118,31 +118,3 @@ impl LiveBlocks {
         (a as usize, b as usize)
     }
 }
-
-/// Sets `s[c] = -inf` for `c >= start` wherever bit `c` of the row bitmask is 0 (`start` a
-/// multiple of 16; entries before `start` are not touched).
-#[inline(always)]
-pub(crate) fn mask_span(s: &mut [f32], bits: &[u64], start: usize) {
-    let n = s.len();
-    let mut c = start;
-    while c < n {
-        let end = (c + 16).min(n);
-        let g = ((bits[c / 64] >> (c % 64)) & 0xFFFF) as u32;
-        if g != 0xFFFF {
-            for (k, x) in s[c..end].iter_mut().enumerate() {
-                if (g >> k) & 1 == 0 {
-                    *x = f32::NEG_INFINITY;
-                }
-            }
-        }
-        c = end;
-    }
-}
-
-/// `col[i] = max(col[i], s[i])` for `start <= i < s.len()` (NaN ignored).
-#[inline(always)]
-pub(crate) fn col_max_span(s: &[f32], col: &mut [f32], start: usize) {
-    for (c, &x) in col[start..].iter_mut().zip(&s[start..]) {
-        *c = if x > *c { x } else { *c };
-    }
-}

@@ -9,7 +9,7 @@
 //! the accumulators in vector registers. [`gemm_skip_zero`] is the exact variant for non-finite
 //! inputs: an A element equal to 0 contributes nothing even when its B row holds NaN or inf.
 
-use super::math::Simd;
+use super::simd::Simd;
 
 /// Rows per micro-kernel block.
 pub(crate) const RB: usize = 4;
@@ -278,7 +278,7 @@ pub(crate) fn product<S: Simd, const ACC: bool, const AT: bool>(
 
 #[cfg(test)]
 mod tests {
-    use super::super::math::Portable;
+    use super::super::simd::Portable;
     use super::*;
 
     #[test]

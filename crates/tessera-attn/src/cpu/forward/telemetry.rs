@@ -1,6 +1,6 @@
 //! The telemetry variant of the forward kernel (SPEC §6, sink stream).
 //!
-//! The item kernel the plain forward would run (`forward::item_with`, or `bf16dot::item` where
+//! The item kernel the plain forward would run (`forward::item_with`, or `forward::bf16::item` where
 //! `CpuBackend::forward` picks the AVX512-BF16 bf16 kernel), instantiated with [`TelObserver`]
 //! instead of `NoTelemetry`, so a logging step runs one kernel and its O, LSE and max_logit are
 //! bit-identical to the plain forward. Per query row the observer keeps, relative to the kernel's
@@ -23,18 +23,18 @@
 //! batch's bit for bit. The outlier stream is `AttnSummary::add_output` with the (b, h) slices on
 //! the rayon pool (the same statistics, bit for bit).
 //!
-//! `bf16dot` rounds P to bf16 for `P·V`; its hooks see the f32 P (the values summed into `l`),
+//! `forward::bf16` rounds P to bf16 for `P·V`; its hooks see the f32 P (the values summed into `l`),
 //! which its observed copy writes over each key's logits, one extra pass per key pair that the
 //! production copy skips (`TileObserver::OBSERVES`).
 
 #[cfg(target_arch = "x86_64")]
-use super::bf16dot;
-use super::forward::{self, FwdCtx, FwdItem, FwdWs, TileObserver};
-use super::math::Simd;
+use crate::cpu::forward::bf16;
+use crate::cpu::forward::{self, FwdCtx, FwdItem, FwdWs, TileObserver};
+use crate::cpu::simd::Simd;
 #[cfg(target_arch = "x86_64")]
-use super::workspace::Bufs;
-use super::workspace::{Rest, WsPool};
-use super::{isa_entry, CpuBackend, Geometry, Isa, Prep};
+use crate::cpu::workspace::Bufs;
+use crate::cpu::workspace::{Rest, WsPool};
+use crate::cpu::{isa_entry, CpuBackend, Geometry, Isa, Prep};
 use crate::{AttnInputs, AttnOptions, Dims, ForwardOut, OutData, TelemetryInput};
 use rayon::prelude::*;
 use std::sync::Mutex;
@@ -45,7 +45,7 @@ use tessera_plan::Plan;
 use tessera_telemetry::{AttnSummary, HeadAccum, OutlierStats};
 
 /// Per-worker scratch of the observer, `tq` entries each.
-pub(super) struct TelWs {
+pub(crate) struct TelWs {
     /// Column sums of the current kv tile: `Σ p·(s − m_use)`, `Σ_{sink keys} p` (`Σ p` is the
     /// kernel's own).
     es_col: Vec<f32>,
@@ -72,7 +72,7 @@ impl TelWs {
 }
 
 /// The sink-stream observer of one work item.
-pub(super) struct TelObserver<'w> {
+pub(crate) struct TelObserver<'w> {
     /// Sink-key flags of the item's batch row (`Lkv` entries).
     flags: &'w [bool],
     /// The head's learned sink logit.
@@ -202,14 +202,14 @@ fn run(
 ) -> Result<Vec<HeadAccum>> {
     let Rest { items, bufs } = rest;
     #[cfg(target_arch = "x86_64")]
-    if super::runs_bf16dot(isa, d.dtype) {
+    if crate::cpu::runs_bf16_kernel(isa, d.dtype) {
         let Bufs {
             kpack,
             vpack,
             maxes,
             ..
         } = bufs;
-        let cx = bf16dot::Ctx::new(prep, d, inputs, options, kpack, vpack)?;
+        let cx = bf16::Ctx::new(prep, d, inputs, options, kpack, vpack)?;
         return observed(
             prep.plan,
             d,
@@ -222,7 +222,7 @@ fn run(
             |ws, it, obs| {
                 // SAFETY: `Isa::Avx512Bf16` is only handed out when the CPU has
                 // AVX-512F/BW/VL, FMA and AVX512-BF16.
-                unsafe { bf16dot::item(&cx, ws, it, obs) }
+                unsafe { bf16::item(&cx, ws, it, obs) }
             },
         );
     }
@@ -292,7 +292,7 @@ fn observed<W: std::any::Any + Send>(
 /// [`Backend::forward_with_telemetry_into`](crate::Backend::forward_with_telemetry_into) of the
 /// CPU backend (inputs, outputs and `tel` already checked).
 #[allow(clippy::too_many_arguments)]
-pub(super) fn forward(
+pub(crate) fn forward(
     be: &CpuBackend,
     prep: Prep<'_>,
     d: &Dims,
@@ -333,7 +333,7 @@ pub(super) fn forward(
             acc.merge(h);
         }
     } else {
-        super::dispatch_forward(be.isa(), prep, d, inputs, options, out, rest)?;
+        crate::cpu::dispatch_forward(be.isa(), prep, d, inputs, options, out, rest)?;
     }
     let shape = [d.batch, d.heads_q];
     summary.absorb_max_logit(&TensorView::new(&shape, ViewData::F32(max_logit))?)?;

@@ -1,0 +1,97 @@
+//! The instruction sets the CPU kernels are compiled for ([`Isa`]) and the macro that declares
+//! one `#[target_feature]` copy of an item kernel per instruction set ([`isa_entry!`]).
+//!
+//! Contract: [`Isa::detect`] returns the best copy this CPU runs; a copy is only ever called on
+//! a CPU that has its features ([`Isa::supported`]), which is what makes the `unsafe` calls of
+//! the `#[target_feature]` copies sound.
+
+/// Instruction set of the kernel copy a [`CpuBackend`](super::CpuBackend) runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Isa {
+    /// AVX-512F, BW, VL, FMA and AVX512-BF16: the f32 kernels of [`Isa::Avx512`], plus bf16
+    /// forward and backward kernels on `vdpbf16ps` (bf16 operands, including P and dS; f32
+    /// softmax and accumulation).
+    Avx512Bf16,
+    /// AVX-512F, BW, VL and FMA.
+    Avx512,
+    /// AVX2 and FMA.
+    Avx2,
+    /// Baseline target features (any CPU).
+    Portable,
+}
+
+impl Isa {
+    /// The best copy this CPU supports.
+    pub fn detect() -> Isa {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if is_x86_feature_detected!("avx512f")
+                && is_x86_feature_detected!("avx512bw")
+                && is_x86_feature_detected!("avx512vl")
+                && is_x86_feature_detected!("fma")
+            {
+                if is_x86_feature_detected!("avx512bf16") {
+                    return Isa::Avx512Bf16;
+                }
+                return Isa::Avx512;
+            }
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+                return Isa::Avx2;
+            }
+        }
+        Isa::Portable
+    }
+
+    /// Whether this CPU can run the copy.
+    pub fn supported(self) -> bool {
+        match self {
+            Isa::Portable => true,
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512Bf16 => Isa::detect() == Isa::Avx512Bf16,
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => matches!(Isa::detect(), Isa::Avx512 | Isa::Avx512Bf16),
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"),
+            #[cfg(not(target_arch = "x86_64"))]
+            _ => false,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Isa::Avx512Bf16 => "avx512-bf16",
+            Isa::Avx512 => "avx512",
+            Isa::Avx2 => "avx2",
+            Isa::Portable => "portable",
+        }
+    }
+}
+
+/// Declares the per-ISA entry points of an item kernel: a `#[target_feature]` copy per ISA
+/// around the same generic, `#[inline(always)]` body.
+macro_rules! isa_entry {
+    ($name:ident, $body:ident, ($($arg:ident : $ty:ty),*)) => {
+        pub(crate) fn $name(isa: crate::cpu::Isa, $($arg: $ty),*) {
+            #[cfg(target_arch = "x86_64")]
+            #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+            fn avx512($($arg: $ty),*) {
+                $body::<crate::cpu::simd::Avx512>($($arg),*)
+            }
+            #[cfg(target_arch = "x86_64")]
+            #[target_feature(enable = "avx2,fma")]
+            fn avx2($($arg: $ty),*) {
+                $body::<crate::cpu::simd::Avx2>($($arg),*)
+            }
+            match isa {
+                // SAFETY: `Isa::detect`/`CpuBackend::with_isa` only hand out copies whose
+                // features this CPU has.
+                #[cfg(target_arch = "x86_64")]
+                crate::cpu::Isa::Avx512 | crate::cpu::Isa::Avx512Bf16 => unsafe { avx512($($arg),*) },
+                #[cfg(target_arch = "x86_64")]
+                crate::cpu::Isa::Avx2 => unsafe { avx2($($arg),*) },
+                _ => $body::<crate::cpu::simd::Portable>($($arg),*),
+            }
+        }
+    };
+}
+pub(crate) use isa_entry;
