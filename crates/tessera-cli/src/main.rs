@@ -8,7 +8,6 @@ mod cmd;
 mod ctx;
 mod manifest;
 mod maskload;
-mod peak;
 mod picture;
 mod progress;
 mod workloads;

@@ -20,7 +20,8 @@
 //!   `prepare`; masked pairs inside are still excluded exactly.
 //!
 //! Code map (one concept per file):
-//! - `isa`: the instruction sets and the per-ISA kernel copies; `prepare`: what a plan is turned
+//! - `isa`: the instruction sets and the per-ISA kernel copies; [`peak`]: their measured
+//!   compute peaks (the yardstick of `% of peak`); `prepare`: what a plan is turned
 //!   into once (`live_blocks`, `mask_partial_tile`'s transposed masks); `workspace`: the
 //!   caller-owned scratch; `schedule`: work items on the pool; `load_tile`: strided inputs into
 //!   tiles.
@@ -38,6 +39,7 @@ mod live_blocks;
 mod load_tile;
 mod mask_partial_tile;
 mod online_softmax;
+pub mod peak;
 mod prepare;
 mod schedule;
 mod simd;

@@ -5,7 +5,7 @@
 //! and the percentage of this machine's measured peak for the storage dtype.
 
 use crate::ctx::{print_json, Ctx};
-use crate::peak;
+use tessera_attn::cpu::peak;
 use crate::workloads::{named_mask, random_tensor, MASK_NAMES};
 use std::time::{Duration, Instant};
 use tessera_attn::{

@@ -6,13 +6,16 @@
 
 use std::time::{Duration, Instant};
 
+/// Measured peaks of the instruction paths the kernels use.
 #[derive(Debug, Clone, Copy, serde::Serialize)]
 pub struct Peaks {
     /// f32 FMA GFLOP/s over all threads (AVX-512 when present, else AVX2+FMA, else scalar).
     pub f32_gflops: f64,
+    /// Which f32 path was measured (`avx512`, `avx2`, `scalar`).
     pub f32_path: &'static str,
     /// AVX512-BF16 dot-product GFLOP/s over all threads.
     pub bf16_gflops: Option<f64>,
+    /// Threads the measurement ran on.
     pub threads: usize,
 }
 
