@@ -45,7 +45,8 @@ impl<'a> AttnInputs<'a> {
 }
 
 /// The inputs of a backward call: the forward's inputs, its O `[B, Hq, Lq, Dv]` and LSE
-/// `[B, Hq, Lq]` (f32, contiguous), and the output gradient dO `[B, Hq, Lq, Dv]`.
+/// `[B, Hq, Lq]` (f32, contiguous), the output gradient dO `[B, Hq, Lq, Dv]` and, when the loss
+/// also depends on the LSE, its gradient dLSE `[B, Hq, Lq]` (f32, contiguous; `None` = zero).
 #[derive(Debug, Clone, Copy)]
 pub struct GradInputs<'a> {
     /// Queries.
@@ -60,6 +61,8 @@ pub struct GradInputs<'a> {
     pub lse: TensorView<'a>,
     /// Gradient of the loss with respect to O.
     pub d_o: StridedView<'a>,
+    /// Gradient of the loss with respect to LSE (`None`: the loss does not depend on it).
+    pub d_lse: Option<TensorView<'a>>,
 }
 
 impl<'a> GradInputs<'a> {
@@ -77,6 +80,7 @@ impl<'a> GradInputs<'a> {
             o: StridedView::contiguous("o", o)?,
             lse,
             d_o: StridedView::contiguous("d_o", d_o)?,
+            d_lse: None,
         })
     }
 

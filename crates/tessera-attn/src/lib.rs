@@ -1,5 +1,6 @@
 //! Attention backends (SPEC §2, §4, §10): the [`Backend`] trait, the CPU flash-attention kernels
-//! ([`CpuBackend`]), the float64 dense [`reference`](mod@reference) and the backend-agnostic [`conformance`] suite.
+//! ([`CpuBackend`]); the float64 reference and the conformance suite every backend passes live in
+//! the `tessera-conformance` crate.
 //!
 //! Contract:
 //! - Backend API v2 ([`Backend`]): a plan is [`prepare`](Backend::prepare)d once per backend;
@@ -29,17 +30,14 @@
 //! Crate map: [`Backend`] and its argument structs (`backend`), strided views and output
 //! buffers (`views`), [`Par`] (`par`), validation (`validate`), gated telemetry (`telemetry`);
 //! [`cpu`] (work-list driven tiled kernels, runtime ISA dispatch; its module doc maps the kernel
-//! phases to files); [`cuda`] (the GPU backend's place, empty in this build); [`reference`](mod@reference) (f64, mask-driven, the yardstick);
-//! [`conformance`] (the suite every backend runs: `run_case(&backend, &case)` over
-//! [`conformance::standard_cases`]). A new backend implements [`Backend`], calls
+//! phases to files); [`cuda`] (the GPU backend's place, empty in this build). A new backend implements
+//! [`Backend`], calls
 //! [`check_forward`]/[`check_backward`] first, and must pass the suite.
 
 mod backend;
-pub mod conformance;
 pub mod cpu;
 pub mod cuda;
 mod par;
-pub mod reference;
 mod telemetry;
 mod validate;
 mod views;
@@ -53,7 +51,8 @@ pub use par::{Par, PoolCache};
 pub use telemetry::{forward_logged, forward_logged_into, LogContext, TelemetryInput};
 pub use tessera_telemetry::AttnSummary;
 pub use validate::{
-    check_backward, check_forward, check_forward_out, check_grad_out, check_inputs, Dims,
+    check_backward, check_forward, check_forward_out, check_grad_out, check_inputs, check_o_like,
+    Dims,
 };
 pub use views::{OutData, StridedView};
 

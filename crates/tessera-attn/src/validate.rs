@@ -183,7 +183,7 @@ pub fn check_inputs(inputs: &AttnInputs<'_>, options: &AttnOptions) -> Result<Di
 }
 
 /// Checks an O-shaped input (`[B, Hq, Lq, Dv]`, q's dtype) against validated dims.
-pub(crate) fn check_o_like(name: &str, t: &StridedView<'_>, d: &Dims) -> Result<()> {
+pub fn check_o_like(name: &str, t: &StridedView<'_>, d: &Dims) -> Result<()> {
     let want_o = [d.batch, d.heads_q, d.q_len, d.d_v];
     let s = check_view(name, t, "[B, Hq, Lq, Dv]")?;
     if s != want_o {
@@ -202,20 +202,28 @@ pub fn check_backward(inputs: &GradInputs<'_>, plan: &Plan, options: &AttnOption
     let d = check_forward(&inputs.forward(), plan, options)?;
     check_o_like("o", &inputs.o, &d)?;
     check_o_like("d_o", &inputs.d_o, &d)?;
-    let lse = &inputs.lse;
-    let s = check_tensor("lse", lse, "[B, Hq, Lq]")?;
-    let want_lse = [d.batch, d.heads_q, d.q_len];
-    if s != want_lse {
+    check_lse_like("lse", &inputs.lse, &d)?;
+    if let Some(g) = &inputs.d_lse {
+        check_lse_like("d_lse", g, &d)?;
+    }
+    Ok(d)
+}
+
+/// A contiguous `[B, Hq, Lq]` f32 tensor.
+fn check_lse_like(name: &str, t: &TensorView<'_>, d: &Dims) -> Result<()> {
+    let s = check_tensor(name, t, "[B, Hq, Lq]")?;
+    let want = [d.batch, d.heads_q, d.q_len];
+    if s != want {
         return Err(Error::invalid(
-            "lse",
-            format!("shape {want_lse:?} ([B, Hq, Lq] from q)"),
+            name,
+            format!("shape {want:?} ([B, Hq, Lq] from q)"),
             shape_str(s),
         ));
     }
-    if lse.dtype() != DType::F32 {
-        return Err(Error::invalid("lse", "dtype f32", lse.dtype()));
+    if t.dtype() != DType::F32 {
+        return Err(Error::invalid(name, "dtype f32", t.dtype()));
     }
-    Ok(d)
+    Ok(())
 }
 
 fn check_out(

@@ -10,7 +10,6 @@ mod manifest;
 mod maskload;
 mod picture;
 mod progress;
-mod workloads;
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;

@@ -4,7 +4,8 @@
 //! depends on. It re-exports the end-to-end path of SPEC §1: a [`Mask`] expression, the
 //! planner ([`build_plan`] → [`Plan`]), the attention [`Backend`]s and the surrounding
 //! services (plan [`cache`], document [`pack`]ing, [`export`]ers for Splash and FlexAttention,
-//! tensor [`io`], gated [`telemetry`]). Each sub-crate is also reachable as a module.
+//! tensor [`io`], gated [`telemetry`]) and the [`conformance`] suite with its seeded workloads.
+//! Each sub-crate is also reachable as a module.
 //!
 //! ```
 //! use std::sync::Arc;
@@ -42,6 +43,7 @@
 
 pub use tessera_attn as attn;
 pub use tessera_cache as cache;
+pub use tessera_conformance as conformance;
 pub use tessera_core as core;
 pub use tessera_export as export;
 pub use tessera_io as io;

@@ -5,13 +5,13 @@
 //! and the percentage of this machine's measured peak for the storage dtype.
 
 use crate::ctx::{print_json, Ctx};
-use tessera_attn::cpu::peak;
-use crate::workloads::{named_mask, random_tensor, MASK_NAMES};
 use std::time::{Duration, Instant};
+use tessera_attn::cpu::peak;
 use tessera_attn::{
     check_inputs, AttnInputs, AttnOptions, Backend, CpuBackend, CpuWorkspace, ForwardBufs,
     GradBufs, GradInputs, Par,
 };
+use tessera_conformance::workloads::{named_mask, random_tensor, MASK_NAMES};
 use tessera_core::{DType, Error, Result};
 use tessera_plan::{PlanShape, TileShape};
 

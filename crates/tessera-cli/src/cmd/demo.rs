@@ -10,7 +10,6 @@
 use crate::cmd::attend::{telemetry_brief, write_jsonl};
 use crate::cmd::plan::PlanReport;
 use crate::ctx::Ctx;
-use crate::workloads::random_tensor;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
@@ -18,6 +17,7 @@ use tessera_attn::{
     check_inputs, forward_logged_into, AttnInputs, AttnOptions, Backend, CpuBackend, CpuWorkspace,
     ForwardBufs, GradInputs, LogContext, Par,
 };
+use tessera_conformance::workloads::random_tensor;
 use tessera_core::{DType, Error, Result, Tensor};
 use tessera_mask::{Mask, SegmentIds, Segments};
 use tessera_pack::{PackConfig, Strategy};

@@ -1,6 +1,7 @@
 //! Backward kernels.
 //!
-//! 1. Pre-pass per (batch, query head): `Δ_i = O_i·dO_i` (f64 accumulation) and the sink term
+//! 1. Pre-pass per (batch, query head): `Δ_i = O_i·dO_i − dLSE_i` (f64 accumulation; dLSE is
+//!    the optional gradient of a loss on the LSE, zero when absent) and the sink term
 //!    `Σ_i exp(σ_h - LSE_i)·Δ_i`.
 //! 2. dK/dV/dQ items (batch, kv head, kv-tile): `scale·Kᵀ`, `Vᵀ` and `K` of the tile are packed
 //!    once; for each query head of the GQA group in ascending order and each q tile of that head's
@@ -143,6 +144,11 @@ pub(crate) fn run(
     let ViewData::F32(lse) = inputs.lse.data else {
         return Err(Error::Internal("unvalidated lse dtype".into()));
     };
+    let d_lse = match inputs.d_lse.map(|t| t.data) {
+        None => None,
+        Some(ViewData::F32(g)) => Some(g),
+        Some(_) => return Err(Error::Internal("unvalidated d_lse dtype".into())),
+    };
     let exact = !(q.all_finite() && k.all_finite() && v.all_finite() && d_o.all_finite());
     let (bh, lq, dv) = (d.batch * d.heads_q, d.q_len, d.d_v);
     let GradOut {
@@ -174,6 +180,12 @@ pub(crate) fn run(
                     .zip(&drow)
                     .map(|(&a, &b)| a as f64 * b as f64)
                     .sum();
+                // A loss on LSE adds `dlse_i·P_ij` to dS_ij: the same as Δ_i − dlse_i in
+                // `dS = P ⊙ (dP − Δ)` (and in the sink term below).
+                let dot = match d_lse {
+                    Some(g) => dot - g[slab * lq + i] as f64,
+                    None => dot,
+                };
                 *out = dot as f32;
                 if let Some(sg) = sigma {
                     let l = lse[slab * lq + i] as f64;

@@ -1,14 +1,14 @@
-//! Float64 dense reference of SPEC §4, the yardstick of the [`conformance`](crate::conformance)
+//! Float64 dense reference of SPEC §4, the yardstick of the [conformance suite](crate::suite)
 //! suite.
 //!
 //! Contract: simple loops over every (b, h, i, j), the mask taken as a [`Mask`] through
 //! [`Mask::allowed`] (never through a plan), inputs widened to f64 (bf16 inputs are used exactly
 //! as stored), f64 everywhere, `O(B·Hq·Lq·Lkv·D)` time and `O(Lkv)` scratch per row. Outputs are
-//! f64 vectors in the layouts of [`ForwardOutput`](crate::ForwardOutput) and
-//! [`BackwardOutput`](crate::BackwardOutput). NaN inputs propagate like the kernels document: a
+//! f64 vectors in the layouts of [`ForwardOutput`](tessera_attn::ForwardOutput) and
+//! [`BackwardOutput`](tessera_attn::BackwardOutput). NaN inputs propagate like the kernels document: a
 //! masked pair never contributes, not even `0·NaN`.
 
-use crate::{check_inputs, AttnInputs, AttnOptions, Dims, StridedView};
+use tessera_attn::{check_inputs, check_o_like, AttnInputs, AttnOptions, Dims, StridedView};
 use tessera_core::tensor::TensorView;
 use tessera_core::Result;
 use tessera_mask::Mask;
@@ -188,10 +188,36 @@ pub fn backward(
     mask: &Mask,
     options: &AttnOptions,
 ) -> Result<RefBackward> {
+    backward_with_lse_grad(q, k, v, d_o, None, mask, options)
+}
+
+/// [`backward`] for a loss that also depends on the LSE, with gradient `d_lse` `[B, Hq, Lq]`:
+/// `∂LSE_i/∂s_ij = P_ij`, so `dS_ij = P_ij·(dP_ij − Δ_i + dLSE_i)` and the sink logit gets
+/// `exp(σ − LSE_i)·dLSE_i` more.
+#[allow(clippy::too_many_arguments)]
+pub fn backward_with_lse_grad(
+    q: TensorView<'_>,
+    k: TensorView<'_>,
+    v: TensorView<'_>,
+    d_o: TensorView<'_>,
+    d_lse: Option<&[f32]>,
+    mask: &Mask,
+    options: &AttnOptions,
+) -> Result<RefBackward> {
     let p = Prob::new(&q, &k, &v, mask, options)?;
     let d = p.d;
-    crate::validate::check_o_like("d_o", &StridedView::contiguous("d_o", d_o)?, &d)?;
+    check_o_like("d_o", &StridedView::contiguous("d_o", d_o)?, &d)?;
     let dout = widen(&d_o)?;
+    if let Some(g) = d_lse {
+        let want = d.batch * d.heads_q * d.q_len;
+        if g.len() != want {
+            return Err(tessera_core::Error::invalid(
+                "d_lse",
+                format!("{want} values [B, Hq, Lq]"),
+                g.len(),
+            ));
+        }
+    }
     let mut dq = vec![0f64; p.q.len()];
     let mut dk = vec![0f64; p.k.len()];
     let mut dq_mag = vec![0f64; p.q.len()];
@@ -215,7 +241,8 @@ pub fn backward(
                         (j, raw, (c - l).exp(), dpj)
                     })
                     .collect();
-                let delta: f64 = rows.iter().map(|&(_, _, pj, dpj)| pj * dpj).sum();
+                let delta: f64 = rows.iter().map(|&(_, _, pj, dpj)| pj * dpj).sum::<f64>()
+                    - d_lse.map_or(0.0, |g| g[bh * d.q_len + i] as f64);
                 if let (Some(ds), Some(sk)) = (dsinks.as_mut(), p.sinks.as_ref()) {
                     if l != f64::NEG_INFINITY {
                         ds[h] -= (sk[h] - l).exp() * delta;

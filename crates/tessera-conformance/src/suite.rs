@@ -1,5 +1,5 @@
 //! The backend-agnostic conformance suite (SPEC §1, §4): every [`Backend`] must pass
-//! [`standard_cases`] through [`run_case`].
+//! [`standard_cases`] (and the [`dispatch_cases`]) through [`run_case`].
 //!
 //! Contract of [`run_case`]: plan the case's mask, prepare it once, draw fresh seeded random
 //! inputs (uniform in ±√3, never zero; bf16 cases round them to bf16 and the reference uses the
@@ -19,17 +19,18 @@
 //! Backend errors are returned as `Err`; accuracy failures are listed in the
 //! [`CaseReport`] (see [`CaseReport::ensure`]).
 
-use crate::{
-    check_inputs, reference, AttnInputs, AttnOptions, Backend, BackwardOutput, ForwardBufs,
-    ForwardOutput, GradBufs, GradInputs, Par, StridedView,
-};
+use crate::reference;
+use crate::workloads::{packed_segments, random_dense, random_values, rng};
 use half::bf16;
-use rand::{Rng, SeedableRng};
-use rand_chacha::ChaCha8Rng;
+use rand::Rng;
 use std::sync::Arc;
 use std::time::Instant;
+use tessera_attn::{
+    check_inputs, AttnInputs, AttnOptions, Backend, BackwardOutput, ForwardBufs, ForwardOutput,
+    GradBufs, GradInputs, Par, StridedView,
+};
 use tessera_core::{DType, Error, Result, Tensor, TensorData};
-use tessera_mask::{DenseMask, Mask, SegmentIds, Segments};
+use tessera_mask::{Mask, Segments};
 use tessera_plan::{build_plan, PlanShape, TileShape};
 
 /// One conformance case: a mask, a problem shape, a tile shape, a dtype and options.
@@ -216,20 +217,6 @@ impl std::fmt::Display for CaseReport {
     }
 }
 
-fn random_values(rng: &mut ChaCha8Rng, n: usize) -> Vec<f32> {
-    let a = 3f32.sqrt();
-    (0..n)
-        .map(|_| {
-            let x: f32 = rng.gen_range(-a..a);
-            if x == 0.0 {
-                0.5
-            } else {
-                x
-            }
-        })
-        .collect()
-}
-
 fn make_tensor(dtype: DType, shape: Vec<usize>, v: Vec<f32>) -> Result<Tensor> {
     match dtype {
         DType::BF16 => Tensor::from_bf16(shape, v.into_iter().map(bf16::from_f32).collect()),
@@ -407,7 +394,7 @@ pub fn run_case<B: Backend>(backend: &B, case: &Case) -> Result<CaseReport> {
     let tile = TileShape::new(case.tile.q, case.tile.kv)?;
     let shape = PlanShape::new(case.batch, case.heads_q, case.q_len, case.kv_len)?;
     let plan = build_plan(&case.mask, shape, tile)?;
-    let mut rng = ChaCha8Rng::seed_from_u64(case.seed);
+    let mut rng = rng(case.seed);
     let (b, hq, hkv) = (case.batch, case.heads_q, case.heads_kv);
     let (lq, lkv, dqk, dv) = (case.q_len, case.kv_len, case.d_qk, case.d_v);
     let dt = case.dtype;
@@ -520,6 +507,7 @@ pub fn run_case<B: Backend>(backend: &B, case: &Case) -> Result<CaseReport> {
                 o: blhd_view(&os, f1.o.shape())?,
                 lse: f1.lse.view(),
                 d_o: blhd_view(&dos, d_o.shape())?,
+                d_lse: None,
             },
         ];
         let mut run = |inputs: &GradInputs<'_>| -> Result<BackwardOutput> {
@@ -606,42 +594,6 @@ pub fn run_suite<B: Backend>(backend: &B, cases: &[Case]) -> Result<Vec<CaseRepo
             failed.join("\n")
         )))
     }
-}
-
-/// Seeded packed-document segment ids, `rows` rows of `len`: documents of 1..=`max_doc` tokens,
-/// a padding tail (-1) of up to a quarter of the row (different per row), and in odd rows a
-/// padding gap in the middle too.
-pub fn packed_segments(rows: usize, len: usize, max_doc: usize, seed: u64) -> Result<SegmentIds> {
-    let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    let mut ids = Vec::with_capacity(rows * len);
-    for r in 0..rows {
-        let pad = rng.gen_range(0..=len / 4);
-        let mut row = Vec::with_capacity(len);
-        let mut doc = 0i64;
-        while row.len() < len - pad {
-            let n = rng.gen_range(1..=max_doc.max(1)).min(len - pad - row.len());
-            row.extend(std::iter::repeat_n(doc, n));
-            doc += 1;
-        }
-        row.resize(len, -1);
-        if r % 2 == 1 && len >= 8 {
-            let at = len / 3;
-            for x in &mut row[at..at + len / 8] {
-                *x = -1;
-            }
-        }
-        ids.extend(row);
-    }
-    SegmentIds::new(rows, len, ids)
-}
-
-/// A seeded random dense mask of the given shape (`[Lq, Lkv]`, `[H, Lq, Lkv]` or
-/// `[B, H, Lq, Lkv]`), each pair allowed with probability `p`.
-pub fn random_dense(shape: &[usize], p: f64, seed: u64) -> Result<Mask> {
-    let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    let n: usize = shape.iter().product();
-    let vals: Vec<bool> = (0..n).map(|_| rng.gen_bool(p)).collect();
-    Ok(Mask::dense(DenseMask::new(shape, &vals, "random")?))
 }
 
 /// The standard cases every backend must pass, grouped by name prefix: `mask/` (every leaf and
@@ -976,4 +928,74 @@ fn cases() -> Result<Vec<Case>> {
             .tile(128, 128),
     );
     Ok(v)
+}
+
+/// Cases long enough for full tiles next to partial ones, so every tile path of every kernel
+/// copy runs (fused column max on full tiles, live spans on partial ones) with softcap, sinks and
+/// odd sizes; run by [`backend_conformance_tests!`](crate::backend_conformance_tests) next to
+/// the standard cases.
+pub fn dispatch_cases() -> Vec<Case> {
+    let causal = Mask::causal;
+    vec![
+        Case::new("dispatch/causal_softcap_sinks_bf16", causal())
+            .lens(300, 300)
+            .dims(64, 64)
+            .tile(64, 64)
+            .softcap(5.0)
+            .sinks()
+            .bf16(),
+        Case::new(
+            "dispatch/window_odd_dims_bf16",
+            Mask::window(70, 0) & causal(),
+        )
+        .lens(333, 333)
+        .heads(1, 4, 2)
+        .dims(37, 19)
+        .tile(32, 64)
+        .bf16(),
+        Case::new("dispatch/causal_softcap_f32", causal())
+            .lens(300, 300)
+            .dims(64, 64)
+            .tile(64, 64)
+            .softcap(5.0)
+            .sinks(),
+    ]
+}
+
+/// Runs every case of `group` (`mask`, `len`, ..., or `dispatch`) on the backend `make` returns;
+/// a backend this machine cannot run (`make` fails) is skipped with a printed reason. Panics
+/// listing every failed case.
+pub fn run_group_or_skip<B: Backend, E: std::fmt::Display>(
+    make: impl FnOnce() -> std::result::Result<B, E>,
+    group: &str,
+) {
+    let backend = match make() {
+        Ok(b) => b,
+        Err(e) => {
+            eprintln!("skipping conformance group {group}: {e}");
+            return;
+        }
+    };
+    let cases: Vec<Case> = standard_cases()
+        .into_iter()
+        .chain(dispatch_cases())
+        .filter(|c| c.group() == group)
+        .collect();
+    assert!(!cases.is_empty(), "no cases in group {group}");
+    let mut failed = Vec::new();
+    for c in &cases {
+        let r = run_case(&backend, c).unwrap_or_else(|e| panic!("case {}: {e}", c.name));
+        println!("{r}");
+        if !r.passed() {
+            failed.push(r.to_string());
+        }
+    }
+    assert!(
+        failed.is_empty(),
+        "{} on {}: {} failed:\n{}",
+        group,
+        backend.name(),
+        failed.len(),
+        failed.join("\n")
+    );
 }

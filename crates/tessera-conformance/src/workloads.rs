@@ -1,0 +1,129 @@
+//! The seeded workloads every consumer shares (conformance cases, tests, the CLI's `bench` and
+//! `demo`, the criterion benches): one RNG ([`rng`], ChaCha8), random attention inputs, packed
+//! document segment ids and the benchmark suite's named masks.
+//!
+//! Contract: every function is a pure function of its arguments and seed, identical on every
+//! machine and run.
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use tessera_core::{DType, Error, Result, Tensor};
+use tessera_mask::{DenseMask, Mask, SegmentIds, Segments};
+
+/// The one seeded generator of the workloads.
+pub fn rng(seed: u64) -> ChaCha8Rng {
+    ChaCha8Rng::seed_from_u64(seed)
+}
+
+/// `n` values uniform in ±√3 (unit variance), never exactly zero.
+pub fn random_values(rng: &mut ChaCha8Rng, n: usize) -> Vec<f32> {
+    let a = 3f32.sqrt();
+    (0..n)
+        .map(|_| {
+            let x: f32 = rng.gen_range(-a..a);
+            if x == 0.0 {
+                0.5
+            } else {
+                x
+            }
+        })
+        .collect()
+}
+
+/// Packed documents with lengths uniform in [512, 1536] tokens (mean ~1K), seeded.
+pub fn doc_segments(len: usize, seed: u64) -> Vec<i64> {
+    let mut rng = rng(seed);
+    let mut ids = Vec::with_capacity(len);
+    let mut doc = 0;
+    while ids.len() < len {
+        let n = rng.gen_range(512..=1536).min(len - ids.len());
+        ids.extend(std::iter::repeat_n(doc, n));
+        doc += 1;
+    }
+    ids
+}
+
+/// The benchmark suite's masks by name, for sequence length `len`.
+pub const MASK_NAMES: [&str; 6] = ["full", "causal", "documents", "window", "prefix", "chunked"];
+
+/// The suite's mask `name` at length `len`, with its display label.
+pub fn named_mask(name: &str, len: usize) -> Result<(String, Mask)> {
+    Ok(match name {
+        "full" => ("full".into(), Mask::full()),
+        "causal" => ("causal".into(), Mask::causal()),
+        "documents" => {
+            let segs = SegmentIds::shared(doc_segments(len, 7))?;
+            (
+                "causal & document (~1K docs)".into(),
+                Mask::causal() & Mask::document(Segments::shared(segs)),
+            )
+        }
+        "window" => (
+            "window(1024) & causal".into(),
+            Mask::window(1024, 0) & Mask::causal(),
+        ),
+        "prefix" => (
+            "causal | prefix(1024)".into(),
+            Mask::causal() | Mask::prefix(1024),
+        ),
+        "chunked" => (
+            "chunk(1024) & causal".into(),
+            Mask::chunk(1024) & Mask::causal(),
+        ),
+        other => {
+            return Err(Error::invalid(
+                "--masks",
+                format!("names among {}", MASK_NAMES.join(", ")),
+                other,
+            ))
+        }
+    })
+}
+
+/// A tensor of seeded values uniform in [-1, 1) (never all zeros) in `dtype` (f32 or bf16).
+pub fn random_tensor(shape: Vec<usize>, dtype: DType, seed: u64) -> Result<Tensor> {
+    let n: usize = shape.iter().product();
+    let mut rng = rng(seed);
+    let v: Vec<f32> = (0..n).map(|_| rng.gen_range(-1.0f32..1.0)).collect();
+    match dtype {
+        DType::F32 => Tensor::from_f32(shape, v),
+        DType::BF16 => Tensor::from_bf16(shape, v.into_iter().map(half::bf16::from_f32).collect()),
+        other => Err(Error::invalid("dtype", "f32 or bf16", other)),
+    }
+}
+
+/// Seeded packed-document segment ids, `rows` rows of `len`: documents of 1..=`max_doc` tokens,
+/// a padding tail (-1) of up to a quarter of the row (different per row), and in odd rows a
+/// padding gap in the middle too.
+pub fn packed_segments(rows: usize, len: usize, max_doc: usize, seed: u64) -> Result<SegmentIds> {
+    let mut rng = rng(seed);
+    let mut ids = Vec::with_capacity(rows * len);
+    for r in 0..rows {
+        let pad = rng.gen_range(0..=len / 4);
+        let mut row = Vec::with_capacity(len);
+        let mut doc = 0i64;
+        while row.len() < len - pad {
+            let n = rng.gen_range(1..=max_doc.max(1)).min(len - pad - row.len());
+            row.extend(std::iter::repeat_n(doc, n));
+            doc += 1;
+        }
+        row.resize(len, -1);
+        if r % 2 == 1 && len >= 8 {
+            let at = len / 3;
+            for x in &mut row[at..at + len / 8] {
+                *x = -1;
+            }
+        }
+        ids.extend(row);
+    }
+    SegmentIds::new(rows, len, ids)
+}
+
+/// A seeded random dense mask of the given shape (`[Lq, Lkv]`, `[H, Lq, Lkv]` or
+/// `[B, H, Lq, Lkv]`), each pair allowed with probability `p`.
+pub fn random_dense(shape: &[usize], p: f64, seed: u64) -> Result<Mask> {
+    let mut rng = rng(seed);
+    let n: usize = shape.iter().product();
+    let vals: Vec<bool> = (0..n).map(|_| rng.gen_bool(p)).collect();
+    Ok(Mask::dense(DenseMask::new(shape, &vals, "random")?))
+}
