@@ -1,0 +1,281 @@
+"""Tessera: block-sparse attention planned at tile granularity.
+
+Quick start::
+
+    import numpy as np, torch, tessera, tessera.torch
+    ids = np.repeat(np.arange(4), 512)                  # four 512-token documents in one row
+    plan = tessera.plan(tessera.causal() & tessera.document(ids), q_len=2048, heads=8)
+    print(plan)                                         # a small picture of the tile states
+    q, k, v = (torch.randn(1, 8, 2048, 64, requires_grad=True) for _ in range(3))
+    out = tessera.torch.attention(q, k, v, plan)        # exact, skips empty tiles
+    out.sum().backward()                                # gradients for q, k, v
+    bm = plan.to_flex_block_mask()                      # the same plan as a torch BlockMask
+
+Masks use the same algebra and spelling as the Rust API and the ``tessera`` CLI: leaves
+``full()``, ``causal(offset)``, ``window(left, right)``, ``chunk(size)``, ``prefix(n)``,
+``document(ids)``, ``dense(array)``, ``heads([...])`` combined with ``&``, ``|`` and ``~``, or
+the text form ``tessera.mask("causal & document", segments=ids)``. ``torch`` and ``jax`` are
+optional: ``import tessera`` needs numpy only.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import threading
+import weakref
+from typing import Any, Dict, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from . import _tessera
+from ._tessera import Mask
+
+__all__ = [
+    "Mask",
+    "Plan",
+    "full",
+    "causal",
+    "window",
+    "chunk",
+    "prefix",
+    "document",
+    "dense",
+    "heads",
+    "mask",
+    "plan",
+    "pack",
+    "cache_stats",
+    "__version__",
+]
+
+__version__: str = _tessera.__version__
+
+
+def _int_ids(name: str, ids: Any) -> np.ndarray:
+    """Segment ids as a contiguous int64 array ``[L]`` or ``[B, L]`` (numpy, torch, lists)."""
+    if hasattr(ids, "detach") and hasattr(ids, "cpu"):  # a torch tensor, on any device
+        ids = ids.detach().cpu().numpy()
+    a = np.asarray(ids)
+    if a.dtype == np.bool_ or not np.issubdtype(a.dtype, np.integer):
+        raise TypeError(f"{name}: expected an integer array of segment ids, got dtype {a.dtype}")
+    if a.ndim not in (1, 2):
+        raise ValueError(f"{name}: expected segment ids of shape [L] or [B, L], got {a.shape}")
+    return np.ascontiguousarray(a, dtype=np.int64)
+
+
+def _bool_array(name: str, values: Any) -> np.ndarray:
+    if hasattr(values, "detach") and hasattr(values, "cpu"):
+        values = values.detach().cpu().numpy()
+    a = np.asarray(values)
+    if a.dtype != np.bool_:
+        if not np.issubdtype(a.dtype, np.integer):
+            raise TypeError(f"{name}: expected a bool (or 0/1 integer) array, got dtype {a.dtype}")
+        if a.size and (a.min() < 0 or a.max() > 1):
+            raise ValueError(f"{name}: expected only 0 and 1 in an integer mask array")
+        a = a.astype(np.bool_)
+    return np.ascontiguousarray(a)
+
+
+def full() -> Mask:
+    """Every pair allowed."""
+    return _tessera.full()
+
+
+def causal(offset: int = 0) -> Mask:
+    """``i + offset >= j`` (top-left aligned, as FlexAttention and Splash)."""
+    return _tessera.causal(int(offset))
+
+
+def window(left: int, right: int = 0) -> Mask:
+    """``i - left <= j <= i + right``."""
+    return _tessera.window(int(left), int(right))
+
+
+def chunk(size: int) -> Mask:
+    """``i // size == j // size`` (combine with ``causal()`` for chunked-causal attention)."""
+    return _tessera.chunk(int(size))
+
+
+def prefix(n: int) -> Mask:
+    """``j < n``: a bidirectional prefix (prefix-LM is ``causal() | prefix(n)``)."""
+    return _tessera.prefix(int(n))
+
+
+def document(ids: Any, kv_ids: Any = None) -> Mask:
+    """Same segment id, both ``>= 0`` (-1 = padding, never matches). ``ids`` is ``[L]`` (every
+    batch row) or ``[B, L]``; pass ``kv_ids`` for cross attention."""
+    q = _int_ids("ids", ids)
+    k = None if kv_ids is None else _int_ids("kv_ids", kv_ids)
+    return _tessera.document(q, k)
+
+
+def dense(values: Any) -> Mask:
+    """A boolean array ``[Lq, Lkv]``, ``[H, Lq, Lkv]`` or ``[B, H, Lq, Lkv]``."""
+    return _tessera.dense(_bool_array("dense", values))
+
+
+def heads(masks: Sequence[Mask]) -> Mask:
+    """Head ``h`` uses ``masks[h]``."""
+    masks = list(masks)
+    for i, m in enumerate(masks):
+        if not isinstance(m, Mask):
+            raise TypeError(f"heads: element {i} is {type(m).__name__}, expected tessera.Mask")
+    return _tessera.heads(masks)
+
+
+def mask(
+    expr: str,
+    segments: Any = None,
+    *,
+    q_segments: Any = None,
+    kv_segments: Any = None,
+    dense: Optional[Dict[str, Any]] = None,
+) -> Mask:
+    """Parses a mask expression in the CLI's language, e.g. ``"causal & document"`` with
+    ``segments=ids``, ``"window(4K) | prefix(64)"``, ``"heads(causal, full)"``, or
+    ``"dense(m) & causal"`` with ``dense={"m": array}``."""
+    if not isinstance(expr, str):
+        raise TypeError(f"expr: expected a str, got {type(expr).__name__}")
+    seg = None if segments is None else _int_ids("segments", segments)
+    qs = None if q_segments is None else _int_ids("q_segments", q_segments)
+    ks = None if kv_segments is None else _int_ids("kv_segments", kv_segments)
+    table = None
+    if dense is not None:
+        if not isinstance(dense, dict):
+            raise TypeError("dense: expected a dict of name -> bool array")
+        table = {str(k): _bool_array(f"dense['{k}']", v) for k, v in dense.items()}
+    return _tessera.mask(expr, seg, qs, ks, table)
+
+
+_handles = itertools.count(1)
+_registry: "weakref.WeakValueDictionary[int, Plan]" = weakref.WeakValueDictionary()
+_registry_lock = threading.Lock()
+
+
+class Plan:
+    """A plan: which tiles of ``[B, H, Lq, Lkv]`` are empty, full or partial, with the work
+    lists the kernels walk. Made by :func:`plan`; reused across layers and steps."""
+
+    __slots__ = ("_p", "_handle", "_handle_tensor", "__weakref__")
+
+    def __init__(self, native: "_tessera.Plan") -> None:
+        self._p = native
+        with _registry_lock:
+            self._handle = next(_handles)
+            _registry[self._handle] = self
+        # The op passes the plan as a 0-d int64 tensor (a tensor, so compiled graphs are not
+        # specialized on it); made now when torch is loaded, else on first use.
+        torch = sys.modules.get("torch")
+        self._handle_tensor = torch.tensor(self._handle) if torch is not None else None
+
+    # -- what the plan is --------------------------------------------------------------
+    @property
+    def shape(self) -> Tuple[int, int, int, int]:
+        """``(B, H, Lq, Lkv)``."""
+        return self._p.shape
+
+    @property
+    def block(self) -> Tuple[int, int]:
+        """``(q, kv)`` tile sides."""
+        return self._p.block
+
+    @property
+    def groups(self) -> Tuple[int, int]:
+        """``(B', H')``: 1 where the mask does not vary along batch rows / heads."""
+        return self._p.groups
+
+    @property
+    def mask(self) -> Mask:
+        """The planned mask."""
+        return self._p.mask
+
+    @property
+    def contract(self) -> str:
+        """The contract key the plan cache uses (hex)."""
+        return self._p.contract
+
+    @property
+    def stats(self) -> Dict[str, Any]:
+        """Tiles by state, unique partial masks, allowed pairs, density, grid width, bytes."""
+        return self._p.stats
+
+    def states(self) -> np.ndarray:
+        """Tile states ``uint8 [B', H', Tq, Tk]``: 0 empty, 1 partial, 2 full."""
+        return self._p.states()
+
+    def flops(self, d_qk: int, d_v: Optional[int] = None, backward: bool = False) -> float:
+        """FLOPs over allowed pairs of one forward (or backward) pass."""
+        return self._p.flops(d_qk, d_v, backward)
+
+    def __repr__(self) -> str:
+        return repr(self._p)
+
+    # -- other engines ------------------------------------------------------------------
+    def to_flex_block_mask(self, device: Any = "cpu"):
+        """This plan as a ``torch.nn.attention.flex_attention.BlockMask`` (tables equal to what
+        ``create_block_mask`` builds for the same mask, with an exact ``mask_mod``)."""
+        from . import torch as _t
+
+        return _t.to_flex_block_mask(self, device=device)
+
+    def to_splash_mask_info(self, **kwargs: Any):
+        """This plan as JAX Splash ``MaskInfo`` objects (see :func:`tessera.jax.mask_info`)."""
+        from . import jax as _j
+
+        return _j.mask_info(self, **kwargs)
+
+    def save_png(self, path: str) -> None:
+        """Writes a picture of the tile states (the CLI's ``tessera plan --png``)."""
+        self._p.save_png(str(path))
+
+
+def _plan_of(handle: int) -> Plan:
+    p = _registry.get(int(handle))
+    if p is None:
+        raise ValueError("plan: this plan no longer exists (keep the Plan object alive while using it)")
+    return p
+
+
+def plan(
+    mask: Mask,
+    q_len: int,
+    kv_len: Optional[int] = None,
+    heads: Optional[int] = None,
+    batch: Optional[int] = None,
+    block: Union[int, Tuple[int, int]] = 128,
+    cache: bool = True,
+) -> Plan:
+    """Plans ``mask`` for ``[batch, heads, q_len, kv_len]`` at tile ``block`` (an int or a
+    ``(q, kv)`` pair). ``batch``/``heads`` default to what the mask's data implies (segment id
+    rows, dense mask dims, ``heads(...)`` count), else 1. Plans come from the plan cache (memory,
+    then disk) unless ``cache=False``; planning releases the GIL."""
+    if not isinstance(mask, Mask):
+        raise TypeError(f"mask: expected a tessera.Mask, got {type(mask).__name__}")
+    return Plan(_tessera.plan(mask, q_len, kv_len, heads, batch, block, cache))
+
+
+def cache_stats() -> Dict[str, Any]:
+    """Counters of this process's plan cache: memory/disk hits, misses, rejects, plans built,
+    bytes read/written, directory and warnings."""
+    return _tessera.cache_stats()
+
+
+def pack(
+    docs: Sequence[Any], seq_len: int, strategy: str = "best-fit", bos: int = 256
+) -> Dict[str, Any]:
+    """Packs tokenized documents into rows of ``seq_len`` (SPEC §8): every document starts with
+    ``bos``; longer documents are split. Returns ``tokens``, ``segment_ids`` (-1 = padding) and
+    ``positions`` (int32 ``[rows, seq_len]``) and ``stats``; the result is verified."""
+    lists = []
+    for i, d in enumerate(docs):
+        if hasattr(d, "detach") and hasattr(d, "cpu"):
+            d = d.detach().cpu().numpy()
+        a = np.asarray(d)
+        if a.ndim != 1 or (a.size and not np.issubdtype(a.dtype, np.integer)):
+            raise TypeError(f"docs[{i}]: expected a 1-d sequence of integer token ids")
+        lists.append(a.astype(np.int64).tolist())
+    for i, d in enumerate(lists):
+        if any(t < 0 or t > 2**31 - 1 for t in d):
+            raise ValueError(f"docs[{i}]: token ids must be in 0..2**31-1")
+    return _tessera.pack(lists, int(seq_len), strategy, int(bos))

@@ -1,0 +1,325 @@
+"""PyTorch integration: exact CPU attention as a custom op with autograd, and plans as
+FlexAttention ``BlockMask`` objects.
+
+Example::
+
+    import torch, tessera, tessera.torch
+    ids = torch.repeat_interleave(torch.arange(4), 256)          # 4 documents in 1024 tokens
+    plan = tessera.plan(tessera.causal() & tessera.document(ids), q_len=1024, heads=8)
+    q = torch.randn(2, 1024, 8, 64).transpose(1, 2).requires_grad_()   # [B, H, L, D] view
+    k = torch.randn(2, 1024, 2, 64).transpose(1, 2).requires_grad_()   # GQA: 2 kv heads
+    v = torch.randn(2, 1024, 2, 64).transpose(1, 2).requires_grad_()
+    out = tessera.torch.attention(q, k, v, plan, softcap=30.0)
+    out.square().mean().backward()
+
+    block_mask = plan.to_flex_block_mask()                          # for flex_attention on GPU
+
+``attention`` is registered as ``torch.ops.tessera.attention_fwd`` / ``attention_bwd``
+(``torch.library.custom_op`` with ``register_fake`` and ``register_autograd``), so it works in
+eager mode and under ``torch.compile(fullgraph=True)``. It runs on CPU tensors (float32 or
+bfloat16, ``[B, H, L, D]``, any batch/head/row strides with a unit stride in D): outputs are
+allocated by torch and written in place by the kernel, the GIL is released while it runs.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional, Tuple, Union
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from . import Plan, _plan_of, _tessera
+
+__all__ = ["attention", "to_flex_block_mask"]
+
+
+# -- zero-copy numpy views ----------------------------------------------------------------------
+
+
+def _np(t: Tensor) -> np.ndarray:
+    """A numpy view sharing ``t``'s memory (bf16 as its int16 bit pattern)."""
+    t = t.detach()
+    if t.dtype == torch.bfloat16:
+        t = t.view(torch.int16)
+    return t.numpy()
+
+
+def _handle(plan: Plan) -> Tensor:
+    h = plan._handle_tensor
+    if h is None:
+        h = torch.tensor(plan._handle, dtype=torch.int64)
+        plan._handle_tensor = h
+    return h
+
+
+def _in_layout(t: Tensor) -> Tensor:
+    """``t`` itself when the kernels can read it in place (unit stride in D, non-negative
+    strides), else a contiguous copy (only layouts no kernel can read are copied)."""
+    if t.stride(-1) == 1 and all(s >= 0 for s in t.stride()):
+        return t
+    return t.contiguous()
+
+
+# -- the custom ops -----------------------------------------------------------------------------
+
+
+@torch.library.custom_op("tessera::attention_fwd", mutates_args=(), device_types="cpu")
+def _attention_fwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    handle: Tensor,
+    scale: float,
+    softcap: Optional[float],
+    sinks: Optional[Tensor],
+) -> Tuple[Tensor, Tensor, Tensor]:
+    plan = _plan_of(int(handle))
+    b, hq, lq, _ = q.shape
+    dv = v.shape[-1]
+    o = torch.empty((b, hq, lq, dv), dtype=q.dtype)
+    lse = torch.empty((b, hq, lq), dtype=torch.float32)
+    max_logit = torch.empty((b, hq), dtype=torch.float32)
+    q, k, v = _in_layout(q), _in_layout(k), _in_layout(v)
+    _tessera.attention_forward(
+        plan._p,
+        _np(q),
+        _np(k),
+        _np(v),
+        _np(o),
+        _np(lse),
+        _np(max_logit),
+        scale,
+        softcap,
+        None if sinks is None else sinks.detach().float().tolist(),
+    )
+    return o, lse, max_logit
+
+
+@_attention_fwd.register_fake
+def _attention_fwd_fake(q, k, v, handle, scale, softcap, sinks):
+    b, hq, lq, _ = q.shape
+    o = q.new_empty((b, hq, lq, v.shape[-1]))
+    lse = q.new_empty((b, hq, lq), dtype=torch.float32)
+    return o, lse, q.new_empty((b, hq), dtype=torch.float32)
+
+
+@torch.library.custom_op("tessera::attention_bwd", mutates_args=(), device_types="cpu")
+def _attention_bwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    o: Tensor,
+    lse: Tensor,
+    d_o: Tensor,
+    d_lse: Optional[Tensor],
+    handle: Tensor,
+    scale: float,
+    softcap: Optional[float],
+    sinks: Optional[Tensor],
+) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    plan = _plan_of(int(handle))
+    dq = torch.empty(q.shape, dtype=q.dtype)
+    dk = torch.empty(k.shape, dtype=q.dtype)
+    dv = torch.empty(v.shape, dtype=q.dtype)
+    hq = q.shape[1]
+    dsinks = torch.empty((hq if sinks is not None else 0,), dtype=torch.float32)
+    q, k, v, o, d_o = (_in_layout(x) for x in (q, k, v, o, d_o))
+    _tessera.attention_backward(
+        plan._p,
+        _np(q),
+        _np(k),
+        _np(v),
+        _np(o),
+        _np(lse.contiguous()),
+        _np(d_o.to(q.dtype)),
+        _np(dq),
+        _np(dk),
+        _np(dv),
+        None if d_lse is None else _np(d_lse.contiguous().float()),
+        None if sinks is None else _np(dsinks),
+        scale,
+        softcap,
+        None if sinks is None else sinks.detach().float().tolist(),
+    )
+    return dq, dk, dv, dsinks
+
+
+@_attention_bwd.register_fake
+def _attention_bwd_fake(q, k, v, o, lse, d_o, d_lse, handle, scale, softcap, sinks):
+    hq = q.shape[1]
+    return (
+        q.new_empty(q.shape),
+        k.new_empty(k.shape, dtype=q.dtype),
+        v.new_empty(v.shape, dtype=q.dtype),
+        q.new_empty((hq if sinks is not None else 0,), dtype=torch.float32),
+    )
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, handle, scale, softcap, sinks = inputs
+    o, lse, max_logit = output
+    ctx.mark_non_differentiable(max_logit)
+    ctx.save_for_backward(q, k, v, o, lse, handle, sinks)
+    ctx.scale = scale
+    ctx.softcap = softcap
+
+
+def _backward(ctx, d_o, d_lse, d_max_logit):
+    q, k, v, o, lse, handle, sinks = ctx.saved_tensors
+    dq, dk, dv, dsinks = torch.ops.tessera.attention_bwd(
+        q, k, v, o, lse, d_o, d_lse, handle, ctx.scale, ctx.softcap, sinks
+    )
+    d_sinks = None if sinks is None else dsinks.to(sinks.dtype)
+    return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None, d_sinks
+
+
+_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# -- the user-facing function --------------------------------------------------------------------
+
+
+def _check(q: Tensor, k: Tensor, v: Tensor, plan: Any, sinks: Optional[Tensor]) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.device.type != "cpu":
+            raise ValueError(
+                f"{name}: tensor on {t.device}; tessera.torch.attention runs on CPU tensors. "
+                "On a GPU, use plan.to_flex_block_mask() with "
+                "torch.nn.attention.flex_attention.flex_attention"
+            )
+        if t.dim() != 4:
+            raise ValueError(f"{name}: expected a 4-D tensor [B, H, L, D], got shape {tuple(t.shape)}")
+        if t.dtype not in (torch.float32, torch.bfloat16):
+            raise TypeError(f"{name}: expected dtype float32 or bfloat16, got {t.dtype}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"k, v: expected the dtype of q ({q.dtype}), got {k.dtype} and {v.dtype}")
+    if not isinstance(plan, Plan):
+        raise TypeError(f"plan: expected a tessera.Plan, got {type(plan).__name__}")
+    b, hq, lq, dqk = q.shape
+    pb, ph, plq, plkv = plan.shape
+    if (b, hq, lq, k.shape[2]) != (pb, ph, plq, plkv):
+        raise ValueError(
+            f"plan: built for B={pb} H={ph} Lq={plq} Lkv={plkv}, but q/k give "
+            f"B={b} H={hq} Lq={lq} Lkv={k.shape[2]}"
+        )
+    if k.shape[0] != b or v.shape[0] != b or k.shape[1] != v.shape[1] or k.shape[2] != v.shape[2]:
+        raise ValueError(
+            f"k, v: expected [B, Hkv, Lkv, D] with B={b} and matching Hkv, Lkv; got "
+            f"{tuple(k.shape)} and {tuple(v.shape)}"
+        )
+    if k.shape[3] != dqk:
+        raise ValueError(f"k: expected head dim {dqk} (as q), got {k.shape[3]}")
+    if hq % k.shape[1] != 0:
+        raise ValueError(f"k: kv heads {k.shape[1]} must divide the query heads {hq} (GQA)")
+    if sinks is not None:
+        if not isinstance(sinks, Tensor) or sinks.shape != (hq,):
+            raise ValueError(f"sinks: expected a tensor of shape [{hq}] (one logit per query head)")
+        if sinks.device.type != "cpu":
+            raise ValueError(f"sinks: tensor on {sinks.device}; expected a CPU tensor")
+
+
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    plan: Plan,
+    *,
+    scale: Optional[float] = None,
+    softcap: Optional[float] = None,
+    sinks: Optional[Tensor] = None,
+    return_lse: bool = False,
+    telemetry: Optional["Telemetry"] = None,
+    layer: int = 0,
+) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """Exact attention over ``plan`` (SPEC §4): ``softmax(scale·QKᵀ, masked)·V`` with optional
+    softcap ``c·tanh(s/c)`` and learned per-head sink logits (denominator only).
+
+    ``q [B, Hq, Lq, Dqk]``, ``k [B, Hkv, Lkv, Dqk]``, ``v [B, Hkv, Lkv, Dv]`` on CPU, float32 or
+    bfloat16 (the same for all three), ``Hkv`` dividing ``Hq``. Returns ``O [B, Hq, Lq, Dv]`` (and
+    the natural-log ``LSE [B, Hq, Lq]`` float32 with ``return_lse``; both differentiable).
+    Gradients flow to q, k, v and sinks. Rows with no allowed key give ``O = 0`` (``LSE = -inf``).
+    With ``telemetry``, logging steps also record per-head sink mass, entropy, max logit and
+    outlier counts for ``layer`` (see :class:`Telemetry`).
+    """
+    _check(q, k, v, plan, sinks)
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    scale = float(scale)
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale: expected a finite positive number, got {scale}")
+    if softcap is not None:
+        softcap = float(softcap)
+        if not (math.isfinite(softcap) and softcap > 0):
+            raise ValueError(f"softcap: expected a finite positive number, got {softcap}")
+    h = _handle(plan)
+    o, lse, max_logit = torch.ops.tessera.attention_fwd(q, k, v, h, scale, softcap, sinks)
+    if telemetry is not None:
+        telemetry._observe(q, k, v, plan, o, lse, max_logit, scale, softcap, sinks, layer)
+    return (o, lse) if return_lse else o
+
+
+# -- FlexAttention ------------------------------------------------------------------------------
+
+
+def _bucket(n: int) -> int:
+    """Capacity for ``n`` captured partial blocks: the next power of two, so one compiled
+    ``mask_mod`` serves plans whose partial-block counts differ a little."""
+    return 1 << max(0, (max(n, 1) - 1).bit_length())
+
+
+def to_flex_block_mask(plan: Plan, device: Any = "cpu"):
+    """``plan`` as a ``torch.nn.attention.flex_attention.BlockMask``.
+
+    The eight block tables come straight from the plan's work lists (int32, contiguous) and equal
+    what ``create_block_mask(mask_mod, B', H', Lq, Lkv, BLOCK_SIZE=plan.block)`` builds (``B'``,
+    ``H'`` = ``plan.groups``: 1 where the mask does not vary). Its ``mask_mod`` is exact for every
+    ``(b, h, q, kv)``: full blocks allow, empty blocks deny, partial blocks read the plan's
+    deduplicated bitmask of that block (captured tensors, padded to a power-of-two count).
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    if not isinstance(plan, Plan):
+        raise TypeError(f"plan: expected a tessera.Plan, got {type(plan).__name__}")
+    a = plan._p._flex_arrays()
+    dev = torch.device(device)
+
+    def t(name: str) -> Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a[name])).to(dev).contiguous()
+
+    tq, tk = a["block_size"]
+    states = t("mask_tile_states")
+    ids = t("mask_block_ids")
+    blocks_np = a["mask_blocks"]
+    cap = _bucket(blocks_np.shape[0])
+    padded = np.zeros((cap, tq, tk), dtype=np.bool_)
+    padded[: blocks_np.shape[0]] = blocks_np
+    blocks = torch.from_numpy(padded).to(dev)
+    bg, hg = states.shape[:2]
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        bb = b if bg > 1 else b * 0
+        hh = h if hg > 1 else h * 0
+        qb = q_idx // tq
+        kb = kv_idx // tk
+        st = states[bb, hh, qb, kb]
+        inside = blocks[ids[bb, hh, qb, kb].clamp(min=0), q_idx % tq, kv_idx % tk]
+        return (st == 2) | ((st == 1) & inside)
+
+    return BlockMask(
+        tuple(int(x) for x in a["seq_lengths"]),
+        t("kv_num_blocks"),
+        t("kv_indices"),
+        t("full_kv_num_blocks"),
+        t("full_kv_indices"),
+        t("q_num_blocks"),
+        t("q_indices"),
+        t("full_q_num_blocks"),
+        t("full_q_indices"),
+        BLOCK_SIZE=(int(tq), int(tk)),
+        mask_mod=mask_mod,
+    )
+

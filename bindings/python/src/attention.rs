@@ -1,0 +1,320 @@
+//! Attention kernels for Python: zero-copy numpy views in (any batch/head/row strides, unit
+//! stride in D), caller-allocated outputs written in place, the GIL released while the kernels
+//! run, one CPU workspace per concurrent call reused across calls.
+//!
+//! Contract: the arrays come from `tessera.torch` (torch tensors viewed as numpy without a copy;
+//! bf16 as their int16 bit pattern) or straight from numpy users. Every problem in the arguments
+//! is a `ValueError`/`TypeError` naming the argument; nothing panics.
+
+use numpy::npyffi::flags::NPY_ARRAY_WRITEABLE;
+use numpy::{PyArrayDescrMethods, PyUntypedArray, PyUntypedArrayMethods};
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use std::sync::Mutex;
+use tessera::{
+    AttnInputs, AttnOptions, Backend, CpuBackend, CpuWorkspace, ForwardOut, GradInputs, GradOut,
+    OutData, Par, StridedView, TensorView, ViewData,
+};
+
+use crate::errors::to_py;
+use crate::plan::PyPlan;
+
+/// Workspaces of finished calls, reused by the next ones (one per concurrent call).
+static WORKSPACES: Mutex<Vec<CpuWorkspace>> = Mutex::new(Vec::new());
+
+fn take_workspace() -> CpuWorkspace {
+    WORKSPACES
+        .lock()
+        .ok()
+        .and_then(|mut v| v.pop())
+        .unwrap_or_default()
+}
+
+fn give_workspace(ws: CpuWorkspace) {
+    if let Ok(mut v) = WORKSPACES.lock() {
+        // Bounded: as many as calls ever ran at once, at most 8.
+        if v.len() < 8 {
+            v.push(ws);
+        }
+    }
+}
+
+/// Storage dtype of a call: f32, or bf16 handed over as its 16-bit pattern (int16/uint16).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    F32,
+    BF16,
+}
+
+/// Whether numpy lets the array be written.
+fn writeable(a: &Bound<'_, PyUntypedArray>) -> bool {
+    // SAFETY: reading the flags of a live array object.
+    unsafe { (*a.as_array_ptr()).fields.flags & NPY_ARRAY_WRITEABLE != 0 }
+}
+
+fn kind_of(name: &str, a: &Bound<'_, PyUntypedArray>) -> PyResult<Kind> {
+    let dt = a.dtype();
+    let py = a.py();
+    if dt.is_equiv_to(&numpy::dtype::<f32>(py)) {
+        Ok(Kind::F32)
+    } else if dt.is_equiv_to(&numpy::dtype::<i16>(py)) || dt.is_equiv_to(&numpy::dtype::<u16>(py))
+    {
+        Ok(Kind::BF16)
+    } else {
+        Err(PyTypeError::new_err(format!(
+            "{name}: expected float32, or bfloat16 passed as its int16 bit pattern; got {dt}"
+        )))
+    }
+}
+
+/// The element strides of `a` (non-negative multiples of the item size) and the length of
+/// the storage span they address from the first element.
+fn layout(name: &str, a: &Bound<'_, PyUntypedArray>) -> PyResult<(Vec<usize>, Vec<usize>, usize)> {
+    let item = a.dtype().itemsize() as isize;
+    let shape = a.shape().to_vec();
+    let mut strides = Vec::with_capacity(shape.len());
+    for &s in a.strides() {
+        if s < 0 || s % item != 0 {
+            return Err(PyValueError::new_err(format!(
+                "{name}: strides {:?} (bytes) are negative or not whole elements; pass a \
+                 tensor with non-negative strides (for example .contiguous())",
+                a.strides()
+            )));
+        }
+        strides.push((s / item) as usize);
+    }
+    let span = if shape.contains(&0) {
+        0
+    } else {
+        1 + shape
+            .iter()
+            .zip(&strides)
+            .map(|(&n, &s)| (n - 1) * s)
+            .sum::<usize>()
+    };
+    Ok((shape, strides, span))
+}
+
+/// A read-only view of an input array. The caller keeps `a` alive (and unmutated by Python:
+/// the GIL-free section only runs Tessera's kernels) for as long as the view is used.
+fn input_view<'a>(
+    name: &str,
+    a: &'a Bound<'_, PyUntypedArray>,
+    kind: Kind,
+) -> PyResult<(ViewData<'a>, Vec<usize>, Vec<usize>)> {
+    if kind_of(name, a)? != kind {
+        return Err(PyTypeError::new_err(format!(
+            "{name}: dtype {} differs from q's",
+            a.dtype()
+        )));
+    }
+    let (shape, strides, span) = layout(name, a)?;
+    // SAFETY: numpy guarantees that every element addressed by the array's shape and
+    // (non-negative, checked above) strides lies in its buffer, i.e. `span` elements from the
+    // data pointer; the slice borrows `a`, which outlives it.
+    let data = unsafe {
+        let ptr = (*a.as_array_ptr()).fields.data;
+        match kind {
+            Kind::F32 => ViewData::F32(std::slice::from_raw_parts(ptr as *const f32, span)),
+            Kind::BF16 => ViewData::BF16(std::slice::from_raw_parts(
+                ptr as *const half::bf16,
+                span,
+            )),
+        }
+    };
+    Ok((data, shape, strides))
+}
+
+fn strided<'a>(name: &str, a: &'a Bound<'_, PyUntypedArray>, kind: Kind) -> PyResult<StridedView<'a>> {
+    let (data, shape, strides) = input_view(name, a, kind)?;
+    let (Ok(shape), Ok(strides)) = (<[usize; 4]>::try_from(shape.as_slice()), <[usize; 4]>::try_from(strides.as_slice())) else {
+        return Err(PyValueError::new_err(format!(
+            "{name}: expected a 4-D array [B, H, L, D], got shape {:?}",
+            a.shape()
+        )));
+    };
+    StridedView::new(name, data, shape, strides).map_err(to_py)
+}
+
+/// A contiguous f32 input (LSE-shaped arrays).
+fn f32_slice<'a>(name: &str, a: &'a Bound<'_, PyUntypedArray>) -> PyResult<(&'a [f32], Vec<usize>)> {
+    if !a.dtype().is_equiv_to(&numpy::dtype::<f32>(a.py())) {
+        return Err(PyTypeError::new_err(format!("{name}: expected float32, got {}", a.dtype())));
+    }
+    if !a.is_c_contiguous() {
+        return Err(PyValueError::new_err(format!("{name}: expected a contiguous array")));
+    }
+    let (shape, _, span) = layout(name, a)?;
+    // SAFETY: a C-contiguous array holds `span` = product(shape) elements from its data
+    // pointer; the slice borrows `a`.
+    let data = unsafe { std::slice::from_raw_parts((*a.as_array_ptr()).fields.data as *const f32, span) };
+    Ok((data, shape))
+}
+
+/// A writable contiguous output buffer of `kind`.
+fn out_data<'a>(name: &str, a: &'a Bound<'_, PyUntypedArray>, kind: Kind) -> PyResult<OutData<'a>> {
+    if kind_of(name, a)? != kind {
+        return Err(PyTypeError::new_err(format!(
+            "{name}: dtype {} differs from q's",
+            a.dtype()
+        )));
+    }
+    let (_, _, span) = layout(name, a)?;
+    if !a.is_c_contiguous() || !writeable(a) {
+        return Err(PyValueError::new_err(format!(
+            "{name}: expected a writable contiguous output array"
+        )));
+    }
+    // SAFETY: a C-contiguous writable array owns `span` elements from its data pointer; the
+    // caller hands distinct output arrays (checked by `distinct`), so no two slices alias.
+    unsafe {
+        let ptr = (*a.as_array_ptr()).fields.data;
+        Ok(match kind {
+            Kind::F32 => OutData::F32(std::slice::from_raw_parts_mut(ptr as *mut f32, span)),
+            Kind::BF16 => OutData::BF16(std::slice::from_raw_parts_mut(ptr as *mut half::bf16, span)),
+        })
+    }
+}
+
+fn f32_out<'a>(name: &str, a: &'a Bound<'_, PyUntypedArray>) -> PyResult<&'a mut [f32]> {
+    match out_data(name, a, Kind::F32)? {
+        OutData::F32(x) => Ok(x),
+        OutData::BF16(_) => Err(PyTypeError::new_err(format!("{name}: expected float32"))),
+    }
+}
+
+/// Output arrays must not overlap each other or the inputs (they are written while the inputs
+/// are read).
+fn distinct(outs: &[(&str, &Bound<'_, PyUntypedArray>)], ins: &[&Bound<'_, PyUntypedArray>]) -> PyResult<()> {
+    let range = |a: &Bound<'_, PyUntypedArray>| -> (usize, usize) {
+        let item = a.dtype().itemsize();
+        let span = layout("", a).map(|x| x.2).unwrap_or(0);
+        // SAFETY: reading the data pointer of a live array.
+        let p = unsafe { (*a.as_array_ptr()).fields.data as usize };
+        (p, p + span * item)
+    };
+    for (i, (name, a)) in outs.iter().enumerate() {
+        let (a0, a1) = range(a);
+        let others = outs[i + 1..].iter().map(|(_, b)| *b).chain(ins.iter().copied());
+        for b in others {
+            let (b0, b1) = range(b);
+            if a0 < b1 && b0 < a1 && a1 > a0 && b1 > b0 {
+                return Err(PyValueError::new_err(format!(
+                    "{name}: the output array overlaps another argument"
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+fn options(scale: Option<f32>, softcap: Option<f32>, sinks: Option<Vec<f32>>) -> AttnOptions {
+    AttnOptions {
+        scale,
+        softcap,
+        sinks,
+    }
+}
+
+/// Forward into caller-owned outputs: `o [B, Hq, Lq, Dv]` (q's dtype), `lse [B, Hq, Lq]` and
+/// `max_logit [B, Hq]` (float32), all contiguous.
+#[pyfunction]
+#[pyo3(signature = (plan, q, k, v, o, lse, max_logit, scale=None, softcap=None, sinks=None))]
+#[allow(clippy::too_many_arguments)]
+pub fn attention_forward(
+    py: Python<'_>,
+    plan: PyRef<'_, PyPlan>,
+    q: &Bound<'_, PyUntypedArray>,
+    k: &Bound<'_, PyUntypedArray>,
+    v: &Bound<'_, PyUntypedArray>,
+    o: &Bound<'_, PyUntypedArray>,
+    lse: &Bound<'_, PyUntypedArray>,
+    max_logit: &Bound<'_, PyUntypedArray>,
+    scale: Option<f32>,
+    softcap: Option<f32>,
+    sinks: Option<Vec<f32>>,
+) -> PyResult<()> {
+    let kind = kind_of("q", q)?;
+    distinct(&[("o", o), ("lse", lse), ("max_logit", max_logit)], &[q, k, v])?;
+    let inputs = AttnInputs {
+        q: strided("q", q, kind)?,
+        k: strided("k", k, kind)?,
+        v: strided("v", v, kind)?,
+    };
+    let out = ForwardOut {
+        o: out_data("o", o, kind)?,
+        lse: f32_out("lse", lse)?,
+        max_logit: f32_out("max_logit", max_logit)?,
+    };
+    let opts = options(scale, softcap, sinks);
+    let prepared = plan.prepared()?;
+    let be = CpuBackend::new();
+    let mut ws = take_workspace();
+    let r = py.detach(|| be.forward_into(prepared, &inputs, &opts, out, &mut ws, Par::Current));
+    give_workspace(ws);
+    r.map_err(to_py)
+}
+
+/// Backward into caller-owned outputs `dq`, `dk`, `dv` (q's dtype, contiguous) and `dsinks`
+/// (`[Hq]` float32, exactly when `sinks` is given); `d_lse` is the optional gradient of the LSE.
+#[pyfunction]
+#[pyo3(signature = (plan, q, k, v, o, lse, d_o, dq, dk, dv, d_lse=None, dsinks=None, scale=None, softcap=None, sinks=None))]
+#[allow(clippy::too_many_arguments)]
+pub fn attention_backward(
+    py: Python<'_>,
+    plan: PyRef<'_, PyPlan>,
+    q: &Bound<'_, PyUntypedArray>,
+    k: &Bound<'_, PyUntypedArray>,
+    v: &Bound<'_, PyUntypedArray>,
+    o: &Bound<'_, PyUntypedArray>,
+    lse: &Bound<'_, PyUntypedArray>,
+    d_o: &Bound<'_, PyUntypedArray>,
+    dq: &Bound<'_, PyUntypedArray>,
+    dk: &Bound<'_, PyUntypedArray>,
+    dv: &Bound<'_, PyUntypedArray>,
+    d_lse: Option<&Bound<'_, PyUntypedArray>>,
+    dsinks: Option<&Bound<'_, PyUntypedArray>>,
+    scale: Option<f32>,
+    softcap: Option<f32>,
+    sinks: Option<Vec<f32>>,
+) -> PyResult<()> {
+    let kind = kind_of("q", q)?;
+    let mut ins = vec![q, k, v, o, lse, d_o];
+    ins.extend(d_lse);
+    let mut outs = vec![("dq", dq), ("dk", dk), ("dv", dv)];
+    outs.extend(dsinks.map(|s| ("dsinks", s)));
+    distinct(&outs, &ins)?;
+    let (lse_data, lse_shape) = f32_slice("lse", lse)?;
+    let d_lse_parts = match d_lse {
+        Some(a) => Some(f32_slice("d_lse", a)?),
+        None => None,
+    };
+    let inputs = GradInputs {
+        q: strided("q", q, kind)?,
+        k: strided("k", k, kind)?,
+        v: strided("v", v, kind)?,
+        o: strided("o", o, kind)?,
+        lse: TensorView::new(&lse_shape, ViewData::F32(lse_data)).map_err(to_py)?,
+        d_o: strided("d_o", d_o, kind)?,
+        d_lse: match &d_lse_parts {
+            Some((data, shape)) => Some(TensorView::new(shape, ViewData::F32(data)).map_err(to_py)?),
+            None => None,
+        },
+    };
+    let out = GradOut {
+        dq: out_data("dq", dq, kind)?,
+        dk: out_data("dk", dk, kind)?,
+        dv: out_data("dv", dv, kind)?,
+        dsinks: match dsinks {
+            Some(a) => Some(f32_out("dsinks", a)?),
+            None => None,
+        },
+    };
+    let opts = options(scale, softcap, sinks);
+    let prepared = plan.prepared()?;
+    let be = CpuBackend::new();
+    let mut ws = take_workspace();
+    let r = py.detach(|| be.backward_into(prepared, &inputs, &opts, out, &mut ws, Par::Current));
+    give_workspace(ws);
+    r.map_err(to_py)
+}

@@ -1,0 +1,38 @@
+//! `tessera._tessera`: the native half of the `tessera` Python package (PyO3, one abi3 wheel).
+//!
+//! Contract: every function checks its arguments and raises `ValueError`/`TypeError` naming the
+//! argument (never panics); planning, packing, exporting and the attention kernels release the
+//! GIL. The pure-Python layer (`tessera/__init__.py`, `tessera/torch.py`, `tessera/jax.py`)
+//! builds the user API on top.
+
+mod attention;
+mod errors;
+mod mask;
+mod pack;
+mod plan;
+
+use pyo3::prelude::*;
+
+/// The native module.
+#[pymodule]
+fn _tessera(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<mask::PyMask>()?;
+    m.add_class::<plan::PyPlan>()?;
+    m.add_function(wrap_pyfunction!(mask::full, m)?)?;
+    m.add_function(wrap_pyfunction!(mask::causal, m)?)?;
+    m.add_function(wrap_pyfunction!(mask::window, m)?)?;
+    m.add_function(wrap_pyfunction!(mask::chunk, m)?)?;
+    m.add_function(wrap_pyfunction!(mask::prefix, m)?)?;
+    m.add_function(wrap_pyfunction!(mask::document, m)?)?;
+    m.add_function(wrap_pyfunction!(mask::dense, m)?)?;
+    m.add_function(wrap_pyfunction!(mask::heads, m)?)?;
+    m.add_function(wrap_pyfunction!(mask::mask, m)?)?;
+    m.add_function(wrap_pyfunction!(plan::plan, m)?)?;
+    m.add_function(wrap_pyfunction!(plan::cache_stats, m)?)?;
+    m.add_function(wrap_pyfunction!(pack::pack, m)?)?;
+    m.add_function(wrap_pyfunction!(attention::attention_forward, m)?)?;
+    m.add_function(wrap_pyfunction!(attention::attention_backward, m)?)?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add("isa", tessera::CpuBackend::new().isa().name())?;
+    Ok(())
+}

@@ -1,0 +1,226 @@
+//! Masks from Python: the same algebra and spelling as Rust and the CLI (SPEC §3). Typed
+//! constructors (`causal()`, `document(ids)`, ...) combine with `&`, `|`, `~`; `mask(text, ...)`
+//! parses the CLI's expression language with the segment ids and dense arrays passed in.
+//!
+//! Contract: a `Mask` is immutable; `str(mask)` is its canonical form (data named by digest), so
+//! two masks with the same semantics and data print the same. Integer arrays arrive as int64
+//! numpy arrays `[L]` or `[B, L]` (the Python layer converts torch tensors and lists).
+
+use numpy::{PyReadonlyArrayDyn, PyUntypedArrayMethods};
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+use std::collections::HashMap;
+use std::sync::Arc;
+use tessera::mask::{parse, Resolver};
+use tessera::{DenseMask, Mask, Result as TResult, SegmentIds, Segments};
+
+use crate::errors::to_py;
+
+/// An attention mask expression.
+#[pyclass(name = "Mask", module = "tessera", frozen)]
+#[derive(Clone)]
+pub struct PyMask {
+    pub(crate) inner: Mask,
+}
+
+#[pymethods]
+impl PyMask {
+    fn __and__(&self, other: &PyMask) -> PyMask {
+        PyMask {
+            inner: self.inner.clone() & other.inner.clone(),
+        }
+    }
+    fn __or__(&self, other: &PyMask) -> PyMask {
+        PyMask {
+            inner: self.inner.clone() | other.inner.clone(),
+        }
+    }
+    fn __invert__(&self) -> PyMask {
+        PyMask {
+            inner: !self.inner.clone(),
+        }
+    }
+    fn __str__(&self) -> String {
+        self.inner.canonical()
+    }
+    fn __repr__(&self) -> String {
+        format!("tessera.Mask('{}')", self.inner.canonical())
+    }
+    fn __eq__(&self, other: &Bound<'_, PyAny>) -> bool {
+        other
+            .cast::<PyMask>()
+            .map(|o| o.get().inner.canonical() == self.inner.canonical())
+            .unwrap_or(false)
+    }
+    fn __hash__(&self) -> u64 {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        self.inner.canonical().hash(&mut h);
+        h.finish()
+    }
+    /// Whether query `i` may attend key `j` in batch row `b`, head `h`.
+    #[pyo3(signature = (i, j, b=0, h=0))]
+    fn allowed(&self, i: usize, j: usize, b: usize, h: usize) -> bool {
+        self.inner.allowed(b, h, i, j)
+    }
+}
+
+/// Segment ids from an int64 array `[L]` or `[B, L]` (-1 = padding).
+pub fn segment_ids(name: &str, a: PyReadonlyArrayDyn<'_, i64>) -> PyResult<SegmentIds> {
+    let shape = a.shape().to_vec();
+    let ids: Vec<i64> = a.as_array().iter().copied().collect();
+    let r = match shape.as_slice() {
+        [l] => SegmentIds::new(1, *l, ids),
+        [b, l] => SegmentIds::new(*b, *l, ids),
+        _ => {
+            return Err(PyValueError::new_err(format!(
+                "{name}: expected segment ids of shape [L] or [B, L], got {shape:?}"
+            )))
+        }
+    };
+    r.map_err(|e| PyValueError::new_err(format!("{name}: {e}")))
+}
+
+fn dense_mask(name: &str, a: PyReadonlyArrayDyn<'_, bool>) -> PyResult<DenseMask> {
+    let shape = a.shape().to_vec();
+    let vals: Vec<bool> = a.as_array().iter().copied().collect();
+    DenseMask::new(&shape, &vals, name).map_err(|e| PyValueError::new_err(format!("{name}: {e}")))
+}
+
+pub(crate) fn wrap(inner: Mask) -> PyMask {
+    PyMask { inner }
+}
+
+#[pyfunction]
+pub fn full() -> PyMask {
+    wrap(Mask::full())
+}
+
+#[pyfunction]
+#[pyo3(signature = (offset=0))]
+pub fn causal(offset: i64) -> PyMask {
+    wrap(Mask::causal_offset(offset))
+}
+
+#[pyfunction]
+#[pyo3(signature = (left, right=0))]
+pub fn window(left: i64, right: i64) -> PyResult<PyMask> {
+    if left < 0 || right < 0 {
+        return Err(PyValueError::new_err(format!(
+            "window: expected left, right >= 0, got ({left}, {right})"
+        )));
+    }
+    Ok(wrap(Mask::window(left, right)))
+}
+
+#[pyfunction]
+pub fn chunk(size: u64) -> PyResult<PyMask> {
+    if size == 0 {
+        return Err(PyValueError::new_err("chunk: expected size >= 1, got 0"));
+    }
+    Ok(wrap(Mask::chunk(size)))
+}
+
+#[pyfunction]
+pub fn prefix(n: u64) -> PyMask {
+    wrap(Mask::prefix(n))
+}
+
+/// `document` over segment ids (`kv_ids` for cross attention).
+#[pyfunction]
+#[pyo3(signature = (ids, kv_ids=None))]
+pub fn document(
+    ids: PyReadonlyArrayDyn<'_, i64>,
+    kv_ids: Option<PyReadonlyArrayDyn<'_, i64>>,
+) -> PyResult<PyMask> {
+    let q = segment_ids("ids", ids)?;
+    let seg = match kv_ids {
+        None => Segments::shared(q),
+        Some(k) => Segments::cross(q, segment_ids("kv_ids", k)?).map_err(to_py)?,
+    };
+    Ok(wrap(Mask::document(seg)))
+}
+
+#[pyfunction]
+pub fn dense(values: PyReadonlyArrayDyn<'_, bool>) -> PyResult<PyMask> {
+    Ok(wrap(Mask::dense(dense_mask("dense", values)?)))
+}
+
+#[pyfunction]
+pub fn heads(masks: Vec<PyRef<'_, PyMask>>) -> PyResult<PyMask> {
+    if masks.is_empty() {
+        return Err(PyValueError::new_err("heads: expected at least one mask"));
+    }
+    Ok(wrap(Mask::heads(masks.iter().map(|m| m.inner.clone()).collect())))
+}
+
+/// What the parser's `document` and `dense(NAME)` leaves resolve to.
+struct Data {
+    segments: Option<Arc<Segments>>,
+    dense: HashMap<String, DenseMask>,
+}
+
+impl Resolver for Data {
+    fn segments(&self) -> TResult<Arc<Segments>> {
+        self.segments.clone().ok_or_else(|| {
+            tessera::Error::invalid(
+                "document",
+                "segment ids (segments=..., or q_segments= and kv_segments=)",
+                "none given",
+            )
+        })
+    }
+    fn dense(&self, name: &str) -> TResult<DenseMask> {
+        self.dense.get(name).cloned().ok_or_else(|| {
+            tessera::Error::invalid(
+                format!("dense({name})"),
+                "an array passed as dense={'NAME': array}",
+                "no such name",
+            )
+        })
+    }
+}
+
+/// Parses a mask expression (`causal & document`, `window(4K) | prefix(64)`, ...).
+#[pyfunction]
+#[pyo3(signature = (expr, segments=None, q_segments=None, kv_segments=None, dense=None))]
+pub fn mask(
+    expr: &str,
+    segments: Option<PyReadonlyArrayDyn<'_, i64>>,
+    q_segments: Option<PyReadonlyArrayDyn<'_, i64>>,
+    kv_segments: Option<PyReadonlyArrayDyn<'_, i64>>,
+    dense: Option<&Bound<'_, PyDict>>,
+) -> PyResult<PyMask> {
+    let segments = match (segments, q_segments, kv_segments) {
+        (Some(s), None, None) => Some(Segments::shared(segment_ids("segments", s)?)),
+        (None, Some(q), Some(k)) => Some(
+            Segments::cross(segment_ids("q_segments", q)?, segment_ids("kv_segments", k)?)
+                .map_err(to_py)?,
+        ),
+        (None, None, None) => None,
+        _ => {
+            return Err(PyValueError::new_err(
+                "segments: pass either segments=, or both q_segments= and kv_segments=",
+            ))
+        }
+    };
+    let mut table = HashMap::new();
+    if let Some(d) = dense {
+        for (k, v) in d.iter() {
+            let name: String = k
+                .extract()
+                .map_err(|_| PyTypeError::new_err("dense: expected a dict of str -> bool array"))?;
+            let arr: PyReadonlyArrayDyn<'_, bool> = v.extract().map_err(|_| {
+                PyTypeError::new_err(format!("dense['{name}']: expected a numpy bool array"))
+            })?;
+            let m = dense_mask(&format!("dense['{name}']"), arr)?;
+            table.insert(name, m);
+        }
+    }
+    let data = Data {
+        segments,
+        dense: table,
+    };
+    parse(expr, &data).map(wrap).map_err(to_py)
+}

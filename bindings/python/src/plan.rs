@@ -1,0 +1,371 @@
+//! Plans from Python: `plan(mask, q_len, ...)` through the process-wide plan cache (SPEC §7),
+//! with the GIL released while planning; a `Plan` reports its statistics, tile states and a text
+//! picture, hands its work lists to FlexAttention / Splash, and is prepared for the CPU kernels
+//! once (on first use) for every attention call that uses it.
+
+use numpy::{IntoPyArray, PyArray4, PyArrayMethods};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+use std::sync::{Arc, OnceLock};
+use tessera::{
+    build_plan, Backend, CacheConfig, CpuBackend, CpuPlan, Mask, Plan, PlanCache, PlanShape,
+    TileShape,
+};
+
+use crate::errors::to_py;
+use crate::mask::PyMask;
+
+/// The process-wide plan cache (directory from `TESSERA_CACHE_DIR`, `XDG_CACHE_HOME` or
+/// `~/.cache/tessera`; memory-only when none applies or the directory is unusable).
+pub fn cache() -> &'static PlanCache {
+    static CACHE: OnceLock<PlanCache> = OnceLock::new();
+    CACHE.get_or_init(|| PlanCache::new(CacheConfig::default()).with_warning_echo(false))
+}
+
+/// A plan: which tiles of `[B, H, Lq, Lkv]` are empty, full or partial, with the work lists the
+/// kernels walk.
+#[pyclass(name = "Plan", module = "tessera._tessera", frozen)]
+pub struct PyPlan {
+    pub(crate) inner: Arc<Plan>,
+    pub(crate) mask: Mask,
+    prepared: OnceLock<CpuPlan>,
+}
+
+impl PyPlan {
+    pub(crate) fn new(inner: Arc<Plan>, mask: Mask) -> Self {
+        PyPlan {
+            inner,
+            mask,
+            prepared: OnceLock::new(),
+        }
+    }
+
+    /// The plan prepared for the CPU kernels (built on first use, then reused by every call).
+    pub(crate) fn prepared(&self) -> PyResult<&CpuPlan> {
+        if let Some(p) = self.prepared.get() {
+            return Ok(p);
+        }
+        let p = CpuBackend::new().prepare(&self.inner).map_err(to_py)?;
+        Ok(self.prepared.get_or_init(|| p))
+    }
+}
+
+/// The largest batch and head counts the mask's data implies (1 when it implies none).
+fn implied_dims(m: &Mask) -> (usize, usize) {
+    match m {
+        Mask::Document(s) => (s.rows(), 1),
+        Mask::Dense(d) => (d.batch(), d.heads()),
+        Mask::Heads(v) => v
+            .iter()
+            .map(implied_dims)
+            .fold((1, v.len()), |a, b| (a.0.max(b.0), a.1.max(b.1))),
+        Mask::And(v) | Mask::Or(v) => v
+            .iter()
+            .map(implied_dims)
+            .fold((1, 1), |a, b| (a.0.max(b.0), a.1.max(b.1))),
+        Mask::Not(x) => implied_dims(x),
+        _ => (1, 1),
+    }
+}
+
+fn block_shape(block: &Bound<'_, PyAny>) -> PyResult<TileShape> {
+    let (q, kv) = if let Ok(n) = block.extract::<usize>() {
+        (n, n)
+    } else if let Ok(p) = block.extract::<(usize, usize)>() {
+        p
+    } else {
+        return Err(PyValueError::new_err(
+            "block: expected an int or a (q, kv) pair of ints",
+        ));
+    };
+    TileShape::new(q, kv).map_err(|e| PyValueError::new_err(format!("block: {e}")))
+}
+
+/// Plans `mask` for `[batch, heads, q_len, kv_len]` at tile `block`.
+#[pyfunction]
+#[pyo3(signature = (mask, q_len, kv_len=None, heads=None, batch=None, block=None, cache=true))]
+#[allow(clippy::too_many_arguments)]
+pub fn plan(
+    py: Python<'_>,
+    mask: PyRef<'_, PyMask>,
+    q_len: usize,
+    kv_len: Option<usize>,
+    heads: Option<usize>,
+    batch: Option<usize>,
+    block: Option<&Bound<'_, PyAny>>,
+    cache: bool,
+) -> PyResult<PyPlan> {
+    let m = mask.inner.clone();
+    let (b0, h0) = implied_dims(&m);
+    let shape = PlanShape::new(
+        batch.unwrap_or(b0),
+        heads.unwrap_or(h0),
+        q_len,
+        kv_len.unwrap_or(q_len),
+    )
+    .map_err(to_py)?;
+    let tile = match block {
+        Some(b) => block_shape(b)?,
+        None => TileShape::default(),
+    };
+    let inner = py
+        .detach(|| {
+            if cache {
+                self::cache().get_or_build(&m, shape, tile)
+            } else {
+                build_plan(&m, shape, tile).map(Arc::new)
+            }
+        })
+        .map_err(to_py)?;
+    Ok(PyPlan::new(inner, m))
+}
+
+/// Counters of the process-wide plan cache.
+#[pyfunction]
+pub fn cache_stats(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+    let c = cache().counters();
+    let d = PyDict::new(py);
+    d.set_item("memory_hits", c.memory_hits)?;
+    d.set_item("disk_hits", c.disk_hits)?;
+    d.set_item("misses", c.misses)?;
+    d.set_item("rejects", c.rejects)?;
+    d.set_item("plans_built", c.builds)?;
+    d.set_item("bytes_read", c.bytes_read)?;
+    d.set_item("bytes_written", c.bytes_written)?;
+    d.set_item(
+        "dir",
+        cache().dir().map(|p| p.display().to_string()),
+    )?;
+    d.set_item("warnings", cache().warnings())?;
+    Ok(d)
+}
+
+/// Cell of the text picture covering tiles `[q0, q1) × [k0, k1)` of group 0.
+fn cell(states: &[i8], nk: usize, q: (usize, usize), k: (usize, usize)) -> char {
+    let (mut any_full, mut any_part, mut all_full) = (false, false, true);
+    for qt in q.0..q.1 {
+        for &s in &states[qt * nk + k.0..qt * nk + k.1] {
+            any_full |= s == 2;
+            any_part |= s == 1;
+            all_full &= s == 2;
+        }
+    }
+    if all_full {
+        '█'
+    } else if any_part || any_full {
+        '░'
+    } else {
+        ' '
+    }
+}
+
+#[pymethods]
+impl PyPlan {
+    /// `(B, H, Lq, Lkv)` the plan is for.
+    #[getter]
+    fn shape(&self) -> (usize, usize, usize, usize) {
+        let s = self.inner.shape;
+        (s.batch, s.heads, s.q_len, s.kv_len)
+    }
+    /// `(q, kv)` tile sides.
+    #[getter]
+    fn block(&self) -> (usize, usize) {
+        (self.inner.tile.q, self.inner.tile.kv)
+    }
+    /// `(B', H')`: 1 where the mask does not vary along batch rows / heads.
+    #[getter]
+    fn groups(&self) -> (usize, usize) {
+        (self.inner.batch_groups, self.inner.head_groups)
+    }
+    /// The planned mask.
+    #[getter]
+    fn mask(&self) -> PyMask {
+        crate::mask::wrap(self.mask.clone())
+    }
+    /// Hex contract key (what the plan cache is keyed by).
+    #[getter]
+    fn contract(&self) -> String {
+        self.inner.contract.to_string()
+    }
+    /// Statistics: tiles by state, unique partial masks, allowed pairs, density, ...
+    #[getter]
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = &self.inner.stats;
+        let d = PyDict::new(py);
+        d.set_item("tiles", s.tiles)?;
+        d.set_item("empty_tiles", s.empty_tiles)?;
+        d.set_item("partial_tiles", s.partial_tiles)?;
+        d.set_item("full_tiles", s.full_tiles)?;
+        d.set_item("unique_partial_masks", s.unique_partial_masks)?;
+        d.set_item("head_plans", s.head_plans)?;
+        d.set_item("allowed_pairs", s.allowed_pairs)?;
+        d.set_item("density", s.density)?;
+        d.set_item("tile_density", s.tile_density)?;
+        d.set_item("grid_width", s.grid_width)?;
+        d.set_item("plan_bytes", s.plan_bytes)?;
+        d.set_item("build_ms", s.build_ms)?;
+        Ok(d)
+    }
+    /// Tile states `uint8 [B', H', Tq, Tk]`: 0 empty, 1 partial, 2 full.
+    fn states<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray4<u8>>> {
+        let (shape, v) = self.inner.states();
+        let v: Vec<u8> = v.into_iter().map(|x| x as u8).collect();
+        v.into_pyarray(py).reshape(shape)
+    }
+    /// FLOPs of the forward (backward) pass over allowed pairs for head dims `d_qk`, `d_v`.
+    #[pyo3(signature = (d_qk, d_v=None, backward=false))]
+    fn flops(&self, d_qk: usize, d_v: Option<usize>, backward: bool) -> f64 {
+        let dv = d_v.unwrap_or(d_qk);
+        if backward {
+            self.inner.backward_flops(d_qk, dv)
+        } else {
+            self.inner.forward_flops(d_qk, dv)
+        }
+    }
+    fn __repr__(&self) -> String {
+        let p = &self.inner;
+        let s = p.shape;
+        let (nq, nk) = (p.q_tiles, p.kv_tiles);
+        let (_, states) = p.states();
+        let w = nk.min(32);
+        let h = nq.min(32);
+        let mut out = format!(
+            "tessera.Plan(mask='{}', shape=(B={}, H={}, Lq={}, Lkv={}), block={}x{}, \
+             density={:.4}, tiles: {} full, {} partial, {} empty)\n",
+            p.mask,
+            s.batch,
+            s.heads,
+            s.q_len,
+            s.kv_len,
+            p.tile.q,
+            p.tile.kv,
+            p.stats.density,
+            p.stats.full_tiles,
+            p.stats.partial_tiles,
+            p.stats.empty_tiles
+        );
+        for r in 0..h {
+            let q = (r * nq / h, ((r + 1) * nq / h).max(r * nq / h + 1));
+            out.push_str("  ");
+            for c in 0..w {
+                let k = (c * nk / w, ((c + 1) * nk / w).max(c * nk / w + 1));
+                let ch = cell(&states, nk, q, k);
+                out.push(ch);
+                out.push(ch);
+            }
+            out.push('\n');
+        }
+        if p.batch_groups * p.head_groups > 1 {
+            out.push_str("  (batch row 0, head 0 shown)\n");
+        }
+        out
+    }
+    fn __str__(&self) -> String {
+        self.__repr__()
+    }
+
+    /// The eight FlexAttention `BlockMask` tables plus the partial-block contents (int32 / bool
+    /// numpy arrays), exactly what `create_block_mask` builds for this mask.
+    fn _flex_arrays<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let plan = self.inner.clone();
+        let f = py
+            .detach(|| tessera::export::flex::export(&plan))
+            .map_err(to_py)?;
+        let (bg, hg) = f.groups;
+        let (nq, nk) = f.blocks;
+        let d = PyDict::new(py);
+        let i3 = |v: Vec<i32>, n: usize| -> PyResult<Bound<'py, PyAny>> {
+            Ok(v.into_pyarray(py).reshape([bg, hg, n])?.into_any())
+        };
+        let i4 = |v: Vec<i32>, a: usize, b: usize| -> PyResult<Bound<'py, PyAny>> {
+            Ok(v.into_pyarray(py).reshape([bg, hg, a, b])?.into_any())
+        };
+        d.set_item("kv_num_blocks", i3(f.kv_num_blocks, nq)?)?;
+        d.set_item("kv_indices", i4(f.kv_indices, nq, nk)?)?;
+        d.set_item("full_kv_num_blocks", i3(f.full_kv_num_blocks, nq)?)?;
+        d.set_item("full_kv_indices", i4(f.full_kv_indices, nq, nk)?)?;
+        d.set_item("q_num_blocks", i3(f.q_num_blocks, nk)?)?;
+        d.set_item("q_indices", i4(f.q_indices, nk, nq)?)?;
+        d.set_item("full_q_num_blocks", i3(f.full_q_num_blocks, nk)?)?;
+        d.set_item("full_q_indices", i4(f.full_q_indices, nk, nq)?)?;
+        let st: Vec<i8> = f.mask_tile_states;
+        d.set_item(
+            "mask_tile_states",
+            st.into_pyarray(py).reshape([bg, hg, nq, nk])?,
+        )?;
+        d.set_item("mask_block_ids", i4(f.mask_block_ids, nq, nk)?)?;
+        let (tq, tk) = f.block_size;
+        let n = f.mask_blocks.len() / (tq * tk).max(1);
+        d.set_item(
+            "mask_blocks",
+            f.mask_blocks.into_pyarray(py).reshape([n, tq, tk])?,
+        )?;
+        d.set_item("block_size", f.block_size)?;
+        d.set_item("seq_lengths", (f.shape[2], f.shape[3]))?;
+        Ok(d)
+    }
+
+    /// Splash `MaskInfo` arrays per distinct batch row: a list of `(fwd, dkv)` dicts of numpy
+    /// arrays (`None` for absent fields), as `process_mask` / `process_mask_dkv` build them.
+    #[pyo3(signature = (head_shards=1, q_seq_shards=1, shrink_grid=true, shrink_grid_dkv=true, downcast_smem_data=true))]
+    fn _splash_arrays<'py>(
+        &self,
+        py: Python<'py>,
+        head_shards: usize,
+        q_seq_shards: usize,
+        shrink_grid: bool,
+        shrink_grid_dkv: bool,
+        downcast_smem_data: bool,
+    ) -> PyResult<Vec<(Bound<'py, PyDict>, Bound<'py, PyDict>)>> {
+        use tessera::export::splash::{export_with, IntArray, MaskInfo, SplashOptions};
+        use tessera::export::npz::DType as NDType;
+        let opts = SplashOptions {
+            head_shards,
+            q_seq_shards,
+            shrink_grid,
+            shrink_grid_dkv,
+            downcast_smem_data,
+        };
+        let plan = self.inner.clone();
+        let s = py.detach(|| export_with(&plan, &opts)).map_err(to_py)?;
+        let ints = |a: IntArray| -> PyResult<Bound<'py, PyAny>> {
+            let sh = a.shape;
+            Ok(match a.dtype {
+                NDType::I8 => {
+                    let v: Vec<i8> = a.data.iter().map(|&x| x as i8).collect();
+                    v.into_pyarray(py).reshape(sh)?.into_any()
+                }
+                NDType::I16 => {
+                    let v: Vec<i16> = a.data.iter().map(|&x| x as i16).collect();
+                    v.into_pyarray(py).reshape(sh)?.into_any()
+                }
+                _ => a.data.into_pyarray(py).reshape(sh)?.into_any(),
+            })
+        };
+        let info = |m: MaskInfo| -> PyResult<Bound<'py, PyDict>> {
+            let d = PyDict::new(py);
+            d.set_item("data_next", ints(m.data_next)?)?;
+            d.set_item(
+                "mask_next",
+                match m.mask_next {
+                    Some(x) => Some(ints(x)?),
+                    None => None,
+                },
+            )?;
+            d.set_item("block_mask", ints(m.block_mask)?)?;
+            d.set_item(
+                "partial_mask_blocks",
+                match m.partial_mask_blocks {
+                    Some(b) => Some(b.data.into_pyarray(py).reshape(b.shape)?.into_any()),
+                    None => None,
+                },
+            )?;
+            Ok(d)
+        };
+        s.rows
+            .into_iter()
+            .map(|r| Ok((info(r.fwd)?, info(r.dkv)?)))
+            .collect()
+    }
+}
