@@ -3,14 +3,22 @@
 //! f32 and bf16. Throughput is reported as effective FLOP/s over allowed pairs
 //! (`Plan::forward_flops` / `Plan::backward_flops`), printed by criterion as "elem/s".
 //!
+//! Timing covers the kernels only: the plan is prepared once (`Backend::prepare`), and every
+//! iteration runs `forward_into` / `backward_into` on it into preallocated output buffers with
+//! one reused `CpuWorkspace`, on the current rayon pool (`Par::Current`).
+//!
 //! Run one: `cargo bench -p tessera-attn --bench attention -- 'forward/f32/causal$'`.
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use half::bf16;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
+use std::sync::Arc;
 use std::time::Duration;
-use tessera_attn::{AttnOptions, Backend, CpuBackend};
+use tessera_attn::{
+    check_inputs, AttnInputs, AttnOptions, Backend, CpuBackend, CpuWorkspace, ForwardBufs,
+    GradBufs, GradInputs, Par,
+};
 use tessera_core::{DType, Tensor};
 use tessera_mask::{Mask, SegmentIds, Segments};
 use tessera_plan::{build_plan, Plan, PlanShape, TileShape};
@@ -54,7 +62,7 @@ fn tensor(rng: &mut ChaCha8Rng, dtype: DType, n: usize) -> Tensor {
 }
 
 struct Inputs {
-    plan: Plan,
+    plan: Arc<Plan>,
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -62,12 +70,14 @@ struct Inputs {
 }
 
 fn inputs(mask: &Mask, dtype: DType) -> Inputs {
-    let plan = build_plan(
-        mask,
-        PlanShape::new(1, H, L, L).expect("shape"),
-        TileShape::default(),
-    )
-    .expect("plan");
+    let plan = Arc::new(
+        build_plan(
+            mask,
+            PlanShape::new(1, H, L, L).expect("shape"),
+            TileShape::default(),
+        )
+        .expect("plan"),
+    );
     let mut rng = ChaCha8Rng::seed_from_u64(1);
     let n = H * L * D;
     Inputs {
@@ -85,34 +95,57 @@ fn bench(c: &mut Criterion) {
     for dtype in [DType::F32, DType::BF16] {
         for (name, mask) in masks() {
             let x = inputs(&mask, dtype);
+            let prepared = backend.prepare(&x.plan).expect("prepare");
+            let fwd_in =
+                AttnInputs::contiguous(x.q.view(), x.k.view(), x.v.view()).expect("inputs");
+            let dims = check_inputs(&fwd_in, &opts).expect("inputs");
+            let mut ws = CpuWorkspace::default();
+            let mut fwd_out = ForwardBufs::new(&dims);
             let mut g = c.benchmark_group(format!("forward/{dtype}"));
             g.throughput(Throughput::Elements(x.plan.forward_flops(D, D) as u64));
             g.bench_function(BenchmarkId::from_parameter(name), |b| {
                 b.iter(|| {
                     backend
-                        .forward(x.q.view(), x.k.view(), x.v.view(), &x.plan, &opts)
+                        .forward_into(
+                            &prepared,
+                            &fwd_in,
+                            &opts,
+                            fwd_out.out(),
+                            &mut ws,
+                            Par::Current,
+                        )
                         .expect("forward")
                 })
             });
             g.finish();
 
-            let f = backend
-                .forward(x.q.view(), x.k.view(), x.v.view(), &x.plan, &opts)
+            // The backward's O and LSE (computed here: the forward group may be filtered out).
+            backend
+                .forward_into(
+                    &prepared,
+                    &fwd_in,
+                    &opts,
+                    fwd_out.out(),
+                    &mut ws,
+                    Par::Current,
+                )
                 .expect("forward");
+            let f = fwd_out.finish(&dims).expect("forward");
+            let bwd_in = GradInputs::contiguous(fwd_in, f.o.view(), f.lse.view(), x.d_o.view())
+                .expect("inputs");
+            let mut bwd_out = GradBufs::new(&dims, opts.sinks.is_some());
             let mut g = c.benchmark_group(format!("backward/{dtype}"));
             g.throughput(Throughput::Elements(x.plan.backward_flops(D, D) as u64));
             g.bench_function(BenchmarkId::from_parameter(name), |b| {
                 b.iter(|| {
                     backend
-                        .backward(
-                            x.q.view(),
-                            x.k.view(),
-                            x.v.view(),
-                            f.o.view(),
-                            f.lse.view(),
-                            x.d_o.view(),
-                            &x.plan,
+                        .backward_into(
+                            &prepared,
+                            &bwd_in,
                             &opts,
+                            bwd_out.out(),
+                            &mut ws,
+                            Par::Current,
                         )
                         .expect("backward")
                 })

@@ -1,11 +1,15 @@
 //! Cost of gated telemetry (SPEC §6) on the CPU forward at 8K tokens, H = 8, D = 64, B = 1, f32,
 //! causal within ~1K-token documents (the `causal_documents` mask of the `attention` bench),
 //! default 128x128 tiles:
-//! - `plain`: `Backend::forward`, the production kernel (telemetry compiled out: the
+//! - `plain`: `Backend::forward_into`, the production kernel (telemetry compiled out: the
 //!   `NoTelemetry` copy);
-//! - `off_step`: `forward_logged` on a step that does not log (should equal `plain`);
-//! - `log_step`: `forward_logged` on a logging step, both streams (sink-stream kernel variant plus
-//!   the outlier pass over O), including the flush of the record.
+//! - `off_step`: `forward_logged_into` on a step that does not log (should equal `plain`);
+//! - `log_step`: `forward_logged_into` on a logging step, both streams (sink-stream kernel variant
+//!   plus the outlier pass over O), including the flush of the record.
+//!
+//! Every variant runs on the same prepared plan (`Backend::prepare`, once) into the same
+//! preallocated outputs with one reused `CpuWorkspace` (`Par::Current`), so the timings are the
+//! kernels' and the telemetry's, not plan preprocessing or allocation.
 //!
 //! The `telemetry/bf16/causal_documents` group runs the same variants on bf16 inputs (on CPUs
 //! with AVX512-BF16, the `vdpbf16ps` forward kernel).
@@ -24,13 +28,15 @@ use criterion::{criterion_group, Criterion};
 use half::bf16;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tessera_attn::{
-    forward_logged, AttnOptions, Backend, CpuBackend, ForwardOutput, TelemetryInput,
+    check_inputs, forward_logged_into, AttnInputs, AttnOptions, Backend, CpuBackend, CpuPlan,
+    CpuWorkspace, Dims, ForwardBufs, LogContext, Par, TelemetryInput,
 };
 use tessera_core::{DType, Tensor};
 use tessera_mask::{Mask, SegmentIds, Segments};
-use tessera_plan::{build_plan, Plan, PlanShape, TileShape};
+use tessera_plan::{build_plan, PlanShape, TileShape};
 use tessera_telemetry::{
     document_kv_segments, sink_key_flags, Streams, Telemetry, TelemetryConfig, TelemetrySink,
 };
@@ -68,7 +74,8 @@ fn tensor(rng: &mut ChaCha8Rng, dtype: DType) -> Tensor {
 /// The problem and the three ways to run its forward.
 struct Setup {
     mask: Mask,
-    plan: Plan,
+    prepared: CpuPlan,
+    dims: Dims,
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -81,12 +88,16 @@ struct Setup {
 impl Setup {
     fn new(dtype: DType) -> Self {
         let mask = documents();
-        let plan = build_plan(
-            &mask,
-            PlanShape::new(1, H, L, L).expect("shape"),
-            TileShape::default(),
-        )
-        .expect("plan");
+        let plan = Arc::new(
+            build_plan(
+                &mask,
+                PlanShape::new(1, H, L, L).expect("shape"),
+                TileShape::default(),
+            )
+            .expect("plan"),
+        );
+        let backend = CpuBackend::new();
+        let prepared = backend.prepare(&plan).expect("prepare");
         let mut rng = ChaCha8Rng::seed_from_u64(1);
         let (q, k, v) = (
             tensor(&mut rng, dtype),
@@ -97,49 +108,77 @@ impl Setup {
         let mut off_step = log_step.clone();
         off_step.advance();
         assert!(log_step.should_log() && !off_step.should_log());
+        let opts = AttnOptions::default();
+        let dims = check_inputs(
+            &AttnInputs::contiguous(q.view(), k.view(), v.view()).expect("inputs"),
+            &opts,
+        )
+        .expect("inputs");
         Setup {
             mask,
-            plan,
+            prepared,
+            dims,
             q,
             k,
             v,
-            backend: CpuBackend::new(),
-            opts: AttnOptions::default(),
+            backend,
+            opts,
             log_step,
             off_step,
         }
     }
 
-    fn plain(&self) -> ForwardOutput {
-        self.backend
-            .forward(
-                self.q.view(),
-                self.k.view(),
-                self.v.view(),
-                &self.plan,
-                &self.opts,
-            )
-            .expect("forward")
+    fn inputs(&self) -> AttnInputs<'_> {
+        AttnInputs::contiguous(self.q.view(), self.k.view(), self.v.view()).expect("inputs")
     }
 
-    /// `forward_logged` at `tel`'s step; flushes the sink (the logging boundary).
-    fn logged(&self, tel: &Telemetry, sink: &mut TelemetrySink) -> ForwardOutput {
-        let out = forward_logged(
+    /// Output buffers and a workspace, allocated once and reused by every call.
+    fn scratch(&self) -> Scratch {
+        Scratch {
+            out: ForwardBufs::new(&self.dims),
+            ws: CpuWorkspace::default(),
+        }
+    }
+
+    fn plain(&self, s: &mut Scratch) {
+        self.backend
+            .forward_into(
+                &self.prepared,
+                &self.inputs(),
+                &self.opts,
+                s.out.out(),
+                &mut s.ws,
+                Par::Current,
+            )
+            .expect("forward");
+    }
+
+    /// `forward_logged_into` at `tel`'s step; flushes the sink (the logging boundary).
+    fn logged(&self, tel: &Telemetry, sink: &mut TelemetrySink, s: &mut Scratch) {
+        forward_logged_into(
             &self.backend,
-            self.q.view(),
-            self.k.view(),
-            self.v.view(),
-            &self.plan,
+            &self.prepared,
+            &self.inputs(),
             &self.opts,
-            tel,
-            &self.mask,
-            0,
-            sink,
+            s.out.out(),
+            &mut s.ws,
+            Par::Current,
+            LogContext {
+                tel,
+                mask: &self.mask,
+                layer: 0,
+                sink,
+            },
         )
         .expect("forward");
         sink.flush();
-        out
     }
+}
+
+/// Caller-owned outputs and workspace of the timed calls.
+struct Scratch {
+    out: ForwardBufs,
+    ws: CpuWorkspace,
 }
 
 fn bench(c: &mut Criterion) {
@@ -150,10 +189,15 @@ fn bench(c: &mut Criterion) {
 fn group(c: &mut Criterion, dtype: DType) {
     let x = Setup::new(dtype);
     let mut sink = TelemetrySink::new(x.log_step.config.clone());
+    let mut s = x.scratch();
     let mut g = c.benchmark_group(format!("telemetry/{dtype}/causal_documents"));
-    g.bench_function("plain", |b| b.iter(|| x.plain()));
-    g.bench_function("off_step", |b| b.iter(|| x.logged(&x.off_step, &mut sink)));
-    g.bench_function("log_step", |b| b.iter(|| x.logged(&x.log_step, &mut sink)));
+    g.bench_function("plain", |b| b.iter(|| x.plain(&mut s)));
+    g.bench_function("off_step", |b| {
+        b.iter(|| x.logged(&x.off_step, &mut sink, &mut s))
+    });
+    g.bench_function("log_step", |b| {
+        b.iter(|| x.logged(&x.log_step, &mut sink, &mut s))
+    });
     // The two streams alone (breakdown of `log_step`).
     let flags = sink_key_flags(document_kv_segments(&x.mask), 1, L, 1).expect("flags");
     for (name, sink, outlier) in [
@@ -165,13 +209,14 @@ fn group(c: &mut Criterion, dtype: DType) {
         g.bench_function(name, |b| {
             b.iter(|| {
                 x.backend
-                    .forward_with_telemetry(
-                        x.q.view(),
-                        x.k.view(),
-                        x.v.view(),
-                        &x.plan,
+                    .forward_with_telemetry_into(
+                        &x.prepared,
+                        &x.inputs(),
                         &x.opts,
                         &input,
+                        s.out.out(),
+                        &mut s.ws,
+                        Par::Current,
                     )
                     .expect("forward")
             })
@@ -194,17 +239,19 @@ fn paired(dtype: DType) {
     const ROUNDS: usize = 30;
     let x = Setup::new(dtype);
     let mut sink = TelemetrySink::new(x.log_step.config.clone());
+    let mut s = x.scratch();
     let names = ["plain", "off_step", "log_step"];
     let mut ms: Vec<Vec<f64>> = (0..3).map(|_| Vec::with_capacity(ROUNDS)).collect();
     for round in 0..ROUNDS + 2 {
         for slot in 0..3 {
             let which = (slot + round) % 3;
             let t = Instant::now();
-            std::hint::black_box(match which {
-                0 => x.plain(),
-                1 => x.logged(&x.off_step, &mut sink),
-                _ => x.logged(&x.log_step, &mut sink),
-            });
+            match which {
+                0 => x.plain(&mut s),
+                1 => x.logged(&x.off_step, &mut sink, &mut s),
+                _ => x.logged(&x.log_step, &mut sink, &mut s),
+            }
+            std::hint::black_box(&mut s.out);
             if round >= 2 {
                 ms[which].push(t.elapsed().as_secs_f64() * 1e3);
             }

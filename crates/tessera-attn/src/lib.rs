@@ -52,7 +52,7 @@ pub use telemetry::{forward_logged, forward_logged_into, LogContext, TelemetryIn
 pub use tessera_telemetry::AttnSummary;
 pub use validate::{
     check_backward, check_forward, check_forward_out, check_grad_out, check_inputs, check_o_like,
-    Dims,
+    check_plan_consistent, Dims,
 };
 pub use views::{OutData, StridedView};
 

@@ -92,7 +92,7 @@ pub struct LogContext<'a> {
 /// [`TelemetrySink::flush`]). The step counter is the caller's: call this for every layer of a
 /// step, then [`Telemetry::advance`] once.
 #[allow(clippy::too_many_arguments)]
-pub fn forward_logged_into<B: Backend>(
+pub fn forward_logged_into<B: Backend + ?Sized>(
     backend: &B,
     prepared: &B::Prepared,
     inputs: &AttnInputs<'_>,
@@ -120,7 +120,7 @@ pub fn forward_logged_into<B: Backend>(
 }
 
 /// [`forward_logged_into`] with freshly prepared plan, allocated outputs and workspace.
-pub fn forward_logged<B: Backend>(
+pub fn forward_logged<B: Backend + ?Sized>(
     backend: &B,
     inputs: &AttnInputs<'_>,
     plan: &Arc<Plan>,

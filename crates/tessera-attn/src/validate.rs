@@ -359,6 +359,13 @@ fn check_plan(plan: &Plan, d: &Dims) -> Result<()> {
             ),
         ));
     }
+    check_plan_consistent(plan)
+}
+
+/// The plan's internal consistency (tiles, groups, work lists and partial-mask table agree), so
+/// that a corrupt or hand-edited plan is an error, never an out-of-range index in a kernel.
+pub fn check_plan_consistent(plan: &Plan) -> Result<()> {
+    let s = plan.shape;
     let t = plan.tile;
     if t.q == 0 || t.kv == 0 || plan.partials.tile != t {
         return Err(bad_plan(format!("tile {t}")));

@@ -6,18 +6,20 @@
 use half::bf16;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use tessera_attn::conformance::{packed_segments, random_dense};
+use std::sync::Arc;
 use tessera_attn::cpu::Isa;
 use tessera_attn::{
-    forward_logged, AttnOptions, Backend, BackwardOutput, CpuBackend, ForwardOutput, TelemetryInput,
+    check_inputs, forward_logged, forward_logged_into, AttnInputs, AttnOptions, AttnSummary,
+    Backend, CpuBackend, CpuPlan, CpuWorkspace, ForwardBufs, ForwardOut, ForwardOutput, GradInputs,
+    GradOut, LogContext, Par, TelemetryInput,
 };
-use tessera_core::tensor::TensorView;
+use tessera_conformance::workloads::{packed_segments, random_dense};
 use tessera_core::{DType, Error, Result, Tensor};
 use tessera_mask::{Mask, SegmentIds, Segments};
 use tessera_plan::{build_plan, Plan, PlanShape, TileShape};
 use tessera_telemetry::{
-    document_kv_segments, outlier_summary, reference_summary, sink_key_flags, AttnSummary,
-    ReferenceInput, Streams, Telemetry, TelemetryConfig, TelemetrySink,
+    document_kv_segments, outlier_summary, reference_summary, sink_key_flags, ReferenceInput,
+    Streams, Telemetry, TelemetryConfig, TelemetrySink,
 };
 
 const RATIO: f64 = 2.0;
@@ -78,13 +80,15 @@ impl Prob {
         self.tile = (q, kv);
         self
     }
-    fn plan(&self) -> Plan {
-        build_plan(
-            &self.mask,
-            PlanShape::new(self.b, self.hq, self.lq, self.lkv).unwrap(),
-            TileShape::new(self.tile.0, self.tile.1).unwrap(),
+    fn plan(&self) -> Arc<Plan> {
+        Arc::new(
+            build_plan(
+                &self.mask,
+                PlanShape::new(self.b, self.hq, self.lq, self.lkv).unwrap(),
+                TileShape::new(self.tile.0, self.tile.1).unwrap(),
+            )
+            .unwrap(),
         )
-        .unwrap()
     }
     fn flags(&self) -> Vec<bool> {
         sink_key_flags(
@@ -106,6 +110,13 @@ struct Inputs {
     kf: Vec<f64>,
     vf: Vec<f64>,
     opts: AttnOptions,
+}
+
+impl Inputs {
+    /// Q, K, V as contiguous attention inputs.
+    fn attn(&self) -> AttnInputs<'_> {
+        AttnInputs::contiguous(self.q.view(), self.k.view(), self.v.view()).unwrap()
+    }
 }
 
 fn tensor(shape: Vec<usize>, vals: Vec<f32>, dtype: DType) -> (Tensor, Vec<f64>) {
@@ -192,7 +203,7 @@ fn input<'a>(flags: &'a [bool], step: u64) -> TelemetryInput<'a> {
     }
 }
 
-fn logged(p: &Prob, x: &Inputs, plan: &Plan, flags: &[bool]) -> (ForwardOutput, AttnSummary) {
+fn logged(p: &Prob, x: &Inputs, plan: &Arc<Plan>, flags: &[bool]) -> (ForwardOutput, AttnSummary) {
     logged_on(&CpuBackend::new(), p, x, plan, flags)
 }
 
@@ -200,18 +211,11 @@ fn logged_on(
     be: &CpuBackend,
     p: &Prob,
     x: &Inputs,
-    plan: &Plan,
+    plan: &Arc<Plan>,
     flags: &[bool],
 ) -> (ForwardOutput, AttnSummary) {
-    be.forward_with_telemetry(
-        x.q.view(),
-        x.k.view(),
-        x.v.view(),
-        plan,
-        &x.opts,
-        &input(flags, 0),
-    )
-    .unwrap_or_else(|e| panic!("{}: {e}", p.name))
+    be.forward_with_telemetry(&x.attn(), plan, &x.opts, &input(flags, 0))
+        .unwrap_or_else(|e| panic!("{}: {e}", p.name))
 }
 
 fn bits(t: &Tensor) -> Vec<u32> {
@@ -246,9 +250,7 @@ fn check_on(be: &CpuBackend, p: &Prob) {
     let x = random_inputs(p);
     let (out, summary) = logged_on(be, p, &x, &plan, &flags);
 
-    let plain = be
-        .forward(x.q.view(), x.k.view(), x.v.view(), &plan, &x.opts)
-        .unwrap();
+    let plain = be.forward(&x.attn(), &plan, &x.opts).unwrap();
     assert_same_outputs(&out, &plain, p.name);
 
     let r = reference(p, &x, &flags);
@@ -505,9 +507,7 @@ fn batch_shards_merge_into_the_whole_batch_summary() {
         let (q, k, v) = (slice(&x.q), slice(&x.k), slice(&x.v));
         let (o_r, s_r) = CpuBackend::new()
             .forward_with_telemetry(
-                q.view(),
-                k.view(),
-                v.view(),
+                &AttnInputs::contiguous(q.view(), k.view(), v.view()).unwrap(),
                 &part.plan(),
                 &x.opts,
                 &input(&part.flags(), 0),
@@ -552,24 +552,22 @@ fn forward_logged_runs_the_plain_forward_off_cadence_and_logs_on_it() {
     let x = random_inputs(&p);
     let plan = p.plan();
     let be = CpuBackend::new();
-    let plain = be
-        .forward(x.q.view(), x.k.view(), x.v.view(), &plan, &x.opts)
-        .unwrap();
+    let plain = be.forward(&x.attn(), &plan, &x.opts).unwrap();
     let mut tel = Telemetry::new(TelemetryConfig::every(2)).unwrap();
     let mut sink = TelemetrySink::new(tel.config.clone());
     for step in 0..4u64 {
         for layer in 0..2u32 {
             let out = forward_logged(
                 &be,
-                x.q.view(),
-                x.k.view(),
-                x.v.view(),
+                &x.attn(),
                 &plan,
                 &x.opts,
-                &tel,
-                &p.mask,
-                layer,
-                &mut sink,
+                LogContext {
+                    tel: &tel,
+                    mask: &p.mask,
+                    layer,
+                    sink: &mut sink,
+                },
             )
             .unwrap();
             assert_same_outputs(&out, &plain, &format!("step {step} layer {layer}"));
@@ -587,34 +585,84 @@ fn forward_logged_runs_the_plain_forward_off_cadence_and_logs_on_it() {
         }
         tel.advance();
     }
-    // Through `&dyn Backend` too, and the summary equals the direct call's.
-    let dynbe: &dyn Backend = &be;
+    // Through `&dyn Backend` too, and the summary equals the direct call's. `forward_logged` is
+    // generic over a sized `B: Backend`, so the trait object goes through `ViaDyn`, which
+    // forwards every trait method through the `&dyn Backend` (dynamic dispatch).
+    let dynbe: &DynCpu = &be;
     let tel = Telemetry::new(TelemetryConfig::every(1)).unwrap();
-    forward_logged(
-        dynbe,
-        x.q.view(),
-        x.k.view(),
-        x.v.view(),
+    let logged_dyn = forward_logged(
+        &ViaDyn(dynbe),
+        &x.attn(),
         &plan,
         &x.opts,
-        &tel,
-        &p.mask,
-        0,
-        &mut sink,
+        LogContext {
+            tel: &tel,
+            mask: &p.mask,
+            layer: 0,
+            sink: &mut sink,
+        },
     )
     .unwrap();
+    assert_same_outputs(&logged_dyn, &plain, "through &dyn Backend");
     let flags = p.flags();
     let (_, direct) = be
         .forward_with_telemetry(
-            x.q.view(),
-            x.k.view(),
-            x.v.view(),
+            &x.attn(),
             &plan,
             &x.opts,
             &TelemetryInput::new(&flags, 0, 0, &tel.config),
         )
         .unwrap();
     assert_eq!(sink.flush(), vec![direct.record(&tel.config)]);
+    // The trait object's own allocating telemetry forward gives the same summary.
+    let (o_dyn, s_dyn) = dynbe
+        .forward_with_telemetry(
+            &x.attn(),
+            &plan,
+            &x.opts,
+            &TelemetryInput::new(&flags, 0, 0, &tel.config),
+        )
+        .unwrap();
+    assert_same_outputs(&o_dyn, &plain, "dyn forward_with_telemetry");
+    assert_eq!(s_dyn, direct);
+
+    // The prepared-plan path: `forward_logged_into` with one prepared plan, workspace and set of
+    // output buffers, off and on cadence, gives the same outputs and records.
+    let prepared = be.prepare(&plan).unwrap();
+    let d = check_inputs(&x.attn(), &x.opts).unwrap();
+    let mut bufs = ForwardBufs::new(&d);
+    let mut ws = CpuWorkspace::default();
+    let mut tel = Telemetry::new(TelemetryConfig::every(2)).unwrap();
+    for step in 0..3u64 {
+        let mut out = bufs.out();
+        out.o.poison();
+        out.lse.fill(f32::NAN);
+        out.max_logit.fill(f32::NAN);
+        forward_logged_into(
+            &be,
+            &prepared,
+            &x.attn(),
+            &x.opts,
+            out,
+            &mut ws,
+            Par::Current,
+            LogContext {
+                tel: &tel,
+                mask: &p.mask,
+                layer: 1,
+                sink: &mut sink,
+            },
+        )
+        .unwrap();
+        let records = sink.flush();
+        assert_eq!(records.len(), (step % 2 == 0) as usize, "into, step {step}");
+        for r in &records {
+            assert_eq!((r.step, r.layer), (step, 1));
+        }
+        tel.advance();
+    }
+    let out = bufs.finish(&d).unwrap();
+    assert_same_outputs(&out, &plain, "forward_logged_into");
 }
 
 #[test]
@@ -627,7 +675,7 @@ fn streams_select_the_work() {
     let run = |sink: bool, outlier: bool| {
         let mut t = input(&flags, 3);
         t.streams = Streams { sink, outlier };
-        be.forward_with_telemetry(x.q.view(), x.k.view(), x.v.view(), &plan, &x.opts, &t)
+        be.forward_with_telemetry(&x.attn(), &plan, &x.opts, &t)
             .unwrap()
     };
     let (_, both) = run(true, true);
@@ -653,54 +701,139 @@ fn bad_telemetry_input_is_an_error() {
     let flags = vec![false; 39];
     let be = CpuBackend::new();
     let err = be
-        .forward_with_telemetry(
-            x.q.view(),
-            x.k.view(),
-            x.v.view(),
-            &plan,
-            &x.opts,
-            &input(&flags, 0),
-        )
+        .forward_with_telemetry(&x.attn(), &plan, &x.opts, &input(&flags, 0))
         .unwrap_err();
     assert!(err.to_string().contains("sink flags"), "{err}");
     let flags = p.flags();
     let mut t = input(&flags, 0);
     t.outlier_ratio = f64::NAN;
     let err = be
-        .forward_with_telemetry(x.q.view(), x.k.view(), x.v.view(), &plan, &x.opts, &t)
+        .forward_with_telemetry(&x.attn(), &plan, &x.opts, &t)
         .unwrap_err();
     assert!(err.to_string().contains("outlier ratio"), "{err}");
 }
 
-/// A backend that only implements the required methods.
-struct Minimal;
+/// A backend that only implements the required methods (delegating to the CPU backend).
+struct Minimal(CpuBackend);
 
 impl Backend for Minimal {
+    type Prepared = CpuPlan;
+    type Workspace = CpuWorkspace;
+
     fn name(&self) -> &str {
         "minimal"
     }
-    fn forward(
-        &self,
-        q: TensorView<'_>,
-        k: TensorView<'_>,
-        v: TensorView<'_>,
-        plan: &Plan,
-        options: &AttnOptions,
-    ) -> Result<ForwardOutput> {
-        CpuBackend::new().forward(q, k, v, plan, options)
+    fn prepare(&self, plan: &Arc<Plan>) -> Result<CpuPlan> {
+        self.0.prepare(plan)
     }
-    fn backward(
+    fn forward_workspace_size(
         &self,
-        q: TensorView<'_>,
-        k: TensorView<'_>,
-        v: TensorView<'_>,
-        o: TensorView<'_>,
-        lse: TensorView<'_>,
-        d_o: TensorView<'_>,
-        plan: &Plan,
+        prepared: &CpuPlan,
+        inputs: &AttnInputs<'_>,
+        par: Par<'_>,
+    ) -> Result<usize> {
+        self.0.forward_workspace_size(prepared, inputs, par)
+    }
+    fn backward_workspace_size(
+        &self,
+        prepared: &CpuPlan,
+        inputs: &GradInputs<'_>,
+        par: Par<'_>,
+    ) -> Result<usize> {
+        self.0.backward_workspace_size(prepared, inputs, par)
+    }
+    fn forward_into(
+        &self,
+        prepared: &CpuPlan,
+        inputs: &AttnInputs<'_>,
         options: &AttnOptions,
-    ) -> Result<BackwardOutput> {
-        CpuBackend::new().backward(q, k, v, o, lse, d_o, plan, options)
+        out: ForwardOut<'_>,
+        ws: &mut CpuWorkspace,
+        par: Par<'_>,
+    ) -> Result<()> {
+        self.0.forward_into(prepared, inputs, options, out, ws, par)
+    }
+    fn backward_into(
+        &self,
+        prepared: &CpuPlan,
+        inputs: &GradInputs<'_>,
+        options: &AttnOptions,
+        out: GradOut<'_>,
+        ws: &mut CpuWorkspace,
+        par: Par<'_>,
+    ) -> Result<()> {
+        self.0
+            .backward_into(prepared, inputs, options, out, ws, par)
+    }
+}
+
+/// The CPU backend as a trait object.
+type DynCpu = dyn Backend<Prepared = CpuPlan, Workspace = CpuWorkspace>;
+
+/// A sized backend forwarding every method (the provided ones included) to a trait object.
+struct ViaDyn<'a>(&'a DynCpu);
+
+impl Backend for ViaDyn<'_> {
+    type Prepared = CpuPlan;
+    type Workspace = CpuWorkspace;
+
+    fn name(&self) -> &str {
+        self.0.name()
+    }
+    fn prepare(&self, plan: &Arc<Plan>) -> Result<CpuPlan> {
+        self.0.prepare(plan)
+    }
+    fn forward_workspace_size(
+        &self,
+        prepared: &CpuPlan,
+        inputs: &AttnInputs<'_>,
+        par: Par<'_>,
+    ) -> Result<usize> {
+        self.0.forward_workspace_size(prepared, inputs, par)
+    }
+    fn backward_workspace_size(
+        &self,
+        prepared: &CpuPlan,
+        inputs: &GradInputs<'_>,
+        par: Par<'_>,
+    ) -> Result<usize> {
+        self.0.backward_workspace_size(prepared, inputs, par)
+    }
+    fn forward_into(
+        &self,
+        prepared: &CpuPlan,
+        inputs: &AttnInputs<'_>,
+        options: &AttnOptions,
+        out: ForwardOut<'_>,
+        ws: &mut CpuWorkspace,
+        par: Par<'_>,
+    ) -> Result<()> {
+        self.0.forward_into(prepared, inputs, options, out, ws, par)
+    }
+    fn forward_with_telemetry_into(
+        &self,
+        prepared: &CpuPlan,
+        inputs: &AttnInputs<'_>,
+        options: &AttnOptions,
+        tel: &TelemetryInput<'_>,
+        out: ForwardOut<'_>,
+        ws: &mut CpuWorkspace,
+        par: Par<'_>,
+    ) -> Result<AttnSummary> {
+        self.0
+            .forward_with_telemetry_into(prepared, inputs, options, tel, out, ws, par)
+    }
+    fn backward_into(
+        &self,
+        prepared: &CpuPlan,
+        inputs: &GradInputs<'_>,
+        options: &AttnOptions,
+        out: GradOut<'_>,
+        ws: &mut CpuWorkspace,
+        par: Par<'_>,
+    ) -> Result<()> {
+        self.0
+            .backward_into(prepared, inputs, options, out, ws, par)
     }
 }
 
@@ -709,26 +842,94 @@ fn backends_without_telemetry_say_so_on_logging_steps_only() {
     let p = Prob::new("minimal", Mask::causal()).lens(30, 30);
     let x = random_inputs(&p);
     let plan = p.plan();
+    let be = Minimal(CpuBackend::new());
     let mut tel = Telemetry::new(TelemetryConfig::every(2)).unwrap();
     let mut sink = TelemetrySink::new(tel.config.clone());
     let mut call = |tel: &Telemetry| {
         forward_logged(
-            &Minimal,
-            x.q.view(),
-            x.k.view(),
-            x.v.view(),
+            &be,
+            &x.attn(),
             &plan,
             &x.opts,
-            tel,
-            &p.mask,
-            0,
-            &mut sink,
+            LogContext {
+                tel,
+                mask: &p.mask,
+                layer: 0,
+                sink: &mut sink,
+            },
         )
     };
     let err = call(&tel).unwrap_err();
     assert!(matches!(err, Error::Unsupported(_)), "{err}");
     tel.advance();
     call(&tel).unwrap();
+
+    // The provided `forward_with_telemetry_into` (and the allocating `forward_with_telemetry`
+    // built on it) return `Unsupported`; `forward_logged_into` on a prepared plan says so on a
+    // logging step only.
+    let flags = p.flags();
+    let prepared = be.prepare(&plan).unwrap();
+    let d = check_inputs(&x.attn(), &x.opts).unwrap();
+    let mut bufs = ForwardBufs::new(&d);
+    let mut ws = CpuWorkspace::default();
+    let err = be
+        .forward_with_telemetry_into(
+            &prepared,
+            &x.attn(),
+            &x.opts,
+            &input(&flags, 0),
+            bufs.out(),
+            &mut ws,
+            Par::Current,
+        )
+        .unwrap_err();
+    assert!(matches!(err, Error::Unsupported(_)), "{err}");
+    assert!(err.to_string().contains("minimal"), "{err}");
+    let err = be
+        .forward_with_telemetry(&x.attn(), &plan, &x.opts, &input(&flags, 0))
+        .unwrap_err();
+    assert!(matches!(err, Error::Unsupported(_)), "{err}");
+    let mut tel = Telemetry::new(TelemetryConfig::every(2)).unwrap();
+    for step in 0..2 {
+        let r = forward_logged_into(
+            &be,
+            &prepared,
+            &x.attn(),
+            &x.opts,
+            bufs.out(),
+            &mut ws,
+            Par::Current,
+            LogContext {
+                tel: &tel,
+                mask: &p.mask,
+                layer: 0,
+                sink: &mut sink,
+            },
+        );
+        match step {
+            0 => assert!(matches!(r, Err(Error::Unsupported(_))), "{r:?}"),
+            _ => r.unwrap(),
+        }
+        tel.advance();
+    }
+    assert_eq!(sink.pending(), 0);
+
+    // The provided allocating `forward`/`backward` (the CPU backend overrides them) give the CPU
+    // backend's results.
+    let cpu = CpuBackend::new();
+    let f = be.forward(&x.attn(), &plan, &x.opts).unwrap();
+    let want = cpu.forward(&x.attn(), &plan, &x.opts).unwrap();
+    assert_same_outputs(&f, &want, "Minimal::forward");
+    assert_same_outputs(
+        &bufs.finish(&d).unwrap(),
+        &want,
+        "Minimal forward_logged_into",
+    );
+    let d_o = x.q.clone();
+    let g_in = GradInputs::contiguous(x.attn(), f.o.view(), f.lse.view(), d_o.view()).unwrap();
+    let g = be.backward(&g_in, &plan, &x.opts).unwrap();
+    let want = cpu.backward(&g_in, &plan, &x.opts).unwrap();
+    assert_eq!(g, want, "Minimal::backward");
 }
 
 #[test]
@@ -831,16 +1032,12 @@ fn bf16_logging_step_outputs_are_bit_identical_on_avx512_bf16() {
                 x.v = Tensor::from_bf16(x.v.shape().to_vec(), v).unwrap();
             }
             let what = format!("{} (non-finite V: {nonfinite_v})", p.name);
-            let plain = be
-                .forward(x.q.view(), x.k.view(), x.v.view(), &plan, &x.opts)
-                .unwrap();
+            let plain = be.forward(&x.attn(), &plan, &x.opts).unwrap();
             let (out, _) = logged_on(&be, &p, &x, &plan, &flags);
             assert_same_outputs(&out, &plain, &what);
             // The plain forward ran the `vdpbf16ps` kernel (P rounded to bf16), not the f32 math
             // of `Isa::Avx512`: the bit-identity above is that kernel's.
-            let generic = f32_math
-                .forward(x.q.view(), x.k.view(), x.v.view(), &plan, &x.opts)
-                .unwrap();
+            let generic = f32_math.forward(&x.attn(), &plan, &x.opts).unwrap();
             assert_ne!(
                 bits(&generic.o),
                 bits(&plain.o),

@@ -57,7 +57,7 @@ pub(crate) use schedule::{f32_pieces, run_items, Geometry};
 pub use workspace::CpuWorkspace;
 pub(crate) use workspace::Rest;
 
-use crate::validate::{check_forward_out, check_grad_out};
+use crate::validate::{check_forward_out, check_grad_out, check_plan_consistent};
 use crate::{
     check_backward, check_forward, AttnInputs, AttnOptions, Backend, BackwardOutput, Dims,
     ForwardBufs, ForwardOut, ForwardOutput, GradBufs, GradInputs, GradOut, OutData, Par, Prepared,
@@ -162,6 +162,7 @@ impl Backend for CpuBackend {
     }
 
     fn prepare(&self, plan: &Arc<Plan>) -> Result<CpuPlan> {
+        check_plan_consistent(plan)?;
         Ok(CpuPlan {
             plan: plan.clone(),
             data: PlanData::new(plan),
@@ -250,9 +251,9 @@ impl Backend for CpuBackend {
         plan: &Arc<Plan>,
         options: &AttnOptions,
     ) -> Result<ForwardOutput> {
+        let d = check_forward(inputs, plan, options)?;
         let data = PlanData::new(plan);
         let prep = Prep { plan, data: &data };
-        let d = check_forward(inputs, plan, options)?;
         let mut bufs = ForwardBufs::new(&d);
         let mut ws = CpuWorkspace::default();
         self.forward_prep(prep, inputs, options, bufs.out(), &mut ws, Par::Current)?;
@@ -265,9 +266,9 @@ impl Backend for CpuBackend {
         plan: &Arc<Plan>,
         options: &AttnOptions,
     ) -> Result<BackwardOutput> {
+        let d = check_backward(inputs, plan, options)?;
         let data = PlanData::new(plan);
         let prep = Prep { plan, data: &data };
-        let d = check_backward(inputs, plan, options)?;
         let mut bufs = GradBufs::new(&d, options.sinks.is_some());
         let mut ws = CpuWorkspace::default();
         self.backward_prep(prep, inputs, options, bufs.out(), &mut ws, Par::Current)?;
