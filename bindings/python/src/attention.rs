@@ -318,3 +318,195 @@ pub fn attention_backward(
     give_workspace(ws);
     r.map_err(to_py)
 }
+
+/// Columns of one head's row in a telemetry stats array (see [`head_row`]).
+pub const STAT_COLUMNS: usize = 9;
+
+/// One head's accumulator as a fixed-width row: valid rows, Σ sink mass, Σ learned-sink mass,
+/// Σ entropy, max logit, max |O|, Σ O², O element count, outliers.
+fn head_row(a: &tessera::telemetry::HeadAccum) -> [f64; STAT_COLUMNS] {
+    [
+        a.valid_rows as f64,
+        a.sink_mass_sum.value(),
+        a.learned_sink_mass_sum.value(),
+        a.entropy_sum.value(),
+        a.max_logit,
+        a.out.abs_max,
+        a.out.sq_sum.value(),
+        a.out.count as f64,
+        a.out.outliers as f64,
+    ]
+}
+
+fn head_accum(r: &[f64]) -> tessera::telemetry::HeadAccum {
+    use tessera::telemetry::{ExactSum, HeadAccum};
+    let sum = |x: f64| {
+        let mut s = ExactSum::new();
+        s.add(x);
+        s
+    };
+    let mut a = HeadAccum {
+        valid_rows: r[0] as u64,
+        sink_mass_sum: sum(r[1]),
+        learned_sink_mass_sum: sum(r[2]),
+        entropy_sum: sum(r[3]),
+        max_logit: r[4],
+        ..HeadAccum::default()
+    };
+    a.out.abs_max = r[5];
+    a.out.sq_sum = sum(r[6]);
+    a.out.count = r[7] as u64;
+    a.out.outliers = r[8] as u64;
+    a
+}
+
+fn telemetry_config(
+    every: u64,
+    sink_tokens: usize,
+    epsilon: f64,
+    outlier_ratio: f64,
+    sink: bool,
+    outlier: bool,
+) -> PyResult<tessera::telemetry::TelemetryConfig> {
+    let c = tessera::telemetry::TelemetryConfig {
+        every,
+        streams: tessera::telemetry::Streams { sink, outlier },
+        sink_tokens,
+        epsilon,
+        outlier_ratio,
+    };
+    tessera::telemetry::Telemetry::new(c.clone()).map_err(to_py)?;
+    Ok(c)
+}
+
+/// A logging step's forward: the outputs of [`attention_forward`] (bit-identical) plus the
+/// step's per-head summary written into `stats` (`float64 [Hq, 9]`, see `head_row`).
+#[pyfunction]
+#[pyo3(signature = (plan, q, k, v, o, lse, max_logit, stats, scale=None, softcap=None, sinks=None, sink_tokens=1, outlier_ratio=6.0, sink_stream=true, outlier_stream=true))]
+#[allow(clippy::too_many_arguments)]
+pub fn attention_forward_logged(
+    py: Python<'_>,
+    plan: PyRef<'_, PyPlan>,
+    q: &Bound<'_, PyUntypedArray>,
+    k: &Bound<'_, PyUntypedArray>,
+    v: &Bound<'_, PyUntypedArray>,
+    o: &Bound<'_, PyUntypedArray>,
+    lse: &Bound<'_, PyUntypedArray>,
+    max_logit: &Bound<'_, PyUntypedArray>,
+    stats: &Bound<'_, PyUntypedArray>,
+    scale: Option<f32>,
+    softcap: Option<f32>,
+    sinks: Option<Vec<f32>>,
+    sink_tokens: usize,
+    outlier_ratio: f64,
+    sink_stream: bool,
+    outlier_stream: bool,
+) -> PyResult<()> {
+    use tessera::telemetry::{document_kv_segments, sink_key_flags};
+    let kind = kind_of("q", q)?;
+    distinct(
+        &[("o", o), ("lse", lse), ("max_logit", max_logit), ("stats", stats)],
+        &[q, k, v],
+    )?;
+    let inputs = AttnInputs {
+        q: strided("q", q, kind)?,
+        k: strided("k", k, kind)?,
+        v: strided("v", v, kind)?,
+    };
+    let out = ForwardOut {
+        o: out_data("o", o, kind)?,
+        lse: f32_out("lse", lse)?,
+        max_logit: f32_out("max_logit", max_logit)?,
+    };
+    if !stats.dtype().is_equiv_to(&numpy::dtype::<f64>(stats.py())) || !stats.is_c_contiguous() {
+        return Err(PyTypeError::new_err("stats: expected a contiguous float64 array"));
+    }
+    let (_, _, span) = layout("stats", stats)?;
+    let hq = inputs.q.shape[1];
+    if span != hq * STAT_COLUMNS || !writeable(stats) {
+        return Err(PyValueError::new_err(format!(
+            "stats: expected a writable float64 array [{hq}, {STAT_COLUMNS}]"
+        )));
+    }
+    // SAFETY: a writable C-contiguous float64 array of `span` elements, distinct from the
+    // other arguments (checked above).
+    let stats_out =
+        unsafe { std::slice::from_raw_parts_mut((*stats.as_array_ptr()).fields.data as *mut f64, span) };
+    let opts = options(scale, softcap, sinks);
+    let p = &plan.inner;
+    let flags = sink_key_flags(
+        document_kv_segments(&plan.mask),
+        p.shape.batch,
+        p.shape.kv_len,
+        sink_tokens,
+    )
+    .map_err(to_py)?;
+    let config = telemetry_config(1, sink_tokens, 0.3, outlier_ratio, sink_stream, outlier_stream)?;
+    let tel = tessera::attn::TelemetryInput::new(&flags, 0, 0, &config);
+    let prepared = plan.prepared()?;
+    let be = CpuBackend::new();
+    let mut ws = take_workspace();
+    let r = py.detach(|| {
+        be.forward_with_telemetry_into(prepared, &inputs, &opts, &tel, out, &mut ws, Par::Current)
+    });
+    give_workspace(ws);
+    let summary = r.map_err(to_py)?;
+    for (row, acc) in stats_out.chunks_mut(STAT_COLUMNS).zip(&summary.heads) {
+        row.copy_from_slice(&head_row(acc));
+    }
+    Ok(())
+}
+
+/// JSON lines (the CLI's telemetry schema, one per (step, layer), merged across calls of the
+/// same step and layer) from stacked stats rows `float64 [N, Hq, 9]` and their steps, layers and
+/// whether learned sinks were used.
+#[pyfunction]
+#[pyo3(signature = (stats, steps, layers, learned_sinks, every, sink_tokens=1, epsilon=0.3, outlier_ratio=6.0, sink_stream=true, outlier_stream=true))]
+#[allow(clippy::too_many_arguments)]
+pub fn telemetry_records(
+    stats: numpy::PyReadonlyArray3<'_, f64>,
+    steps: Vec<u64>,
+    layers: Vec<u32>,
+    learned_sinks: Vec<bool>,
+    every: u64,
+    sink_tokens: usize,
+    epsilon: f64,
+    outlier_ratio: f64,
+    sink_stream: bool,
+    outlier_stream: bool,
+) -> PyResult<Vec<String>> {
+    use tessera::telemetry::AttnSummary;
+    let a = stats.as_array();
+    let (n, hq, c) = a.dim();
+    if c != STAT_COLUMNS || steps.len() != n || layers.len() != n || learned_sinks.len() != n {
+        return Err(PyValueError::new_err(format!(
+            "stats: expected [N, Hq, {STAT_COLUMNS}] with N steps, layers and learned_sinks; got \
+             {:?} with {}, {}, {}",
+            a.dim(),
+            steps.len(),
+            layers.len(),
+            learned_sinks.len()
+        )));
+    }
+    let config = telemetry_config(every, sink_tokens, epsilon, outlier_ratio, sink_stream, outlier_stream)?;
+    let mut merged: Vec<AttnSummary> = Vec::new();
+    for i in 0..n {
+        let mut s = AttnSummary::new(steps[i], layers[i], hq, learned_sinks[i]);
+        for (h, acc) in s.heads.iter_mut().enumerate() {
+            let row: Vec<f64> = (0..c).map(|x| a[[i, h, x]]).collect();
+            *acc = head_accum(&row);
+        }
+        match merged
+            .iter_mut()
+            .find(|m| m.step == s.step && m.layer == s.layer)
+        {
+            Some(m) => m.merge(&s).map_err(to_py)?,
+            None => merged.push(s),
+        }
+    }
+    merged.sort_by_key(|m| (m.step, m.layer));
+    merged
+        .iter()
+        .map(|m| m.record(&config).to_json_line().map_err(to_py))
+        .collect()
+}

@@ -32,7 +32,10 @@ fn _tessera(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(pack::pack, m)?)?;
     m.add_function(wrap_pyfunction!(attention::attention_forward, m)?)?;
     m.add_function(wrap_pyfunction!(attention::attention_backward, m)?)?;
+    m.add_function(wrap_pyfunction!(attention::attention_forward_logged, m)?)?;
+    m.add_function(wrap_pyfunction!(attention::telemetry_records, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add("TELEMETRY_COLUMNS", attention::STAT_COLUMNS)?;
     m.add("isa", tessera::CpuBackend::new().isa().name())?;
     Ok(())
 }

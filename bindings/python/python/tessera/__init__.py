@@ -46,6 +46,7 @@ __all__ = [
     "plan",
     "pack",
     "cache_stats",
+    "Telemetry",
     "__version__",
 ]
 
@@ -228,6 +229,16 @@ class Plan:
     def save_png(self, path: str) -> None:
         """Writes a picture of the tile states (the CLI's ``tessera plan --png``)."""
         self._p.save_png(str(path))
+
+
+def __getattr__(name: str) -> Any:
+    # Telemetry lives with the torch integration (its summaries are tensors); imported lazily
+    # so that `import tessera` needs numpy only.
+    if name == "Telemetry":
+        from ._telemetry import Telemetry
+
+        return Telemetry
+    raise AttributeError(f"module 'tessera' has no attribute {name!r}")
 
 
 def _plan_of(handle: int) -> Plan:

@@ -31,8 +31,9 @@ import torch
 from torch import Tensor
 
 from . import Plan, _plan_of, _tessera
+from ._telemetry import Telemetry
 
-__all__ = ["attention", "to_flex_block_mask"]
+__all__ = ["attention", "to_flex_block_mask", "Telemetry"]
 
 
 # -- zero-copy numpy views ----------------------------------------------------------------------
@@ -157,10 +158,58 @@ def _attention_bwd_fake(q, k, v, o, lse, d_o, d_lse, handle, scale, softcap, sin
     )
 
 
+@torch.library.custom_op("tessera::attention_fwd_logged", mutates_args=(), device_types="cpu")
+def _attention_fwd_logged(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    handle: Tensor,
+    scale: float,
+    softcap: Optional[float],
+    sinks: Optional[Tensor],
+    sink_tokens: int,
+    outlier_ratio: float,
+    sink_stream: bool,
+    outlier_stream: bool,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    plan = _plan_of(int(handle))
+    b, hq, lq, _ = q.shape
+    o = torch.empty((b, hq, lq, v.shape[-1]), dtype=q.dtype)
+    lse = torch.empty((b, hq, lq), dtype=torch.float32)
+    max_logit = torch.empty((b, hq), dtype=torch.float32)
+    stats = torch.empty((hq, _tessera.TELEMETRY_COLUMNS), dtype=torch.float64)
+    q, k, v = _in_layout(q), _in_layout(k), _in_layout(v)
+    _tessera.attention_forward_logged(
+        plan._p,
+        _np(q),
+        _np(k),
+        _np(v),
+        _np(o),
+        _np(lse),
+        _np(max_logit),
+        _np(stats),
+        scale,
+        softcap,
+        None if sinks is None else sinks.detach().float().tolist(),
+        sink_tokens,
+        outlier_ratio,
+        sink_stream,
+        outlier_stream,
+    )
+    return o, lse, max_logit, stats
+
+
+@_attention_fwd_logged.register_fake
+def _attention_fwd_logged_fake(q, k, v, handle, scale, softcap, sinks, *_):
+    o, lse, max_logit = _attention_fwd_fake(q, k, v, handle, scale, softcap, sinks)
+    stats = q.new_empty((q.shape[1], _tessera.TELEMETRY_COLUMNS), dtype=torch.float64)
+    return o, lse, max_logit, stats
+
+
 def _setup_context(ctx, inputs, output):
-    q, k, v, handle, scale, softcap, sinks = inputs
-    o, lse, max_logit = output
-    ctx.mark_non_differentiable(max_logit)
+    q, k, v, handle, scale, softcap, sinks = inputs[:7]
+    o, lse, max_logit = output[:3]
+    ctx.mark_non_differentiable(*output[2:])
     ctx.save_for_backward(q, k, v, o, lse, handle, sinks)
     ctx.scale = scale
     ctx.softcap = softcap
@@ -175,7 +224,13 @@ def _backward(ctx, d_o, d_lse, d_max_logit):
     return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None, d_sinks
 
 
+def _backward_logged(ctx, d_o, d_lse, d_max_logit, d_stats):
+    grads = _backward(ctx, d_o, d_lse, d_max_logit)
+    return grads + (None, None, None, None)
+
+
 _attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+_attention_fwd_logged.register_autograd(_backward_logged, setup_context=_setup_context)
 
 
 # -- the user-facing function --------------------------------------------------------------------
@@ -232,7 +287,7 @@ def attention(
     softcap: Optional[float] = None,
     sinks: Optional[Tensor] = None,
     return_lse: bool = False,
-    telemetry: Optional["Telemetry"] = None,
+    telemetry: Optional[Telemetry] = None,
     layer: int = 0,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Exact attention over ``plan`` (SPEC §4): ``softmax(scale·QKᵀ, masked)·V`` with optional
@@ -256,9 +311,17 @@ def attention(
         if not (math.isfinite(softcap) and softcap > 0):
             raise ValueError(f"softcap: expected a finite positive number, got {softcap}")
     h = _handle(plan)
-    o, lse, max_logit = torch.ops.tessera.attention_fwd(q, k, v, h, scale, softcap, sinks)
-    if telemetry is not None:
-        telemetry._observe(q, k, v, plan, o, lse, max_logit, scale, softcap, sinks, layer)
+    if telemetry is not None and telemetry.should_log():
+        # A logging step runs the hooked kernel instead of the plain one (same outputs, bit for
+        # bit) and keeps the per-head summary as a tensor: no host read in the step.
+        cfg = telemetry.config
+        o, lse, _, stats = torch.ops.tessera.attention_fwd_logged(
+            q, k, v, h, scale, softcap, sinks, cfg["sink_tokens"], cfg["outlier_ratio"],
+            cfg["sink_stream"], cfg["outlier_stream"],
+        )
+        telemetry._record(layer, sinks is not None, stats)
+    else:
+        o, lse, _ = torch.ops.tessera.attention_fwd(q, k, v, h, scale, softcap, sinks)
     return (o, lse) if return_lse else o
 
 
