@@ -1,5 +1,6 @@
 //! Forward and backward of the CPU backend at 8K tokens, H = 8, D = 64, B = 1, default 128x128
-//! tiles, for three masks (causal, causal within ~1K-token documents, window(1024) & causal) in
+//! tiles, for three masks of the shared workloads (causal, causal within ~1K-token documents,
+//! window(1024) & causal; `tessera_conformance::workloads`, the masks `tessera bench` runs) in
 //! f32 and bf16. Throughput is reported as effective FLOP/s over allowed pairs
 //! (`Plan::forward_flops` / `Plan::backward_flops`), printed by criterion as "elem/s".
 //!
@@ -10,55 +11,27 @@
 //! Run one: `cargo bench -p tessera-attn --bench attention -- 'forward/f32/causal$'`.
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use half::bf16;
-use rand::{Rng, SeedableRng};
-use rand_chacha::ChaCha8Rng;
 use std::sync::Arc;
 use std::time::Duration;
 use tessera_attn::{
     check_inputs, AttnInputs, AttnOptions, Backend, CpuBackend, CpuWorkspace, ForwardBufs,
     GradBufs, GradInputs, Par,
 };
+use tessera_conformance::workloads::{named_mask, random_tensor};
 use tessera_core::{DType, Tensor};
-use tessera_mask::{Mask, SegmentIds, Segments};
+use tessera_mask::Mask;
 use tessera_plan::{build_plan, Plan, PlanShape, TileShape};
 
 const L: usize = 8192;
 const H: usize = 8;
 const D: usize = 64;
 
-fn documents() -> Mask {
-    // Documents of 512..1536 tokens (mean ~1K), seeded.
-    let mut rng = ChaCha8Rng::seed_from_u64(7);
-    let mut ids = Vec::with_capacity(L);
-    let mut doc = 0i64;
-    while ids.len() < L {
-        let n = rng.gen_range(512..=1536).min(L - ids.len());
-        ids.extend(std::iter::repeat_n(doc, n));
-        doc += 1;
-    }
-    let seg = SegmentIds::shared(ids).expect("segments");
-    Mask::causal() & Mask::document(Segments::shared(seg))
-}
-
+/// The suite's masks from the shared seeded workloads (the same ones `tessera bench` runs).
 fn masks() -> Vec<(&'static str, Mask)> {
-    vec![
-        ("causal", Mask::causal()),
-        ("causal_documents", documents()),
-        ("window1024_causal", Mask::window(1024, 0) & Mask::causal()),
-    ]
-}
-
-fn tensor(rng: &mut ChaCha8Rng, dtype: DType, n: usize) -> Tensor {
-    let v: Vec<f32> = (0..n).map(|_| rng.gen_range(-1.7f32..1.7)).collect();
-    match dtype {
-        DType::BF16 => Tensor::from_bf16(
-            vec![1, H, L, D],
-            v.into_iter().map(bf16::from_f32).collect(),
-        ),
-        _ => Tensor::from_f32(vec![1, H, L, D], v),
-    }
-    .expect("tensor")
+    ["causal", "documents", "window"]
+        .into_iter()
+        .map(|name| (name, named_mask(name, L).expect("mask").1))
+        .collect()
 }
 
 struct Inputs {
@@ -78,14 +51,13 @@ fn inputs(mask: &Mask, dtype: DType) -> Inputs {
         )
         .expect("plan"),
     );
-    let mut rng = ChaCha8Rng::seed_from_u64(1);
-    let n = H * L * D;
+    let t = |seed| random_tensor(vec![1, H, L, D], dtype, seed).expect("tensor");
     Inputs {
         plan,
-        q: tensor(&mut rng, dtype, n),
-        k: tensor(&mut rng, dtype, n),
-        v: tensor(&mut rng, dtype, n),
-        d_o: tensor(&mut rng, dtype, n),
+        q: t(1),
+        k: t(2),
+        v: t(3),
+        d_o: t(4),
     }
 }
 

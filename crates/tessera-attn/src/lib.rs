@@ -30,9 +30,36 @@
 //! Crate map: [`Backend`] and its argument structs (`backend`), strided views and output
 //! buffers (`views`), [`Par`] (`par`), validation (`validate`), gated telemetry (`telemetry`);
 //! [`cpu`] (work-list driven tiled kernels, runtime ISA dispatch; its module doc maps the kernel
-//! phases to files); [`cuda`] (the GPU backend's place, empty in this build). A new backend implements
-//! [`Backend`], calls
-//! [`check_forward`]/[`check_backward`] first, and must pass the suite.
+//! phases to files); [`cuda`] (the GPU backend's place, empty in this build). A new backend
+//! implements [`Backend`], calls [`check_forward`]/[`check_backward`] first, and must pass the
+//! suite.
+//!
+//! ```
+//! use std::sync::Arc;
+//! use tessera_attn::{AttnInputs, AttnOptions, Backend, CpuBackend, CpuWorkspace, ForwardBufs,
+//!                    Par, StridedView, ViewData};
+//! use tessera_mask::Mask;
+//! use tessera_plan::{build_plan, PlanShape, TileShape};
+//!
+//! // Q stored as PyTorch's [B, L, H, D] (B=1, L=48, H=2, D=16), read in place as [B, H, L, D].
+//! let (l, h, d) = (48, 2, 16);
+//! let x: Vec<f32> = (0..l * h * d).map(|i| ((i * 7919) % 23) as f32 / 23.0 - 0.5).collect();
+//! let q = StridedView::new("q", ViewData::F32(&x), [1, h, l, d], [l * h * d, d, h * d, 1])?;
+//! let inputs = AttnInputs { q, k: q, v: q };
+//! let plan = Arc::new(build_plan(&Mask::causal(), PlanShape::new(1, h, l, l)?,
+//!                                TileShape::new(16, 16)?)?);
+//! let cpu = CpuBackend::new();
+//! let prepared = cpu.prepare(&plan)?;                       // once per plan
+//! let opts = AttnOptions { softcap: Some(20.0), ..AttnOptions::default() };
+//! let dims = tessera_attn::check_inputs(&inputs, &opts)?;
+//! let (mut out, mut ws) = (ForwardBufs::new(&dims), CpuWorkspace::new());
+//! cpu.forward_into(&prepared, &inputs, &opts, out.out(), &mut ws, Par::Seq)?;
+//! let out = out.finish(&dims)?;
+//! // Query 0 attends only key 0: its output (head 0) is V's row 0 (stored first) exactly.
+//! assert_eq!(out.o.to_f32_vec()?[..d], x[..d]);
+//! assert!(out.lse.to_f32_vec()?.iter().all(|x| x.is_finite()));
+//! # Ok::<(), tessera_core::Error>(())
+//! ```
 
 mod backend;
 pub mod cpu;

@@ -3,6 +3,17 @@
 //! Contract: every other crate reports failures through [`Error`], stores tensors as [`Tensor`]
 //! (row-major, contiguous, f32 or bf16 or integer storage) and records counters in [`metrics`].
 //! Nothing here knows about masks, plans or kernels.
+//!
+//! ```
+//! use tessera_core::{DType, Error, Tensor};
+//!
+//! let t = Tensor::from_f32(vec![2, 3], vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0])?;
+//! assert_eq!((t.shape(), t.dtype(), t.numel()), (&[2, 3][..], DType::F32, 6));
+//! // A shape that does not match the data is an error naming what was expected.
+//! let bad = Tensor::from_f32(vec![4], vec![0.0; 3]).unwrap_err();
+//! assert!(matches!(bad, Error::InvalidArgument { .. }) && bad.to_string().contains("4 elements"));
+//! # Ok::<(), Error>(())
+//! ```
 
 pub mod error;
 pub mod metrics;
