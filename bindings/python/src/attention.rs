@@ -434,9 +434,10 @@ pub fn attention_forward_logged(
         unsafe { std::slice::from_raw_parts_mut((*stats.as_array_ptr()).fields.data as *mut f64, span) };
     let opts = options(scale, softcap, sinks);
     let p = &plan.inner;
+    // The inputs' batch size: a batch-invariant plan built for one row serves any batch.
     let flags = sink_key_flags(
         document_kv_segments(&plan.mask),
-        p.shape.batch,
+        inputs.q.shape[0],
         p.shape.kv_len,
         sink_tokens,
     )

@@ -11,7 +11,6 @@
 
 use crate::{
     check_inputs, AttnInputs, AttnOptions, Backend, ForwardBufs, ForwardOut, ForwardOutput, Par,
-    Prepared,
 };
 use std::sync::Arc;
 use tessera_core::{Error, Result};
@@ -106,11 +105,12 @@ pub fn forward_logged_into<B: Backend + ?Sized>(
     if !tel.should_log() {
         return backend.forward_into(prepared, inputs, options, out, ws, par);
     }
-    let shape = prepared.plan().shape;
+    // The inputs' batch size: a batch-invariant plan built for one row serves any batch.
+    let d = check_inputs(inputs, options)?;
     let flags = sink_key_flags(
         document_kv_segments(log.mask),
-        shape.batch,
-        shape.kv_len,
+        d.batch,
+        d.kv_len,
         tel.config.sink_tokens,
     )?;
     let input = TelemetryInput::new(&flags, tel.step, log.layer, &tel.config);

@@ -346,7 +346,11 @@ fn bad_plan(found: impl std::fmt::Display) -> Error {
 /// The plan must be built for exactly this problem and be internally consistent.
 fn check_plan(plan: &Plan, d: &Dims) -> Result<()> {
     let s = plan.shape;
-    if (s.batch, s.heads, s.q_len, s.kv_len) != (d.batch, d.heads_q, d.q_len, d.kv_len) {
+    // A plan whose mask does not vary along batch rows (heads) and that was built for one row
+    // (head) serves any batch size (head count): every row (head) uses its one head plan.
+    let batch_ok = s.batch == d.batch || (s.batch == 1 && plan.batch_groups == 1);
+    let heads_ok = s.heads == d.heads_q || (s.heads == 1 && plan.head_groups == 1);
+    if !(batch_ok && heads_ok) || (s.q_len, s.kv_len) != (d.q_len, d.kv_len) {
         return Err(Error::invalid(
             "plan",
             format!(

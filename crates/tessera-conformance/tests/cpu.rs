@@ -130,3 +130,37 @@ fn lse_gradient_matches_the_reference() {
         }
     }
 }
+
+/// A plan of a mask that does not vary along batch rows or heads, built for B = 1, H = 1, serves
+/// any batch size and head count with the same bits as the plan of the full shape; a plan whose
+/// mask varies per row is refused for another batch size.
+#[test]
+fn one_row_plan_serves_any_batch_and_heads() {
+    use std::sync::Arc;
+    use tessera_attn::{AttnInputs, AttnOptions, Backend};
+    use tessera_conformance::workloads::{packed_segments, random_tensor};
+    use tessera_core::DType;
+    use tessera_mask::{Mask, Segments};
+    use tessera_plan::{build_plan, PlanShape, TileShape};
+
+    let (b, hq, hkv, l, d) = (3, 4, 2, 130, 16);
+    let tile = TileShape::new(32, 32).unwrap();
+    let shared = Segments::shared(packed_segments(1, l, 50, 3).unwrap());
+    let mask = Mask::causal() & Mask::document(shared);
+    let small = Arc::new(build_plan(&mask, PlanShape::new(1, 1, l, l).unwrap(), tile).unwrap());
+    let whole = Arc::new(build_plan(&mask, PlanShape::new(b, hq, l, l).unwrap(), tile).unwrap());
+    let q = random_tensor(vec![b, hq, l, d], DType::F32, 1).unwrap();
+    let k = random_tensor(vec![b, hkv, l, d], DType::F32, 2).unwrap();
+    let v = random_tensor(vec![b, hkv, l, d], DType::F32, 3).unwrap();
+    let inputs = AttnInputs::contiguous(q.view(), k.view(), v.view()).unwrap();
+    let opts = AttnOptions::default();
+    let be = CpuBackend::new();
+    let a = be.forward(&inputs, &small, &opts).unwrap();
+    let c = be.forward(&inputs, &whole, &opts).unwrap();
+    assert_eq!(a, c);
+    let per_row = Segments::shared(packed_segments(2, l, 50, 4).unwrap());
+    let varying = Mask::causal() & Mask::document(per_row);
+    let two = Arc::new(build_plan(&varying, PlanShape::new(2, 1, l, l).unwrap(), tile).unwrap());
+    let e = be.forward(&inputs, &two, &opts).unwrap_err().to_string();
+    assert!(e.contains("plan"), "{e}");
+}

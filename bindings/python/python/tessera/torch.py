@@ -256,7 +256,12 @@ def _check(q: Tensor, k: Tensor, v: Tensor, plan: Any, sinks: Optional[Tensor]) 
         raise TypeError(f"plan: expected a tessera.Plan, got {type(plan).__name__}")
     b, hq, lq, dqk = q.shape
     pb, ph, plq, plkv = plan.shape
-    if (b, hq, lq, k.shape[2]) != (pb, ph, plq, plkv):
+    gb, gh = plan.groups
+    # A plan built for one row (head) of a mask that does not vary along rows (heads) serves any
+    # batch size (head count).
+    batch_ok = pb == b or (pb == 1 and gb == 1)
+    heads_ok = ph == hq or (ph == 1 and gh == 1)
+    if not (batch_ok and heads_ok) or (plq, plkv) != (lq, k.shape[2]):
         raise ValueError(
             f"plan: built for B={pb} H={ph} Lq={plq} Lkv={plkv}, but q/k give "
             f"B={b} H={hq} Lq={lq} Lkv={k.shape[2]}"
