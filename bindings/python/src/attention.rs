@@ -57,8 +57,7 @@ fn kind_of(name: &str, a: &Bound<'_, PyUntypedArray>) -> PyResult<Kind> {
     let py = a.py();
     if dt.is_equiv_to(&numpy::dtype::<f32>(py)) {
         Ok(Kind::F32)
-    } else if dt.is_equiv_to(&numpy::dtype::<i16>(py)) || dt.is_equiv_to(&numpy::dtype::<u16>(py))
-    {
+    } else if dt.is_equiv_to(&numpy::dtype::<i16>(py)) || dt.is_equiv_to(&numpy::dtype::<u16>(py)) {
         Ok(Kind::BF16)
     } else {
         Err(PyTypeError::new_err(format!(
@@ -116,18 +115,24 @@ fn input_view<'a>(
         let ptr = (*a.as_array_ptr()).fields.data;
         match kind {
             Kind::F32 => ViewData::F32(std::slice::from_raw_parts(ptr as *const f32, span)),
-            Kind::BF16 => ViewData::BF16(std::slice::from_raw_parts(
-                ptr as *const half::bf16,
-                span,
-            )),
+            Kind::BF16 => {
+                ViewData::BF16(std::slice::from_raw_parts(ptr as *const half::bf16, span))
+            }
         }
     };
     Ok((data, shape, strides))
 }
 
-fn strided<'a>(name: &str, a: &'a Bound<'_, PyUntypedArray>, kind: Kind) -> PyResult<StridedView<'a>> {
+fn strided<'a>(
+    name: &str,
+    a: &'a Bound<'_, PyUntypedArray>,
+    kind: Kind,
+) -> PyResult<StridedView<'a>> {
     let (data, shape, strides) = input_view(name, a, kind)?;
-    let (Ok(shape), Ok(strides)) = (<[usize; 4]>::try_from(shape.as_slice()), <[usize; 4]>::try_from(strides.as_slice())) else {
+    let (Ok(shape), Ok(strides)) = (
+        <[usize; 4]>::try_from(shape.as_slice()),
+        <[usize; 4]>::try_from(strides.as_slice()),
+    ) else {
         return Err(PyValueError::new_err(format!(
             "{name}: expected a 4-D array [B, H, L, D], got shape {:?}",
             a.shape()
@@ -137,17 +142,26 @@ fn strided<'a>(name: &str, a: &'a Bound<'_, PyUntypedArray>, kind: Kind) -> PyRe
 }
 
 /// A contiguous f32 input (LSE-shaped arrays).
-fn f32_slice<'a>(name: &str, a: &'a Bound<'_, PyUntypedArray>) -> PyResult<(&'a [f32], Vec<usize>)> {
+fn f32_slice<'a>(
+    name: &str,
+    a: &'a Bound<'_, PyUntypedArray>,
+) -> PyResult<(&'a [f32], Vec<usize>)> {
     if !a.dtype().is_equiv_to(&numpy::dtype::<f32>(a.py())) {
-        return Err(PyTypeError::new_err(format!("{name}: expected float32, got {}", a.dtype())));
+        return Err(PyTypeError::new_err(format!(
+            "{name}: expected float32, got {}",
+            a.dtype()
+        )));
     }
     if !a.is_c_contiguous() {
-        return Err(PyValueError::new_err(format!("{name}: expected a contiguous array")));
+        return Err(PyValueError::new_err(format!(
+            "{name}: expected a contiguous array"
+        )));
     }
     let (shape, _, span) = layout(name, a)?;
     // SAFETY: a C-contiguous array holds `span` = product(shape) elements from its data
     // pointer; the slice borrows `a`.
-    let data = unsafe { std::slice::from_raw_parts((*a.as_array_ptr()).fields.data as *const f32, span) };
+    let data =
+        unsafe { std::slice::from_raw_parts((*a.as_array_ptr()).fields.data as *const f32, span) };
     Ok((data, shape))
 }
 
@@ -171,7 +185,9 @@ fn out_data<'a>(name: &str, a: &'a Bound<'_, PyUntypedArray>, kind: Kind) -> PyR
         let ptr = (*a.as_array_ptr()).fields.data;
         Ok(match kind {
             Kind::F32 => OutData::F32(std::slice::from_raw_parts_mut(ptr as *mut f32, span)),
-            Kind::BF16 => OutData::BF16(std::slice::from_raw_parts_mut(ptr as *mut half::bf16, span)),
+            Kind::BF16 => {
+                OutData::BF16(std::slice::from_raw_parts_mut(ptr as *mut half::bf16, span))
+            }
         })
     }
 }
@@ -185,7 +201,10 @@ fn f32_out<'a>(name: &str, a: &'a Bound<'_, PyUntypedArray>) -> PyResult<&'a mut
 
 /// Output arrays must not overlap each other or the inputs (they are written while the inputs
 /// are read).
-fn distinct(outs: &[(&str, &Bound<'_, PyUntypedArray>)], ins: &[&Bound<'_, PyUntypedArray>]) -> PyResult<()> {
+fn distinct(
+    outs: &[(&str, &Bound<'_, PyUntypedArray>)],
+    ins: &[&Bound<'_, PyUntypedArray>],
+) -> PyResult<()> {
     let range = |a: &Bound<'_, PyUntypedArray>| -> (usize, usize) {
         let item = a.dtype().itemsize();
         let span = layout("", a).map(|x| x.2).unwrap_or(0);
@@ -195,7 +214,10 @@ fn distinct(outs: &[(&str, &Bound<'_, PyUntypedArray>)], ins: &[&Bound<'_, PyUnt
     };
     for (i, (name, a)) in outs.iter().enumerate() {
         let (a0, a1) = range(a);
-        let others = outs[i + 1..].iter().map(|(_, b)| *b).chain(ins.iter().copied());
+        let others = outs[i + 1..]
+            .iter()
+            .map(|(_, b)| *b)
+            .chain(ins.iter().copied());
         for b in others {
             let (b0, b1) = range(b);
             if a0 < b1 && b0 < a1 && a1 > a0 && b1 > b0 {
@@ -235,7 +257,10 @@ pub fn attention_forward(
     sinks: Option<Vec<f32>>,
 ) -> PyResult<()> {
     let kind = kind_of("q", q)?;
-    distinct(&[("o", o), ("lse", lse), ("max_logit", max_logit)], &[q, k, v])?;
+    distinct(
+        &[("o", o), ("lse", lse), ("max_logit", max_logit)],
+        &[q, k, v],
+    )?;
     let inputs = AttnInputs {
         q: strided("q", q, kind)?,
         k: strided("k", k, kind)?,
@@ -297,7 +322,9 @@ pub fn attention_backward(
         lse: TensorView::new(&lse_shape, ViewData::F32(lse_data)).map_err(to_py)?,
         d_o: strided("d_o", d_o, kind)?,
         d_lse: match &d_lse_parts {
-            Some((data, shape)) => Some(TensorView::new(shape, ViewData::F32(data)).map_err(to_py)?),
+            Some((data, shape)) => {
+                Some(TensorView::new(shape, ViewData::F32(data)).map_err(to_py)?)
+            }
             None => None,
         },
     };
@@ -405,7 +432,12 @@ pub fn attention_forward_logged(
     use tessera::telemetry::{document_kv_segments, sink_key_flags};
     let kind = kind_of("q", q)?;
     distinct(
-        &[("o", o), ("lse", lse), ("max_logit", max_logit), ("stats", stats)],
+        &[
+            ("o", o),
+            ("lse", lse),
+            ("max_logit", max_logit),
+            ("stats", stats),
+        ],
         &[q, k, v],
     )?;
     let inputs = AttnInputs {
@@ -419,7 +451,9 @@ pub fn attention_forward_logged(
         max_logit: f32_out("max_logit", max_logit)?,
     };
     if !stats.dtype().is_equiv_to(&numpy::dtype::<f64>(stats.py())) || !stats.is_c_contiguous() {
-        return Err(PyTypeError::new_err("stats: expected a contiguous float64 array"));
+        return Err(PyTypeError::new_err(
+            "stats: expected a contiguous float64 array",
+        ));
     }
     let (_, _, span) = layout("stats", stats)?;
     let hq = inputs.q.shape[1];
@@ -430,8 +464,9 @@ pub fn attention_forward_logged(
     }
     // SAFETY: a writable C-contiguous float64 array of `span` elements, distinct from the
     // other arguments (checked above).
-    let stats_out =
-        unsafe { std::slice::from_raw_parts_mut((*stats.as_array_ptr()).fields.data as *mut f64, span) };
+    let stats_out = unsafe {
+        std::slice::from_raw_parts_mut((*stats.as_array_ptr()).fields.data as *mut f64, span)
+    };
     let opts = options(scale, softcap, sinks);
     let p = &plan.inner;
     // The inputs' batch size: a batch-invariant plan built for one row serves any batch.
@@ -442,7 +477,14 @@ pub fn attention_forward_logged(
         sink_tokens,
     )
     .map_err(to_py)?;
-    let config = telemetry_config(1, sink_tokens, 0.3, outlier_ratio, sink_stream, outlier_stream)?;
+    let config = telemetry_config(
+        1,
+        sink_tokens,
+        0.3,
+        outlier_ratio,
+        sink_stream,
+        outlier_stream,
+    )?;
     let tel = tessera::attn::TelemetryInput::new(&flags, 0, 0, &config);
     let prepared = plan.prepared()?;
     let be = CpuBackend::new();
@@ -489,7 +531,14 @@ pub fn telemetry_records(
             learned_sinks.len()
         )));
     }
-    let config = telemetry_config(every, sink_tokens, epsilon, outlier_ratio, sink_stream, outlier_stream)?;
+    let config = telemetry_config(
+        every,
+        sink_tokens,
+        epsilon,
+        outlier_ratio,
+        sink_stream,
+        outlier_stream,
+    )?;
     let mut merged: Vec<AttnSummary> = Vec::new();
     for i in 0..n {
         let mut s = AttnSummary::new(steps[i], layers[i], hq, learned_sinks[i]);

@@ -152,7 +152,9 @@ pub fn heads(masks: Vec<PyRef<'_, PyMask>>) -> PyResult<PyMask> {
     if masks.is_empty() {
         return Err(PyValueError::new_err("heads: expected at least one mask"));
     }
-    Ok(wrap(Mask::heads(masks.iter().map(|m| m.inner.clone()).collect())))
+    Ok(wrap(Mask::heads(
+        masks.iter().map(|m| m.inner.clone()).collect(),
+    )))
 }
 
 /// What the parser's `document` and `dense(NAME)` leaves resolve to.
@@ -195,8 +197,11 @@ pub fn mask(
     let segments = match (segments, q_segments, kv_segments) {
         (Some(s), None, None) => Some(Segments::shared(segment_ids("segments", s)?)),
         (None, Some(q), Some(k)) => Some(
-            Segments::cross(segment_ids("q_segments", q)?, segment_ids("kv_segments", k)?)
-                .map_err(to_py)?,
+            Segments::cross(
+                segment_ids("q_segments", q)?,
+                segment_ids("kv_segments", k)?,
+            )
+            .map_err(to_py)?,
         ),
         (None, None, None) => None,
         _ => {

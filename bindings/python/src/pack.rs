@@ -36,7 +36,10 @@ pub fn pack<'py>(
         .map_err(to_py)?;
     let (rows, len) = (packed.rows, packed.seq_len);
     let d = PyDict::new(py);
-    d.set_item("tokens", packed.tokens.into_pyarray(py).reshape([rows, len])?)?;
+    d.set_item(
+        "tokens",
+        packed.tokens.into_pyarray(py).reshape([rows, len])?,
+    )?;
     d.set_item(
         "segment_ids",
         packed.segment_ids.into_pyarray(py).reshape([rows, len])?,

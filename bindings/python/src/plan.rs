@@ -133,10 +133,7 @@ pub fn cache_stats(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("plans_built", c.builds)?;
     d.set_item("bytes_read", c.bytes_read)?;
     d.set_item("bytes_written", c.bytes_written)?;
-    d.set_item(
-        "dir",
-        cache().dir().map(|p| p.display().to_string()),
-    )?;
+    d.set_item("dir", cache().dir().map(|p| p.display().to_string()))?;
     d.set_item("warnings", cache().warnings())?;
     Ok(d)
 }
@@ -266,11 +263,19 @@ impl PyPlan {
     }
 
     /// The eight FlexAttention `BlockMask` tables plus the partial-block contents (int32 / bool
-    /// numpy arrays), exactly what `create_block_mask` builds for this mask.
-    fn _flex_arrays<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+    /// numpy arrays), exactly what `create_block_mask` builds for this mask. With `packed`, the
+    /// contents are `mask_bits` (int64 `[n, tq, ⌈tk/64⌉]` bit rows) instead of `mask_blocks`.
+    #[pyo3(signature = (packed=false))]
+    fn _flex_arrays<'py>(&self, py: Python<'py>, packed: bool) -> PyResult<Bound<'py, PyDict>> {
         let plan = self.inner.clone();
-        let f = py
-            .detach(|| tessera::export::flex::export(&plan))
+        let (f, bits) = py
+            .detach(|| {
+                if packed {
+                    tessera::export::flex::export_packed(&plan)
+                } else {
+                    tessera::export::flex::export(&plan).map(|f| (f, Vec::new()))
+                }
+            })
             .map_err(to_py)?;
         let (bg, hg) = f.groups;
         let (nq, nk) = f.blocks;
@@ -296,11 +301,19 @@ impl PyPlan {
         )?;
         d.set_item("mask_block_ids", i4(f.mask_block_ids, nq, nk)?)?;
         let (tq, tk) = f.block_size;
-        let n = f.mask_blocks.len() / (tq * tk).max(1);
-        d.set_item(
-            "mask_blocks",
-            f.mask_blocks.into_pyarray(py).reshape([n, tq, tk])?,
-        )?;
+        if packed {
+            let words = tk.div_ceil(64);
+            let n = bits.len() / (tq * words).max(1);
+            // The same bits as int64 (torch has no general uint64 support).
+            let bits: Vec<i64> = bits.into_iter().map(|w| w as i64).collect();
+            d.set_item("mask_bits", bits.into_pyarray(py).reshape([n, tq, words])?)?;
+        } else {
+            let n = f.mask_blocks.len() / (tq * tk).max(1);
+            d.set_item(
+                "mask_blocks",
+                f.mask_blocks.into_pyarray(py).reshape([n, tq, tk])?,
+            )?;
+        }
         d.set_item("block_size", f.block_size)?;
         d.set_item("seq_lengths", (f.shape[2], f.shape[3]))?;
         Ok(d)
@@ -318,8 +331,8 @@ impl PyPlan {
         shrink_grid_dkv: bool,
         downcast_smem_data: bool,
     ) -> PyResult<Vec<(Bound<'py, PyDict>, Bound<'py, PyDict>)>> {
-        use tessera::export::splash::{export_with, IntArray, MaskInfo, SplashOptions};
         use tessera::export::npz::DType as NDType;
+        use tessera::export::splash::{export_with, IntArray, MaskInfo, SplashOptions};
         let opts = SplashOptions {
             head_shards,
             q_seq_shards,

@@ -74,6 +74,18 @@ fn ordered_row(active: &[u32], mark: &mut [bool], out: &mut [i32]) {
 
 /// FlexAttention `BlockMask` tensors of `plan`.
 pub fn export(plan: &Plan) -> Result<FlexArrays> {
+    Ok(export_impl(plan, true)?.0)
+}
+
+/// [`export`] with the partial-block contents as packed bit rows instead of `mask_blocks`
+/// (left empty): `[n, tile.q, ⌈tile.kv/64⌉]` words, bit `c % 64` of word `c / 64` of row `r` set
+/// when (query `r`, key `c`) of the block is allowed. A `mask_mod` can read these directly (no
+/// `n·tile.q·tile.kv` bool array is built; the live export path of the Python bindings).
+pub fn export_packed(plan: &Plan) -> Result<(FlexArrays, Vec<u64>)> {
+    export_impl(plan, false)
+}
+
+fn export_impl(plan: &Plan, bools: bool) -> Result<(FlexArrays, Vec<u64>)> {
     let c = Contents::new(plan);
     let (nq, nk) = (plan.q_tiles, plan.kv_tiles);
     let (bg, hg) = (plan.batch_groups, plan.head_groups);
@@ -110,6 +122,7 @@ pub fn export(plan: &Plan) -> Result<FlexArrays> {
     let (tq, tk) = (plan.tile.q, plan.tile.kv);
     let wpr = plan.partials.words_per_row;
     let mut block_of = vec![-1i32; c.len()];
+    let mut packed: Vec<u64> = Vec::new();
     let mut n_blocks = 0i32;
     let mut mark_k = vec![false; nk];
     let mut mark_q = vec![false; nq];
@@ -135,7 +148,11 @@ pub fn export(plan: &Plan) -> Result<FlexArrays> {
                             if *id < 0 {
                                 *id = n_blocks;
                                 n_blocks += 1;
-                                append_block(&mut a.mask_blocks, c.bits(cid), tq, tk, wpr);
+                                if bools {
+                                    append_block(&mut a.mask_blocks, c.bits(cid), tq, tk, wpr);
+                                } else {
+                                    packed.extend_from_slice(c.bits(cid));
+                                }
                             }
                             a.mask_block_ids[cell] = *id;
                         }
@@ -173,9 +190,13 @@ pub fn export(plan: &Plan) -> Result<FlexArrays> {
         }
     }
     if n_blocks == 0 {
-        a.mask_blocks = vec![false; tq * tk];
+        if bools {
+            a.mask_blocks = vec![false; tq * tk];
+        } else {
+            packed = vec![0; tq * wpr];
+        }
     }
-    Ok(a)
+    Ok((a, packed))
 }
 
 fn append_block(out: &mut Vec<bool>, bits: &[u64], tq: usize, tk: usize, wpr: usize) {

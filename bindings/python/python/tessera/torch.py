@@ -346,13 +346,14 @@ def to_flex_block_mask(plan: Plan, device: Any = "cpu"):
     what ``create_block_mask(mask_mod, B', H', Lq, Lkv, BLOCK_SIZE=plan.block)`` builds (``B'``,
     ``H'`` = ``plan.groups``: 1 where the mask does not vary). Its ``mask_mod`` is exact for every
     ``(b, h, q, kv)``: full blocks allow, empty blocks deny, partial blocks read the plan's
-    deduplicated bitmask of that block (captured tensors, padded to a power-of-two count).
+    deduplicated bitmask of that block (packed bit rows, captured tensors padded to a
+    power-of-two block count).
     """
     from torch.nn.attention.flex_attention import BlockMask
 
     if not isinstance(plan, Plan):
         raise TypeError(f"plan: expected a tessera.Plan, got {type(plan).__name__}")
-    a = plan._p._flex_arrays()
+    a = plan._p._flex_arrays(packed=True)
     dev = torch.device(device)
 
     def t(name: str) -> Tensor:
@@ -361,11 +362,12 @@ def to_flex_block_mask(plan: Plan, device: Any = "cpu"):
     tq, tk = a["block_size"]
     states = t("mask_tile_states")
     ids = t("mask_block_ids")
-    blocks_np = a["mask_blocks"]
-    cap = _bucket(blocks_np.shape[0])
-    padded = np.zeros((cap, tq, tk), dtype=np.bool_)
-    padded[: blocks_np.shape[0]] = blocks_np
-    blocks = torch.from_numpy(padded).to(dev)
+    # Partial-block contents as packed bit rows (int64 words; bit kv % 64 of word kv // 64),
+    # padded to a power-of-two block count.
+    bits_np = a["mask_bits"]
+    padded = np.zeros((_bucket(bits_np.shape[0]),) + bits_np.shape[1:], dtype=np.int64)
+    padded[: bits_np.shape[0]] = bits_np
+    bits = torch.from_numpy(padded).to(dev)
     bg, hg = states.shape[:2]
 
     def mask_mod(b, h, q_idx, kv_idx):
@@ -374,7 +376,9 @@ def to_flex_block_mask(plan: Plan, device: Any = "cpu"):
         qb = q_idx // tq
         kb = kv_idx // tk
         st = states[bb, hh, qb, kb]
-        inside = blocks[ids[bb, hh, qb, kb].clamp(min=0), q_idx % tq, kv_idx % tk]
+        kr = kv_idx % tk
+        word = bits[ids[bb, hh, qb, kb].clamp(min=0), q_idx % tq, kr // 64]
+        inside = ((word >> (kr % 64)) & 1) == 1
         return (st == 2) | ((st == 1) & inside)
 
     return BlockMask(
