@@ -14,7 +14,7 @@
 //! (`mask_tile_states`, `mask_block_ids`, `mask_blocks`), from which `docs/export.md` builds a
 //! `mask_mod`.
 
-use crate::npz::{self, DType, Members, NpyArray};
+use crate::npz::{self, Members, NpyArray, NpyDType};
 use crate::tiles::{Contents, Eff};
 use std::path::Path;
 use tessera_core::{Error, Result};
@@ -219,10 +219,10 @@ impl FlexArrays {
     /// The npz member names and arrays (see `docs/export.md`).
     pub fn to_members(&self) -> Vec<(String, NpyArray)> {
         let meta = |v: &[usize]| {
-            NpyArray::from_ints(DType::I64, vec![v.len()], v.iter().map(|&x| x as i64))
+            NpyArray::from_ints(NpyDType::I64, vec![v.len()], v.iter().map(|&x| x as i64))
         };
         let int = |shape: &[usize], v: &[i32]| {
-            NpyArray::from_ints(DType::I32, shape.to_vec(), v.iter().map(|&x| x as i64))
+            NpyArray::from_ints(NpyDType::I32, shape.to_vec(), v.iter().map(|&x| x as i64))
         };
         let [kv, q] = self.dims();
         vec![
@@ -250,7 +250,7 @@ impl FlexArrays {
             (
                 "mask_tile_states".into(),
                 NpyArray::from_ints(
-                    DType::I8,
+                    NpyDType::I8,
                     kv.to_vec(),
                     self.mask_tile_states.iter().map(|&x| x as i64),
                 ),
@@ -294,18 +294,10 @@ impl FlexArrays {
             }
         };
         let get = |name: &str, shape: &[usize]| -> Result<Vec<i32>> {
-            let a = m.need(name)?;
-            if a.dtype != DType::I32 || a.shape != shape {
-                return Err(Error::format(
-                    path,
-                    format!(
-                        "{name}: expected int32 {shape:?}, found {} {:?}",
-                        a.dtype.name(),
-                        a.shape
-                    ),
-                ));
-            }
-            Ok(a.to_i64().into_iter().map(|v| v as i32).collect())
+            Ok(m.ints(name, NpyDType::I32, shape)?
+                .into_iter()
+                .map(|v| v as i32)
+                .collect())
         };
         let kv = [bg, hg, nq, nk];
         let q = [bg, hg, nk, nq];
@@ -322,20 +314,16 @@ impl FlexArrays {
             q_indices: get("q_indices", &q)?,
             full_q_num_blocks: get("full_q_num_blocks", &q[..3])?,
             full_q_indices: get("full_q_indices", &q)?,
-            mask_tile_states: {
-                let a = m.need("mask_tile_states")?;
-                if a.dtype != DType::I8 || a.shape != kv {
-                    return Err(Error::format(
-                        path,
-                        format!("mask_tile_states: expected int8 {kv:?}"),
-                    ));
-                }
-                a.to_i64().into_iter().map(|v| v as i8).collect()
-            },
+            mask_tile_states: m
+                .ints("mask_tile_states", NpyDType::I8, &kv)?
+                .into_iter()
+                .map(|v| v as i8)
+                .collect(),
             mask_block_ids: get("mask_block_ids", &kv)?,
             mask_blocks: {
                 let a = m.need("mask_blocks")?;
-                if a.dtype != DType::Bool || a.shape.len() != 3 || a.shape[1..] != [bs[0], bs[1]] {
+                if a.dtype != NpyDType::Bool || a.shape.len() != 3 || a.shape[1..] != [bs[0], bs[1]]
+                {
                     return Err(Error::format(
                         path,
                         format!(

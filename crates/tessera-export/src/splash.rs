@@ -14,7 +14,7 @@
 //! the first one of the shard; partial blocks are deduplicated in order of first appearance over
 //! (unique mask, q block, kv block); the grid is shrunk when there is a single distinct mask.
 
-use crate::npz::{self, DType, Members, NpyArray};
+use crate::npz::{self, Members, NpyArray, NpyDType};
 use crate::tiles::{Contents, Eff};
 use std::ops::Range;
 use std::path::Path;
@@ -52,7 +52,7 @@ impl Default for SplashOptions {
 /// A rank-3 integer array with the numpy dtype `process_mask` gives it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct IntArray {
-    pub dtype: DType,
+    pub dtype: NpyDType,
     pub shape: [usize; 3],
     pub data: Vec<i32>,
 }
@@ -62,13 +62,13 @@ impl IntArray {
         // `_downcast_to_small_type`: the smallest of int8/int16/int32 holding the maximum.
         let max = data.iter().copied().max().unwrap_or(0);
         let dtype = if !downcast || data.is_empty() {
-            DType::I32
+            NpyDType::I32
         } else if max <= i8::MAX as i32 {
-            DType::I8
+            NpyDType::I8
         } else if max <= i16::MAX as i32 {
-            DType::I16
+            NpyDType::I16
         } else {
-            DType::I32
+            NpyDType::I32
         };
         IntArray { dtype, shape, data }
     }
@@ -87,20 +87,20 @@ impl IntArray {
 
     fn from_npy(a: &NpyArray, path: &Path, name: &str) -> Result<Self> {
         let shape = rank3(a, path, name)?;
-        if a.dtype == DType::Bool || a.dtype == DType::I64 {
-            return Err(Error::format(
+        match (a.dtype, a.to_i64()) {
+            (NpyDType::I8 | NpyDType::I16 | NpyDType::I32, Some(v)) => Ok(IntArray {
+                dtype: a.dtype,
+                shape,
+                data: v.into_iter().map(|v| v as i32).collect(),
+            }),
+            _ => Err(Error::format(
                 path,
                 format!(
                     "{name}: expected int8/int16/int32, found {}",
                     a.dtype.name()
                 ),
-            ));
+            )),
         }
-        Ok(IntArray {
-            dtype: a.dtype,
-            shape,
-            data: a.to_i64().into_iter().map(|v| v as i32).collect(),
-        })
     }
 }
 
@@ -626,7 +626,7 @@ impl SplashArrays {
     /// The npz member names and arrays (see `docs/export.md`).
     pub fn to_members(&self) -> Vec<(String, NpyArray)> {
         let meta = |v: &[usize]| {
-            NpyArray::from_ints(DType::I64, vec![v.len()], v.iter().map(|&x| x as i64))
+            NpyArray::from_ints(NpyDType::I64, vec![v.len()], v.iter().map(|&x| x as i64))
         };
         let o = &self.options;
         let mut out = vec![
@@ -726,7 +726,7 @@ impl SplashArrays {
                 let pname = format!("partial_mask_blocks{kind}{sfx}");
                 let pmb = match m.get(&pname) {
                     Some(a) => {
-                        if a.dtype != DType::Bool {
+                        if a.dtype != NpyDType::Bool {
                             return Err(Error::format(path, format!("{pname}: expected bool")));
                         }
                         Some(BoolBlocks {

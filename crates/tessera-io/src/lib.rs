@@ -12,8 +12,8 @@ mod atomic;
 mod npy;
 mod sfts;
 
-pub use atomic::atomic_write;
-pub use npy::{open_npy_ints, NpyInts};
+pub use atomic::{atomic_write, atomic_write_bytes, atomic_write_with, Durability};
+pub use npy::{open_npy_ints, NpyArray, NpyDType, NpyInts};
 
 use std::path::Path;
 use tessera_core::tensor::TensorView;
