@@ -1,7 +1,6 @@
 //! Gating: the telemetry configuration and the step counter that decides, before each forward,
 //! whether this step logs (and therefore which kernel variant runs).
 
-use crate::summary::AttnSummary;
 use serde::{Deserialize, Serialize};
 use tessera_core::{Error, Result};
 
@@ -132,10 +131,5 @@ impl Telemetry {
     /// Moves to the next step.
     pub fn advance(&mut self) {
         self.step = self.step.saturating_add(1);
-    }
-
-    /// An empty summary for this step and `layer` with `heads` query heads.
-    pub fn summary(&self, layer: u32, heads: usize, has_learned_sinks: bool) -> AttnSummary {
-        AttnSummary::new(self.step, layer, heads, has_learned_sinks)
     }
 }

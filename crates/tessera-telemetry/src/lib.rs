@@ -80,9 +80,9 @@ pub use config::{
     Streams, Telemetry, TelemetryConfig, DEFAULT_EPSILON, DEFAULT_OUTLIER_RATIO,
     DEFAULT_SINK_TOKENS,
 };
-pub use exact::ExactSum;
+pub use exact::{det_max, ExactSum};
 pub use outlier::{outlier_summary, outlier_summary_f64, OutlierStats};
 pub use record::{parse_jsonl, read_jsonl, JsonlWriter, TelemetryRecord, TelemetrySink};
 pub use reference::{reference_summary, ReferenceInput, ReferenceOutput};
 pub use sinks::{document_kv_segments, sink_key_flags};
-pub use summary::{det_max, finish_row, AttnSummary, HeadAccum, RowStats, RowSums};
+pub use summary::{finish_row, AttnSummary, HeadAccum, RowStats, RowSums};

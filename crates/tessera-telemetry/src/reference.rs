@@ -1,8 +1,9 @@
 //! Float64 dense reference: every telemetry quantity computed from the dense probability matrix
 //! with simple loops. Kernel telemetry is tested against it.
 
+use crate::exact::det_max;
 use crate::outlier::outlier_summary_f64;
-use crate::summary::{det_max, AttnSummary, RowStats};
+use crate::summary::{AttnSummary, RowStats};
 use tessera_core::{Error, Result};
 use tessera_mask::Mask;
 

@@ -1,30 +1,12 @@
 //! Per-head accumulators ([`HeadAccum`]), the per-(step, layer) summary ([`AttnSummary`]), and
 //! the per-row finalize step the kernel calls ([`RowSums`], [`finish_row`]).
 
-use crate::config::TelemetryConfig;
-use crate::exact::ExactSum;
+use crate::config::Telemetry;
+use crate::exact::{det_max, ExactSum};
 use crate::outlier::{outlier_summary, OutlierStats};
-use crate::record::TelemetryRecord;
 use serde::{Deserialize, Serialize};
 use tessera_core::tensor::TensorView;
 use tessera_core::{Error, Result};
-
-/// Maximum that is commutative and associative bit for bit: NaN if either is NaN, and
-/// `max(-0.0, +0.0) = +0.0` whatever the order.
-#[inline]
-pub fn det_max(a: f64, b: f64) -> f64 {
-    if a.is_nan() || b.is_nan() {
-        f64::NAN
-    } else if a > b {
-        a
-    } else if b > a {
-        b
-    } else if a.is_sign_positive() {
-        a
-    } else {
-        b
-    }
-}
 
 /// Sums for one query head, over every valid row of every batch row seen. All fields merge
 /// exactly (integer counts, [`ExactSum`]s, [`det_max`]), so any split of the work, merged in
@@ -223,6 +205,13 @@ pub fn finish_row(acc: &mut HeadAccum, row: &RowSums, sigma: Option<f64>) {
     }
 }
 
+impl Telemetry {
+    /// An empty summary for this step and `layer` with `heads` query heads.
+    pub fn summary(&self, layer: u32, heads: usize, has_learned_sinks: bool) -> AttnSummary {
+        AttnSummary::new(self.step, layer, heads, has_learned_sinks)
+    }
+}
+
 /// The telemetry of one (step, layer): one [`HeadAccum`] per query head.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct AttnSummary {
@@ -307,68 +296,6 @@ impl AttnSummary {
             acc.out.merge(s);
         }
         Ok(())
-    }
-
-    /// The readout (see the crate doc for every field). Fields of a stream that `config`
-    /// turns off are `None`.
-    pub fn record(&self, config: &TelemetryConfig) -> TelemetryRecord {
-        let finite = |x: f64| if x.is_finite() { Some(x) } else { None };
-        let mean = |s: &ExactSum, n: u64| {
-            if n == 0 {
-                None
-            } else {
-                finite(s.value() / n as f64)
-            }
-        };
-        let hs = &self.heads;
-        let sink_mass: Vec<Option<f64>> = hs
-            .iter()
-            .map(|a| mean(&a.sink_mass_sum, a.valid_rows))
-            .collect();
-        let defined = sink_mass.iter().flatten().count();
-        let above = sink_mass
-            .iter()
-            .flatten()
-            .filter(|&&x| x > config.epsilon)
-            .count();
-        let sink_rate = if defined == 0 {
-            None
-        } else {
-            Some(above as f64 / defined as f64)
-        };
-        let sink_on = config.streams.sink;
-        let out_on = config.streams.outlier;
-        TelemetryRecord {
-            step: self.step,
-            layer: self.layer,
-            max_logit: hs.iter().map(|a| finite(a.max_logit)).collect(),
-            sink_rate: if sink_on { sink_rate } else { None },
-            learned_sink_mass: (sink_on && self.has_learned_sinks).then(|| {
-                hs.iter()
-                    .map(|a| mean(&a.learned_sink_mass_sum, a.valid_rows))
-                    .collect()
-            }),
-            entropy: sink_on.then(|| {
-                hs.iter()
-                    .map(|a| mean(&a.entropy_sum, a.valid_rows))
-                    .collect()
-            }),
-            valid_rows: sink_on.then(|| hs.iter().map(|a| a.valid_rows).collect()),
-            sink_mass: sink_on.then_some(sink_mass),
-            out_abs_max: out_on.then(|| {
-                hs.iter()
-                    .map(|a| {
-                        if a.out.count == 0 {
-                            None
-                        } else {
-                            finite(a.out.abs_max)
-                        }
-                    })
-                    .collect()
-            }),
-            out_rms: out_on.then(|| hs.iter().map(|a| finite(a.out.rms())).collect()),
-            out_outliers: out_on.then(|| hs.iter().map(|a| a.out.outliers).collect()),
-        }
     }
 
     /// Compares with `reference` (a dense float64 summary): counts exactly, floats within
