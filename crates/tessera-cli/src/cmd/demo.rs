@@ -104,7 +104,6 @@ pub fn run(args: DemoArgs, ctx: &Ctx) -> Result<()> {
         seq_len: args.seq_len,
         strategy: Strategy::BestFit,
         bos: tessera_pack::DEFAULT_BOS,
-        progress: false,
     };
     let packed = tessera_pack::pack_jsonl(&corpus, &cfg)?;
     let rows_path = dir.join("rows.safetensors");
