@@ -43,7 +43,8 @@ fn bench_case(c: &mut Criterion, name: &str, mask: Mask, len: usize) {
     // Populate the disk entry once.
     let plan = PlanCache::new(config.clone())
         .get_or_build(&mask, shape, tile)
-        .expect("plan");
+        .expect("plan")
+        .plan;
     let entry = std::fs::metadata(
         PlanCache::new(config.clone())
             .entry_path(&plan.contract)
@@ -66,15 +67,15 @@ fn bench_case(c: &mut Criterion, name: &str, mask: Mask, len: usize) {
     g.bench_function(BenchmarkId::new("disk_load", len), |b| {
         b.iter(|| {
             let cache = PlanCache::new(config.clone());
-            let p = cache.get_or_build(&mask, shape, tile).expect("load");
+            let p = cache.get_or_build(&mask, shape, tile).expect("load").plan;
             assert_eq!(cache.counters().disk_hits, 1);
             black_box(p)
         })
     });
     let warm = PlanCache::new(config.clone());
-    let _: Arc<_> = warm.get_or_build(&mask, shape, tile).expect("warm");
+    let _: Arc<_> = warm.get_or_build(&mask, shape, tile).expect("warm").plan;
     g.bench_function(BenchmarkId::new("memory_hit", len), |b| {
-        b.iter(|| black_box(warm.get_or_build(&mask, shape, tile).expect("hit")))
+        b.iter(|| black_box(warm.get_or_build(&mask, shape, tile).expect("hit").plan))
     });
     g.finish();
 }

@@ -125,11 +125,10 @@ pub fn run(args: PlanArgs, ctx: &Ctx) -> Result<()> {
     if args.head_dim == 0 {
         return Err(Error::invalid("--head-dim", "a positive value", 0));
     }
-    let built_before = tessera_core::metrics::snapshot().plans_built;
-    let (_mask, plan) = args
+    let (_mask, lookup) = args
         .mask
-        .plan(ctx, args.batch, args.heads, args.q_len, kv_len)?;
-    let from_cache = tessera_core::metrics::snapshot().plans_built == built_before;
+        .lookup(ctx, args.batch, args.heads, args.q_len, kv_len)?;
+    let (plan, from_cache) = (lookup.plan, lookup.source.is_cached());
     if let Some(p) = &args.dump_states {
         dump_states(&plan, p)?;
     }
