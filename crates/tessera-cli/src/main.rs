@@ -9,7 +9,6 @@ mod ctx;
 mod manifest;
 mod maskload;
 mod peak;
-mod picture;
 mod progress;
 mod workloads;
 

@@ -143,7 +143,7 @@ pub fn run(args: PlanArgs, ctx: &Ctx) -> Result<()> {
         tessera_export::export_npz(&plan, kind, path)?;
     }
     if let Some(p) = &args.png {
-        crate::picture::plan_picture(&plan, 0, 0, &args.mask.mask, p)?;
+        tessera_viz::write_plan_png(&plan, 0, 0, &args.mask.mask, p)?;
     }
     let report = PlanReport::new(&plan, args.head_dim, from_cache);
     if ctx.json() {
