@@ -4,6 +4,8 @@
 //! (b) a 16K × 16K dense random mask (tile 128).
 //!
 //! Run: `cargo bench -p tessera-cache --bench cache`.
+// criterion_group! defines an undocumented public function.
+#![allow(missing_docs)]
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use rand::{Rng, SeedableRng};

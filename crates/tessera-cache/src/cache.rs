@@ -20,14 +20,19 @@ const STALE_TEMP: Duration = Duration::from_secs(3600);
 /// What one cache instance has done (the process-wide totals are in `tessera_core::metrics`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 pub struct CacheCounters {
+    /// Lookups answered from the memory LRU.
     pub memory_hits: u64,
+    /// Lookups answered from a valid disk entry.
     pub disk_hits: u64,
     /// Lookups that found no valid copy (rejected entries included).
     pub misses: u64,
+    /// Disk entries that failed their checks (each also counted as a miss).
     pub rejects: u64,
     /// Plans built through this cache.
     pub builds: u64,
+    /// Bytes read from disk entries.
     pub bytes_read: u64,
+    /// Bytes of entries written to disk.
     pub bytes_written: u64,
 }
 
@@ -47,28 +52,35 @@ struct Counters {
 pub struct CacheStats {
     /// Cache directory (`None` when disabled or when no directory could be resolved).
     pub dir: Option<PathBuf>,
+    /// Configured off (`--no-cache`).
     pub disabled: bool,
     /// Whether the disk store is in use (false after a degrade to memory only).
     pub disk_active: bool,
     /// Entry files on disk and their total size.
     pub entries: u64,
+    /// Total size of the entry files, in bytes.
     pub bytes: u64,
+    /// The configured size bound, in bytes.
     pub max_bytes: u64,
     /// Plans held in this process's memory LRU and their heap size.
     pub memory_entries: u64,
+    /// Heap bytes of the plans held in memory.
     pub memory_bytes: u64,
 }
 
 /// The verdict on one disk entry.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EntryReport {
+    /// The entry file.
     pub path: PathBuf,
+    /// Its size in bytes.
     pub bytes: u64,
     /// `None` when the entry is valid.
     pub problem: Option<RejectReason>,
 }
 
 impl EntryReport {
+    /// True when the entry is valid.
     pub fn is_ok(&self) -> bool {
         self.problem.is_none()
     }
@@ -89,13 +101,18 @@ impl serde::Serialize for EntryReport {
 /// Result of [`PlanCache::verify`].
 #[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
 pub struct VerifyReport {
+    /// Cache directory checked (`None` when disabled or unresolvable).
     pub dir: Option<PathBuf>,
+    /// Valid entries.
     pub ok: u64,
+    /// Bad entries.
     pub bad: u64,
+    /// Every entry checked, in file-name order.
     pub entries: Vec<EntryReport>,
 }
 
 impl VerifyReport {
+    /// True when no entry is bad.
     pub fn all_ok(&self) -> bool {
         self.bad == 0
     }
@@ -104,9 +121,11 @@ impl VerifyReport {
 /// Result of [`PlanCache::clear`].
 #[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
 pub struct ClearReport {
+    /// Cache directory cleared (`None` when disabled or unresolvable).
     pub dir: Option<PathBuf>,
     /// Entry (and leftover temporary) files removed, and their size.
     pub removed: u64,
+    /// Total size of the removed files, in bytes.
     pub bytes: u64,
 }
 

@@ -39,6 +39,28 @@
 //!   entries included, so `memory_hits + disk_hits + misses` = lookups), rejects, bytes read and
 //!   written go to `tessera_core::metrics` and to per-cache [`CacheCounters`]. Plans built and
 //!   build time are recorded by the planner itself.
+//!
+//! ```
+//! use tessera_cache::{CacheConfig, PlanCache, PlanSource};
+//! use tessera_mask::Mask;
+//! use tessera_plan::{PlanShape, TileShape};
+//!
+//! let dir = tempfile::tempdir()?;
+//! let config = CacheConfig {
+//!     dir: Some(dir.path().to_path_buf()),
+//!     ..CacheConfig::default()
+//! };
+//! let (mask, shape, tile) = (Mask::causal(), PlanShape::new(1, 1, 4096, 4096)?, TileShape::default());
+//! let first = PlanCache::new(config.clone()).get_or_build(&mask, shape, tile)?;
+//! assert_eq!(first.source, PlanSource::Built);
+//! // A second cache on the same directory (as in a second process) loads it from disk, then
+//! // answers from memory.
+//! let cache = PlanCache::new(config);
+//! let again = cache.get_or_build(&mask, shape, tile)?;
+//! assert_eq!((again.source, again.warnings.len()), (PlanSource::Disk, 0));
+//! assert_eq!(cache.get_or_build(&mask, shape, tile)?.source, PlanSource::Memory);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
 
 mod cache;
 mod config;

@@ -35,13 +35,17 @@ pub struct FlexArrays {
     pub kv_num_blocks: Vec<i32>,
     /// `[B', H', nq, nk]`.
     pub kv_indices: Vec<i32>,
+    /// `[B', H', nq]`: full kv blocks per q block.
     pub full_kv_num_blocks: Vec<i32>,
+    /// `[B', H', nq, nk]`: full kv block indices, then the others.
     pub full_kv_indices: Vec<i32>,
     /// `[B', H', nk]`.
     pub q_num_blocks: Vec<i32>,
     /// `[B', H', nk, nq]`.
     pub q_indices: Vec<i32>,
+    /// `[B', H', nk]`: full q blocks per kv block.
     pub full_q_num_blocks: Vec<i32>,
+    /// `[B', H', nk, nq]`: full q block indices, then the others.
     pub full_q_indices: Vec<i32>,
     /// Tessera addition: engine tile states `[B', H', nq, nk]` (0 empty, 1 partial, 2 full).
     pub mask_tile_states: Vec<i8>,

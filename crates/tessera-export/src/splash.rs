@@ -52,8 +52,11 @@ impl Default for SplashOptions {
 /// A rank-3 integer array with the numpy dtype `process_mask` gives it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct IntArray {
+    /// numpy dtype (int8, int16 or int32).
     pub dtype: NpyDType,
+    /// Shape `[H, nq, nk]` (or the shrunk grid).
     pub shape: [usize; 3],
+    /// Row-major values.
     pub data: Vec<i32>,
 }
 
@@ -73,6 +76,7 @@ impl IntArray {
         IntArray { dtype, shape, data }
     }
 
+    /// Entry `[a, b, c]`.
     pub fn get(&self, a: usize, b: usize, c: usize) -> i32 {
         self.data[(a * self.shape[1] + b) * self.shape[2] + c]
     }
@@ -107,11 +111,14 @@ impl IntArray {
 /// `partial_mask_blocks`: `bool[num_partial_blocks, rows, cols]`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BoolBlocks {
+    /// `[blocks, rows, cols]`.
     pub shape: [usize; 3],
+    /// Row-major bits.
     pub data: Vec<bool>,
 }
 
 impl BoolBlocks {
+    /// Bit (`r`, `c`) of block `block`.
     pub fn get(&self, block: usize, r: usize, c: usize) -> bool {
         self.data[(block * self.shape[1] + r) * self.shape[2] + c]
     }
@@ -120,9 +127,11 @@ impl BoolBlocks {
 /// One `MaskInfo` (`q_sequence` is always `None`: the export is a data mask).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MaskInfo {
+    /// Next data block index per grid step.
     pub data_next: IntArray,
     /// `None` when the mask has no partial block (as in the reference).
     pub mask_next: Option<IntArray>,
+    /// Grid step state (0 empty, 1 partial, 2 full).
     pub block_mask: IntArray,
     /// `[n, tile.q, tile.kv]` forward, `[n, tile.kv, tile.q]` (transposed) for dKV; `None` when
     /// there is no partial block.
@@ -132,13 +141,16 @@ pub struct MaskInfo {
 /// Forward and dKV mask infos of one batch row.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SplashRow {
+    /// The forward `MaskInfo` (`process_mask`).
     pub fwd: MaskInfo,
+    /// The dKV `MaskInfo` (`process_mask_dkv`).
     pub dkv: MaskInfo,
 }
 
 /// Splash arrays of a plan: one [`SplashRow`] per distinct batch row (`B'` of them).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SplashArrays {
+    /// The preprocessing options the arrays were made with.
     pub options: SplashOptions,
     /// `[B, H, Lq, Lkv]` of the plan.
     pub shape: [usize; 4],
@@ -146,6 +158,7 @@ pub struct SplashArrays {
     pub block_shape: (usize, usize),
     /// Sequence lengths after padding to whole blocks (what the JAX caller pads Q/K/V to).
     pub padded_lengths: (usize, usize),
+    /// One per distinct batch row.
     pub rows: Vec<SplashRow>,
 }
 

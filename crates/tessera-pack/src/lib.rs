@@ -33,6 +33,19 @@
 //! and writes tokens into the output rows, which are held in memory (`12 * N * L` bytes). A file
 //! that changes between the passes is an error. The output is deterministic.
 //!
+//! ```
+//! use tessera_pack::{pack_docs, PackConfig, PAD_SEGMENT};
+//!
+//! let cfg = PackConfig { seq_len: 8, ..PackConfig::default() };
+//! let packed = pack_docs(&[vec![5, 6, 7], vec![8, 9]], &cfg)?;
+//! // One row: BOS 5 6 7 | BOS 8 9 | padding (BOS = 256).
+//! assert_eq!(packed.rows, 1);
+//! assert_eq!(packed.tokens, [256, 5, 6, 7, 256, 8, 9, 0]);
+//! assert_eq!(packed.segment_ids, [0, 0, 0, 0, 1, 1, 1, PAD_SEGMENT]);
+//! assert_eq!(packed.positions, [0, 1, 2, 3, 0, 1, 2, 0]);
+//! # Ok::<(), tessera_core::Error>(())
+//! ```
+//!
 //! **Invariants** (checked by [`verify_packed`] and, in tests, on every packing): see
 //! [`verify_packed`].
 
@@ -187,11 +200,17 @@ impl PackStats {
 /// Packed rows: three row-major `[rows, seq_len]` arrays and the statistics.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Packed {
+    /// Token ids, `[rows, seq_len]` row-major.
     pub tokens: Vec<i32>,
+    /// Segment ids (0, 1, ... per row; [`PAD_SEGMENT`] for padding).
     pub segment_ids: Vec<i32>,
+    /// Position of each token in its piece (0 at each BOS, 0 for padding).
     pub positions: Vec<i32>,
+    /// Rows `N`.
     pub rows: usize,
+    /// Row length `L`.
     pub seq_len: usize,
+    /// The statistics of the run.
     pub stats: PackStats,
 }
 

@@ -37,6 +37,7 @@ pub const DEFAULT_OUTLIER_RATIO: f64 = 6.0;
 pub struct TelemetryConfig {
     /// Log on steps where `step % every == 0`; 0 = never.
     pub every: u64,
+    /// Which summaries a logging step fills.
     pub streams: Streams,
     /// Sink keys per document (or sequence): key positions `< sink_tokens`. 0 = no sink keys.
     pub sink_tokens: usize,
@@ -99,7 +100,9 @@ pub(crate) fn check_ratio(ratio: f64) -> Result<()> {
 /// kernel variant, run the forward, then [`Telemetry::advance`].
 #[derive(Debug, Clone, PartialEq)]
 pub struct Telemetry {
+    /// Cadence, streams and thresholds.
     pub config: TelemetryConfig,
+    /// The current step (0 after [`Telemetry::new`]).
     pub step: u64,
 }
 

@@ -16,7 +16,9 @@ use tessera_core::{Error, Result};
 /// sinks). See the crate doc for the definitions.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TelemetryRecord {
+    /// Training step.
     pub step: u64,
+    /// Layer index.
     pub layer: u32,
     /// Mean sink mass over valid rows (all batch rows), per head.
     pub sink_mass: Option<Vec<Option<f64>>>,
@@ -161,6 +163,7 @@ pub struct TelemetrySink {
 }
 
 impl TelemetrySink {
+    /// An empty sink turning summaries into records with `config`.
     pub fn new(config: TelemetryConfig) -> Self {
         TelemetrySink {
             config,
@@ -168,6 +171,7 @@ impl TelemetrySink {
         }
     }
 
+    /// The configuration records are made with.
     pub fn config(&self) -> &TelemetryConfig {
         &self.config
     }

@@ -94,9 +94,13 @@ pub struct RowStats {
 /// `α·ln α·l` term (0 when `α` is 1 or 0) is what keeps `es` relative to the new max.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct RowSums {
+    /// Reference `m` (running max of the post-softcap logits).
     pub m: f64,
+    /// `l = Σ e^{s − m}` over allowed keys.
     pub l: f64,
+    /// `sink_l = Σ e^{s − m}` over allowed sink keys.
     pub sink_l: f64,
+    /// `es = Σ e^{s − m}·(s − m)` over allowed keys.
     pub es: f64,
 }
 
@@ -215,9 +219,13 @@ impl Telemetry {
 /// The telemetry of one (step, layer): one [`HeadAccum`] per query head.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct AttnSummary {
+    /// Training step.
     pub step: u64,
+    /// Layer index.
     pub layer: u32,
+    /// One accumulator per query head.
     pub heads: Vec<HeadAccum>,
+    /// Whether learned sinks were on (the learned-sink mass is then reported).
     pub has_learned_sinks: bool,
 }
 
