@@ -349,13 +349,11 @@ impl PlanCache {
     /// its file name) without changing anything. Temporary files of in-flight writers and files
     /// that are not entries are skipped.
     pub fn verify(&self) -> Result<VerifyReport> {
-        let Some(dir) = self.dir.as_ref().filter(|_| !self.disabled) else {
+        let Some((dir, files)) = self.listing()? else {
             return Ok(VerifyReport::default());
         };
-        let plans = dir.join("plans");
-        let files = list_dir(&plans).map_err(|e| Error::io(&plans, e))?;
         let mut report = VerifyReport {
-            dir: Some(dir.clone()),
+            dir,
             ..VerifyReport::default()
         };
         for f in files.into_iter().filter(|f| f.kind == FileKind::Entry) {
@@ -391,13 +389,11 @@ impl PlanCache {
             mem.map.clear();
             mem.bytes = 0;
         }
-        let Some(dir) = self.dir.as_ref().filter(|_| !self.disabled) else {
+        let Some((dir, files)) = self.listing()? else {
             return Ok(ClearReport::default());
         };
-        let plans = dir.join("plans");
-        let files = list_dir(&plans).map_err(|e| Error::io(&plans, e))?;
         let mut report = ClearReport {
-            dir: Some(dir.clone()),
+            dir,
             ..ClearReport::default()
         };
         for f in files
@@ -417,6 +413,16 @@ impl PlanCache {
     }
 
     // ---- internals ----
+
+    /// The cache directory and the files of its `plans/`; `None` when the disk is configured off.
+    fn listing(&self) -> Result<Option<(Option<PathBuf>, Vec<Listed>)>> {
+        let Some(dir) = self.dir.as_ref().filter(|_| !self.disabled) else {
+            return Ok(None);
+        };
+        let plans = dir.join("plans");
+        let files = list_dir(&plans).map_err(|e| Error::io(&plans, e))?;
+        Ok(Some((Some(dir.clone()), files)))
+    }
 
     /// Raises `w` into `out` (the current lookup's warnings) unless this cache raised it before.
     fn warn(&self, out: &mut Vec<CacheWarning>, w: CacheWarning) {

@@ -139,17 +139,26 @@ fn plans_path_taken_by_a_file_degrades_to_memory() {
     assert_eq!(fs::read(tmp.path().join("plans")).unwrap(), b"x");
 }
 
+/// `dir/plans` created with `mode`; `None` (the test is skipped) when this user ignores
+/// permissions.
+fn plans_with_mode(dir: &std::path::Path, mode: u32) -> Option<std::path::PathBuf> {
+    if permissions_ignored(dir) {
+        eprintln!("skipped: permissions are not enforced for this user");
+        return None;
+    }
+    let plans = dir.join("plans");
+    fs::create_dir(&plans).unwrap();
+    fs::set_permissions(&plans, fs::Permissions::from_mode(mode)).unwrap();
+    Some(plans)
+}
+
 #[test]
 fn unreadable_directory_degrades_to_memory() {
     let _g = metrics_lock();
     let tmp = tempfile::tempdir().unwrap();
-    if permissions_ignored(tmp.path()) {
-        eprintln!("skipped: permissions are not enforced for this user");
+    let Some(plans) = plans_with_mode(tmp.path(), 0o000) else {
         return;
-    }
-    let plans = tmp.path().join("plans");
-    fs::create_dir(&plans).unwrap();
-    fs::set_permissions(&plans, fs::Permissions::from_mode(0o000)).unwrap();
+    };
     assert_degraded(&cache(tmp.path()), "plans mode 000");
     fs::set_permissions(&plans, fs::Permissions::from_mode(0o755)).unwrap();
 }
@@ -241,13 +250,9 @@ fn verify_reports_and_clear_removes() {
 fn unlistable_directory_still_caches() {
     let _g = metrics_lock();
     let tmp = tempfile::tempdir().unwrap();
-    if permissions_ignored(tmp.path()) {
-        eprintln!("skipped: permissions are not enforced for this user");
+    let Some(plans) = plans_with_mode(tmp.path(), 0o300) else {
         return;
-    }
-    let plans = tmp.path().join("plans");
-    fs::create_dir(&plans).unwrap();
-    fs::set_permissions(&plans, fs::Permissions::from_mode(0o300)).unwrap();
+    };
     let (mask, shape, tile) = causal(1024);
     let c1 = cache(tmp.path());
     c1.get_or_build(&mask, shape, tile).unwrap();

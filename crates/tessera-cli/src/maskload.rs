@@ -3,7 +3,6 @@
 
 use crate::ctx::Ctx;
 use std::sync::Arc;
-use tessera_cache::Lookup;
 use tessera_core::{DType, Error, Result};
 use tessera_mask::{DenseMask, Mask, Resolver, SegmentIds, Segments};
 use tessera_plan::{Plan, PlanShape, TileShape};
@@ -102,22 +101,9 @@ impl MaskArgs {
         q_len: usize,
         kv_len: usize,
     ) -> Result<(Mask, Arc<Plan>)> {
-        let (mask, lookup) = self.lookup(ctx, batch, heads, q_len, kv_len)?;
-        Ok((mask, lookup.plan))
-    }
-
-    /// [`MaskArgs::plan`] with where the plan came from (memory, disk or built).
-    pub fn lookup(
-        &self,
-        ctx: &Ctx,
-        batch: usize,
-        heads: usize,
-        q_len: usize,
-        kv_len: usize,
-    ) -> Result<(Mask, Lookup)> {
         let mask = self.mask()?;
         let shape = PlanShape::new(batch, heads, q_len, kv_len)?;
-        let lookup = ctx.lookup(&mask, shape, self.tile()?)?;
-        Ok((mask, lookup))
+        let plan = ctx.plan(&mask, shape, self.tile()?)?;
+        Ok((mask, plan))
     }
 }

@@ -222,9 +222,7 @@ impl FlexArrays {
 
     /// The npz member names and arrays (see `docs/export.md`).
     pub fn to_members(&self) -> Vec<(String, NpyArray)> {
-        let meta = |v: &[usize]| {
-            NpyArray::from_ints(NpyDType::I64, vec![v.len()], v.iter().map(|&x| x as i64))
-        };
+        let meta = npz::meta;
         let int = |shape: &[usize], v: &[i32]| {
             NpyArray::from_ints(NpyDType::I32, shape.to_vec(), v.iter().map(|&x| x as i64))
         };
@@ -277,14 +275,7 @@ impl FlexArrays {
 
     /// Reads tensors written by [`FlexArrays::write_npz`].
     pub fn read_npz(path: &Path) -> Result<Self> {
-        let m = Members::read(path)?;
-        let tag = m.meta("tessera_export", 2)?;
-        if tag != [1, 1] {
-            return Err(Error::format(
-                path,
-                format!("not a Tessera Flex export (tag {tag:?})"),
-            ));
-        }
+        let m = Members::read_export(path, [1, 1], "Flex")?;
         let s = m.meta("meta_shape", 4)?;
         let bs = m.meta("block_size", 2)?;
         let kvi = m.need("kv_indices")?;

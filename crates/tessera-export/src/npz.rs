@@ -61,6 +61,11 @@ fn zip_err(path: &Path, e: zip::result::ZipError) -> Error {
     }
 }
 
+/// A small int64 metadata vector (shapes, tags, options).
+pub(crate) fn meta(v: &[usize]) -> NpyArray {
+    NpyArray::from_ints(NpyDType::I64, vec![v.len()], v.iter().map(|&x| x as i64))
+}
+
 /// Name → array lookup over a read `.npz`.
 pub(crate) struct Members {
     pub path: std::path::PathBuf,
@@ -73,6 +78,17 @@ impl Members {
             path: path.to_path_buf(),
             arrays: read_npz(path)?,
         })
+    }
+
+    /// Reads a Tessera export: the `tessera_export` tag must be `tag` (`what` names the kind).
+    pub fn read_export(path: &Path, tag: [usize; 2], what: &str) -> Result<Self> {
+        let m = Self::read(path)?;
+        let found = m.meta("tessera_export", 2)?;
+        if found != tag {
+            let msg = format!("not a Tessera {what} export (tag {found:?})");
+            return Err(Error::format(path, msg));
+        }
+        Ok(m)
     }
 
     pub fn get(&self, name: &str) -> Option<&NpyArray> {

@@ -638,9 +638,7 @@ impl SplashArrays {
 
     /// The npz member names and arrays (see `docs/export.md`).
     pub fn to_members(&self) -> Vec<(String, NpyArray)> {
-        let meta = |v: &[usize]| {
-            NpyArray::from_ints(NpyDType::I64, vec![v.len()], v.iter().map(|&x| x as i64))
-        };
+        let meta = npz::meta;
         let o = &self.options;
         let mut out = vec![
             ("tessera_export".to_string(), meta(&[1, 0])),
@@ -695,14 +693,7 @@ impl SplashArrays {
 
     /// Reads arrays written by [`SplashArrays::write_npz`].
     pub fn read_npz(path: &Path) -> Result<Self> {
-        let m = Members::read(path)?;
-        let tag = m.meta("tessera_export", 2)?;
-        if tag != [1, 0] {
-            return Err(Error::format(
-                path,
-                format!("not a Tessera Splash export (tag {tag:?})"),
-            ));
-        }
+        let m = Members::read_export(path, [1, 0], "Splash")?;
         let s = m.meta("meta_shape", 4)?;
         let bs = m.meta("meta_block_shape", 2)?;
         let pl = m.meta("meta_padded_lengths", 2)?;

@@ -326,11 +326,8 @@ fn passes(events: &[Event]) -> Vec<(String, u64, u64)> {
 #[test]
 fn progress_is_reported_to_the_callback() {
     let dir = tempfile::tempdir().unwrap();
-    let input = write_lines(
-        dir.path(),
-        "p.jsonl",
-        &[r#"{"text": "hello"}"#, r#"{"tokens": [1, 2, 3]}"#, ""],
-    );
+    let lines = [r#"{"text": "hello"}"#, r#"{"tokens": [1, 2, 3]}"#, ""];
+    let input = write_lines(dir.path(), "p.jsonl", &lines);
     let size = std::fs::metadata(&input).unwrap().len();
     let c = cfg(8, Strategy::BestFit);
     let mut events = Vec::new();

@@ -270,17 +270,21 @@ impl AttnSummary {
         Ok(())
     }
 
+    /// Checks that `t` has rank `rank` and this summary's head count in dimension 1; returns
+    /// the head count. `rest` spells the dimensions after the heads in the error.
+    fn check_heads(&self, arg: &str, t: &TensorView<'_>, rank: usize, rest: &str) -> Result<usize> {
+        let h = self.heads.len();
+        if t.shape.len() != rank || t.shape[1] != h {
+            let expected = format!("shape [B, {h}{rest}]");
+            return Err(Error::invalid(arg, expected, format!("{:?}", t.shape)));
+        }
+        Ok(h)
+    }
+
     /// Folds the kernel's `max_logit` output `[B, Hq]` (pre-softcap, `-inf` where a `(b, h)`
     /// has no allowed pair) into every head's `max_logit`.
     pub fn absorb_max_logit(&mut self, max_logit: &TensorView<'_>) -> Result<()> {
-        let h = self.heads.len();
-        if max_logit.shape.len() != 2 || max_logit.shape[1] != h {
-            return Err(Error::invalid(
-                "max_logit",
-                format!("shape [B, {h}]"),
-                format!("{:?}", max_logit.shape),
-            ));
-        }
+        let h = self.check_heads("max_logit", max_logit, 2, "")?;
         let vals = max_logit.to_f32_vec()?;
         for (idx, &x) in vals.iter().enumerate() {
             self.heads[idx % h].observe_max_logit(x as f64);
@@ -291,14 +295,7 @@ impl AttnSummary {
     /// The outlier stream: adds the statistics of O `[B, Hq, Lq, Dv]` (f32, bf16 or f16), with
     /// the threshold `ratio × RMS` taken per `(b, h)` slice.
     pub fn add_output(&mut self, o: &TensorView<'_>, ratio: f64) -> Result<()> {
-        let h = self.heads.len();
-        if o.shape.len() != 4 || o.shape[1] != h {
-            return Err(Error::invalid(
-                "o",
-                format!("shape [B, {h}, Lq, Dv]"),
-                format!("{:?}", o.shape),
-            ));
-        }
+        self.check_heads("o", o, 4, ", Lq, Dv")?;
         let stats = outlier_summary(o, ratio)?;
         for (acc, s) in self.heads.iter_mut().zip(&stats) {
             acc.out.merge(s);

@@ -2,7 +2,7 @@
 
 use image::RgbImage;
 use tessera_mask::Mask;
-use tessera_plan::{build_plan, PlanShape, TileShape};
+use tessera_plan::{build_plan, Plan, PlanShape, TileShape};
 use tessera_telemetry::TelemetryRecord;
 use tessera_viz::{plan_png, telemetry_png, write_plan_png, write_telemetry_png, MAX_PLOT_HEADS};
 
@@ -10,15 +10,16 @@ fn decode(png: &[u8]) -> RgbImage {
     image::load_from_memory(png).unwrap().to_rgb8()
 }
 
+/// `causal` over `len` tokens with `heads` heads in 128x128 tiles.
+fn causal(heads: usize, len: usize) -> Plan {
+    let shape = PlanShape::new(1, heads, len, len).unwrap();
+    build_plan(&Mask::causal(), shape, TileShape::default()).unwrap()
+}
+
 #[test]
 fn plan_map_shows_each_state_in_its_tile() {
     // causal at 1024 with 128x128 tiles: an 8x8 grid drawn at 24 px per tile from (20, 20).
-    let plan = build_plan(
-        &Mask::causal(),
-        PlanShape::new(1, 2, 1024, 1024).unwrap(),
-        TileShape::new(128, 128).unwrap(),
-    )
-    .unwrap();
+    let plan = causal(2, 1024);
     let img = decode(&plan_png(&plan, 0, 1, "causal").unwrap());
     assert!(img.width() >= 620 && img.height() >= 8 * 24 + 40);
     let at = |qt: u32, kt: u32| img.get_pixel(20 + kt * 24 + 12, 20 + qt * 24 + 12).0;
@@ -31,12 +32,7 @@ fn plan_map_shows_each_state_in_its_tile() {
         assert!(e.is_user_error(), "{e}");
     }
     // A long plan is downsampled (each pixel blends several tiles) and still fits.
-    let long = build_plan(
-        &Mask::causal(),
-        PlanShape::new(1, 1, 1 << 18, 1 << 18).unwrap(),
-        TileShape::new(128, 128).unwrap(),
-    )
-    .unwrap();
+    let long = causal(1, 1 << 18);
     let img = decode(&plan_png(&long, 0, 0, "long").unwrap());
     assert!(
         img.width() <= 1000 && img.height() <= 1100,

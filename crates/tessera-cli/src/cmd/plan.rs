@@ -125,9 +125,8 @@ pub fn run(args: PlanArgs, ctx: &Ctx) -> Result<()> {
     if args.head_dim == 0 {
         return Err(Error::invalid("--head-dim", "a positive value", 0));
     }
-    let (_mask, lookup) = args
-        .mask
-        .lookup(ctx, args.batch, args.heads, args.q_len, kv_len)?;
+    let shape = tessera_plan::PlanShape::new(args.batch, args.heads, args.q_len, kv_len)?;
+    let lookup = ctx.lookup(&args.mask.mask()?, shape, args.mask.tile()?)?;
     let (plan, from_cache) = (lookup.plan, lookup.source.is_cached());
     if let Some(p) = &args.dump_states {
         dump_states(&plan, p)?;
