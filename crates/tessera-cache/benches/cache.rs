@@ -4,6 +4,8 @@
 //! (b) a 16K × 16K dense random mask (tile 128).
 //!
 //! Run: `cargo bench -p tessera-cache --bench cache`.
+// criterion_group! defines an undocumented public function.
+#![allow(missing_docs)]
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use rand::{Rng, SeedableRng};
@@ -43,7 +45,8 @@ fn bench_case(c: &mut Criterion, name: &str, mask: Mask, len: usize) {
     // Populate the disk entry once.
     let plan = PlanCache::new(config.clone())
         .get_or_build(&mask, shape, tile)
-        .expect("plan");
+        .expect("plan")
+        .plan;
     let entry = std::fs::metadata(
         PlanCache::new(config.clone())
             .entry_path(&plan.contract)
@@ -66,15 +69,15 @@ fn bench_case(c: &mut Criterion, name: &str, mask: Mask, len: usize) {
     g.bench_function(BenchmarkId::new("disk_load", len), |b| {
         b.iter(|| {
             let cache = PlanCache::new(config.clone());
-            let p = cache.get_or_build(&mask, shape, tile).expect("load");
+            let p = cache.get_or_build(&mask, shape, tile).expect("load").plan;
             assert_eq!(cache.counters().disk_hits, 1);
             black_box(p)
         })
     });
     let warm = PlanCache::new(config.clone());
-    let _: Arc<_> = warm.get_or_build(&mask, shape, tile).expect("warm");
+    let _: Arc<_> = warm.get_or_build(&mask, shape, tile).expect("warm").plan;
     g.bench_function(BenchmarkId::new("memory_hit", len), |b| {
-        b.iter(|| black_box(warm.get_or_build(&mask, shape, tile).expect("hit")))
+        b.iter(|| black_box(warm.get_or_build(&mask, shape, tile).expect("hit").plan))
     });
     g.finish();
 }

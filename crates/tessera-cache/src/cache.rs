@@ -2,8 +2,9 @@
 
 use crate::config::{resolve_dir, CacheConfig};
 use crate::entry::{self, Header, RejectReason, HEADER_LEN};
+use crate::lookup::{CacheWarning, Lookup, PlanSource};
 use std::collections::HashMap;
-use std::fs::{self, File, OpenOptions};
+use std::fs::{self, File};
 use std::io::{self, Read, Write};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
@@ -16,20 +17,22 @@ use tessera_plan::{build_plan, contract_key, ContractKey, Plan, PlanShape, TileS
 /// Temporary files older than this are leftovers of a crashed writer and are removed on trim.
 const STALE_TEMP: Duration = Duration::from_secs(3600);
 
-/// Per-process counter that, with the pid, makes temporary file names unique.
-static TEMP_COUNTER: AtomicU64 = AtomicU64::new(0);
-
 /// What one cache instance has done (the process-wide totals are in `tessera_core::metrics`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 pub struct CacheCounters {
+    /// Lookups answered from the memory LRU.
     pub memory_hits: u64,
+    /// Lookups answered from a valid disk entry.
     pub disk_hits: u64,
     /// Lookups that found no valid copy (rejected entries included).
     pub misses: u64,
+    /// Disk entries that failed their checks (each also counted as a miss).
     pub rejects: u64,
     /// Plans built through this cache.
     pub builds: u64,
+    /// Bytes read from disk entries.
     pub bytes_read: u64,
+    /// Bytes of entries written to disk.
     pub bytes_written: u64,
 }
 
@@ -49,28 +52,35 @@ struct Counters {
 pub struct CacheStats {
     /// Cache directory (`None` when disabled or when no directory could be resolved).
     pub dir: Option<PathBuf>,
+    /// Configured off (`--no-cache`).
     pub disabled: bool,
     /// Whether the disk store is in use (false after a degrade to memory only).
     pub disk_active: bool,
     /// Entry files on disk and their total size.
     pub entries: u64,
+    /// Total size of the entry files, in bytes.
     pub bytes: u64,
+    /// The configured size bound, in bytes.
     pub max_bytes: u64,
     /// Plans held in this process's memory LRU and their heap size.
     pub memory_entries: u64,
+    /// Heap bytes of the plans held in memory.
     pub memory_bytes: u64,
 }
 
 /// The verdict on one disk entry.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EntryReport {
+    /// The entry file.
     pub path: PathBuf,
+    /// Its size in bytes.
     pub bytes: u64,
     /// `None` when the entry is valid.
     pub problem: Option<RejectReason>,
 }
 
 impl EntryReport {
+    /// True when the entry is valid.
     pub fn is_ok(&self) -> bool {
         self.problem.is_none()
     }
@@ -91,13 +101,18 @@ impl serde::Serialize for EntryReport {
 /// Result of [`PlanCache::verify`].
 #[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
 pub struct VerifyReport {
+    /// Cache directory checked (`None` when disabled or unresolvable).
     pub dir: Option<PathBuf>,
+    /// Valid entries.
     pub ok: u64,
+    /// Bad entries.
     pub bad: u64,
+    /// Every entry checked, in file-name order.
     pub entries: Vec<EntryReport>,
 }
 
 impl VerifyReport {
+    /// True when no entry is bad.
     pub fn all_ok(&self) -> bool {
         self.bad == 0
     }
@@ -106,9 +121,11 @@ impl VerifyReport {
 /// Result of [`PlanCache::clear`].
 #[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
 pub struct ClearReport {
+    /// Cache directory cleared (`None` when disabled or unresolvable).
     pub dir: Option<PathBuf>,
     /// Entry (and leftover temporary) files removed, and their size.
     pub removed: u64,
+    /// Total size of the removed files, in bytes.
     pub bytes: u64,
 }
 
@@ -131,13 +148,12 @@ pub struct PlanCache {
     dir: Option<PathBuf>,
     disabled: bool,
     max_bytes: u64,
-    echo: bool,
     /// Lazily set on first disk use: whether `plans/` exists or could be created.
     disk_ready: OnceLock<bool>,
     /// Set when a write failed: the rest of the process runs memory-only.
     disk_off: AtomicBool,
     memory: Mutex<Lru>,
-    warnings: Mutex<Vec<String>>,
+    warnings: Mutex<Vec<CacheWarning>>,
     counters: Counters,
 }
 
@@ -166,7 +182,6 @@ impl PlanCache {
             dir,
             disabled: config.disabled,
             max_bytes: config.max_bytes,
-            echo: true,
             disk_ready: OnceLock::new(),
             disk_off: AtomicBool::new(false),
             memory: Mutex::new(Lru::default()),
@@ -174,11 +189,7 @@ impl PlanCache {
             counters: Counters::default(),
         };
         if cache.dir.is_none() && !cache.disabled {
-            cache.warn(
-                "tessera: warning: no plan cache directory (set --cache-dir, TESSERA_CACHE_DIR, \
-                 XDG_CACHE_HOME or HOME); caching in memory only"
-                    .to_string(),
-            );
+            cache.warn(&mut Vec::new(), CacheWarning::NoDirectory);
         }
         cache
     }
@@ -191,28 +202,25 @@ impl PlanCache {
         })
     }
 
-    /// Whether warnings are also printed to stderr as they happen (default: yes).
-    pub fn with_warning_echo(mut self, echo: bool) -> Self {
-        self.echo = echo;
-        self
-    }
-
     /// The cache directory (`None` when disabled or unresolvable).
     pub fn dir(&self) -> Option<&Path> {
         self.dir.as_deref()
     }
 
+    /// Whether the cache was configured off (`--no-cache`).
     pub fn is_disabled(&self) -> bool {
         self.disabled
     }
 
+    /// The size bound of the disk store and of the memory LRU, in bytes.
     pub fn max_bytes(&self) -> u64 {
         self.max_bytes
     }
 
-    /// Whether the disk store is (still) in use. Probes the directory on first call.
+    /// Whether the disk store is (still) in use. Probes the directory on first call; a fault
+    /// found then is recorded in [`warnings`](Self::warnings).
     pub fn disk_active(&self) -> bool {
-        self.plans_dir().is_some()
+        self.plans_dir(&mut Vec::new()).is_some()
     }
 
     /// Path of the entry file of `key` (whether or not it exists).
@@ -222,8 +230,10 @@ impl PlanCache {
             .map(|d| d.join("plans").join(entry::file_name(key)))
     }
 
-    /// Every warning issued so far, in order, each once.
-    pub fn warnings(&self) -> Vec<String> {
+    /// Every warning issued so far, in order, each once: those of every lookup, plus
+    /// [`CacheWarning::NoDirectory`] from construction and faults found by
+    /// [`disk_active`](Self::disk_active).
+    pub fn warnings(&self) -> Vec<CacheWarning> {
         lock(&self.warnings).clone()
     }
 
@@ -242,13 +252,10 @@ impl PlanCache {
     }
 
     /// The plan of (`mask`, `shape`, `tile`): from memory, else a valid disk entry, else built
-    /// (and then stored). Errors only when building fails (invalid mask or shape).
-    pub fn get_or_build(
-        &self,
-        mask: &Mask,
-        shape: PlanShape,
-        tile: TileShape,
-    ) -> Result<Arc<Plan>> {
+    /// (and then stored), with where it came from and the warnings this lookup raised. Errors
+    /// only when building fails (invalid mask or shape); warnings raised before such a failure
+    /// are still in [`warnings`](Self::warnings).
+    pub fn get_or_build(&self, mask: &Mask, shape: PlanShape, tile: TileShape) -> Result<Lookup> {
         let key = contract_key(mask, shape, tile);
         self.get_or_build_with(key, || build_plan(mask, shape, tile))
     }
@@ -259,13 +266,19 @@ impl PlanCache {
         &self,
         key: ContractKey,
         build: impl FnOnce() -> Result<Plan>,
-    ) -> Result<Arc<Plan>> {
+    ) -> Result<Lookup> {
+        let mut warnings = Vec::new();
+        let found = |plan, source, warnings| Lookup {
+            plan,
+            source,
+            warnings,
+        };
         if let Some(plan) = self.memory_get(&key) {
             metrics::record_memory_hit();
             self.counters.memory_hits.fetch_add(1, Relaxed);
-            return Ok(plan);
+            return Ok(found(plan, PlanSource::Memory, warnings));
         }
-        if let Some(plans) = self.plans_dir() {
+        if let Some(plans) = self.plans_dir(&mut warnings) {
             let path = plans.join(entry::file_name(&key));
             let (load, read) = read_entry(&path, &key, true);
             if read > 0 {
@@ -278,20 +291,14 @@ impl PlanCache {
                     self.counters.disk_hits.fetch_add(1, Relaxed);
                     let plan = Arc::new(*plan);
                     self.memory_put(key, plan.clone());
-                    return Ok(plan);
+                    return Ok(found(plan, PlanSource::Disk, warnings));
                 }
                 Load::Missing => {}
-                Load::DirUnusable(e) => {
-                    let dir = self.dir.clone().unwrap_or_else(|| plans.clone());
-                    self.degrade(&dir, e);
-                }
+                Load::DirUnusable(e) => self.degrade(&mut warnings, e),
                 Load::Rejected(reason) => {
                     metrics::record_reject();
                     self.counters.rejects.fetch_add(1, Relaxed);
-                    self.warn(format!(
-                        "tessera: warning: plan cache entry {} rejected ({reason}); rebuilt",
-                        path.display()
-                    ));
+                    self.warn(&mut warnings, CacheWarning::EntryRejected { path, reason });
                 }
             }
         }
@@ -307,10 +314,10 @@ impl PlanCache {
         }
         let plan = Arc::new(plan);
         self.memory_put(key, plan.clone());
-        if let Some(plans) = self.plans_dir() {
-            self.store(&plans, &plan);
+        if let Some(plans) = self.plans_dir(&mut warnings) {
+            self.store(&mut warnings, &plans, &plan);
         }
-        Ok(plan)
+        Ok(found(plan, PlanSource::Built, warnings))
     }
 
     /// Entry count and size on disk, plus the memory LRU of this process. Creates nothing.
@@ -342,13 +349,11 @@ impl PlanCache {
     /// its file name) without changing anything. Temporary files of in-flight writers and files
     /// that are not entries are skipped.
     pub fn verify(&self) -> Result<VerifyReport> {
-        let Some(dir) = self.dir.as_ref().filter(|_| !self.disabled) else {
+        let Some((dir, files)) = self.listing()? else {
             return Ok(VerifyReport::default());
         };
-        let plans = dir.join("plans");
-        let files = list_dir(&plans).map_err(|e| Error::io(&plans, e))?;
         let mut report = VerifyReport {
-            dir: Some(dir.clone()),
+            dir,
             ..VerifyReport::default()
         };
         for f in files.into_iter().filter(|f| f.kind == FileKind::Entry) {
@@ -384,13 +389,11 @@ impl PlanCache {
             mem.map.clear();
             mem.bytes = 0;
         }
-        let Some(dir) = self.dir.as_ref().filter(|_| !self.disabled) else {
+        let Some((dir, files)) = self.listing()? else {
             return Ok(ClearReport::default());
         };
-        let plans = dir.join("plans");
-        let files = list_dir(&plans).map_err(|e| Error::io(&plans, e))?;
         let mut report = ClearReport {
-            dir: Some(dir.clone()),
+            dir,
             ..ClearReport::default()
         };
         for f in files
@@ -411,26 +414,35 @@ impl PlanCache {
 
     // ---- internals ----
 
-    fn warn(&self, msg: String) {
-        let mut w = lock(&self.warnings);
-        if !w.contains(&msg) {
-            if self.echo {
-                eprintln!("{msg}");
-            }
-            w.push(msg);
+    /// The cache directory and the files of its `plans/`; `None` when the disk is configured off.
+    fn listing(&self) -> Result<Option<(Option<PathBuf>, Vec<Listed>)>> {
+        let Some(dir) = self.dir.as_ref().filter(|_| !self.disabled) else {
+            return Ok(None);
+        };
+        let plans = dir.join("plans");
+        let files = list_dir(&plans).map_err(|e| Error::io(&plans, e))?;
+        Ok(Some((Some(dir.clone()), files)))
+    }
+
+    /// Raises `w` into `out` (the current lookup's warnings) unless this cache raised it before.
+    fn warn(&self, out: &mut Vec<CacheWarning>, w: CacheWarning) {
+        let mut all = lock(&self.warnings);
+        if !all.contains(&w) {
+            all.push(w.clone());
+            out.push(w);
         }
     }
 
-    fn degrade(&self, dir: &Path, why: impl std::fmt::Display) {
+    /// Turns the disk store off for the rest of the process, with a warning.
+    fn degrade(&self, out: &mut Vec<CacheWarning>, why: impl std::fmt::Display) {
         self.disk_off.store(true, Relaxed);
-        self.warn(format!(
-            "tessera: warning: plan cache directory {} unusable ({why}); caching in memory only",
-            dir.display()
-        ));
+        let dir = self.dir.clone().unwrap_or_default();
+        let reason = why.to_string();
+        self.warn(out, CacheWarning::DirectoryUnusable { dir, reason });
     }
 
     /// `<dir>/plans` when the disk store is usable; creates it on first call.
-    fn plans_dir(&self) -> Option<PathBuf> {
+    fn plans_dir(&self, out: &mut Vec<CacheWarning>) -> Option<PathBuf> {
         let dir = self.dir.as_ref()?;
         if self.disabled || self.disk_off.load(Relaxed) {
             return None;
@@ -443,7 +455,7 @@ impl PlanCache {
             match fs::create_dir_all(&plans) {
                 Ok(()) => true,
                 Err(e) => {
-                    self.degrade(dir, e);
+                    self.degrade(out, e);
                     false
                 }
             }
@@ -489,30 +501,28 @@ impl PlanCache {
     }
 
     /// Writes `plan`'s entry atomically, then trims the store to the size bound.
-    fn store(&self, plans: &Path, plan: &Plan) {
+    fn store(&self, out: &mut Vec<CacheWarning>, plans: &Path, plan: &Plan) {
+        let contract = plan.contract;
         let encoded = match entry::encode_parts(plan) {
             Ok(e) => e,
             Err(e) => {
-                self.warn(format!(
-                    "tessera: warning: plan {} could not be encoded for the cache ({e}); not cached on disk",
-                    plan.contract
-                ));
-                return;
+                let reason = e.to_string();
+                return self.warn(out, CacheWarning::NotEncodable { contract, reason });
             }
         };
         let len = encoded.len();
         if len > self.max_bytes {
-            self.warn(format!(
-                "tessera: warning: plan {} is {len} bytes, over the cache bound of {} bytes; not cached on disk",
-                plan.contract, self.max_bytes
-            ));
-            return;
+            let (bytes, max_bytes) = (len, self.max_bytes);
+            let w = CacheWarning::TooLarge {
+                contract,
+                bytes,
+                max_bytes,
+            };
+            return self.warn(out, w);
         }
-        let path = plans.join(entry::file_name(&plan.contract));
-        if let Err(e) = write_atomic(plans, &path, &encoded.parts()) {
-            let dir = self.dir.clone().unwrap_or_else(|| plans.to_path_buf());
-            self.degrade(&dir, e);
-            return;
+        let path = plans.join(entry::file_name(&contract));
+        if let Err(e) = write_entry(&path, &encoded.parts()) {
+            return self.degrade(out, e);
         }
         metrics::record_bytes_written(len);
         self.counters.bytes_written.fetch_add(len, Relaxed);
@@ -623,45 +633,24 @@ fn read_entry(path: &Path, key: &ContractKey, touch: bool) -> (Load, u64) {
     }
 }
 
-/// Writes `parts` to a fresh temporary file in `plans` and renames it over `path`.
-fn write_atomic(plans: &Path, path: &Path, parts: &[&[u8]]) -> io::Result<()> {
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    let pid = std::process::id();
-    let (tmp, mut file) = loop {
-        let n = TEMP_COUNTER.fetch_add(1, Relaxed);
-        let tmp = plans.join(format!(".{name}.tmp.{pid}.{n}"));
-        match OpenOptions::new().write(true).create_new(true).open(&tmp) {
-            Ok(f) => break (tmp, f),
-            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => continue,
-            Err(e) => return Err(e),
-        }
+/// Writes `parts` atomically to `path` (unsynced: a torn entry fails its checksum and is
+/// rebuilt). A directory squatting on the entry's name is removed and the write retried once.
+fn write_entry(path: &Path, parts: &[&[u8]]) -> Result<()> {
+    let write = || {
+        tessera_io::atomic_write_with(path, tessera_io::Durability::Unsynced, |w| {
+            parts
+                .iter()
+                .try_for_each(|p| w.write_all(p))
+                .map_err(|e| Error::io(path, e))
+        })
     };
-    let res = parts
-        .iter()
-        .try_for_each(|p| file.write_all(p))
-        .and_then(|()| {
-            drop(file);
-            match fs::rename(&tmp, path) {
-                Ok(()) => Ok(()),
-                Err(e) => {
-                    // A directory squatting on the entry's name: remove it and retry once.
-                    match fs::symlink_metadata(path) {
-                        Ok(m) if m.is_dir() => {
-                            fs::remove_dir_all(path)?;
-                            fs::rename(&tmp, path)
-                        }
-                        _ => Err(e),
-                    }
-                }
-            }
-        });
-    if res.is_err() {
-        let _ = fs::remove_file(&tmp);
+    match write() {
+        Err(_) if fs::symlink_metadata(path).is_ok_and(|m| m.is_dir()) => {
+            fs::remove_dir_all(path).map_err(|e| Error::io(path, e))?;
+            write()
+        }
+        res => res,
     }
-    res
 }
 
 /// Removes a file, link, or (entry-named) directory.

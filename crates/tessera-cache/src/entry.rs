@@ -42,21 +42,28 @@ pub enum RejectReason {
     Empty,
     /// Shorter than the header.
     TruncatedHeader {
+        /// Bytes present.
         len: u64,
     },
+    /// The file does not start with the entry magic.
     BadMagic,
     /// The header's format version is not this build's.
     Version {
+        /// The header's version.
         found: u32,
+        /// This build's version.
         expected: u32,
     },
     /// The header names another contract (for example an entry copied over another).
     KeyMismatch {
+        /// The key in the header.
         found: ContractKey,
     },
     /// The payload length in the header is not the number of bytes that follow it.
     Length {
+        /// Length the header states.
         header: u64,
+        /// Bytes actually following the header.
         actual: u64,
     },
     /// The payload's BLAKE3 digest differs from the header's.
@@ -65,11 +72,14 @@ pub enum RejectReason {
     Decode(String),
     /// The decoded plan belongs to another contract.
     ContractMismatch {
+        /// The decoded plan's contract.
         found: ContractKey,
     },
     /// The decoded plan carries another format version.
     PlanVersion {
+        /// The decoded plan's format version.
         found: u32,
+        /// This build's format version.
         expected: u32,
     },
     /// The file name is not `<64 hex digits>.tplan` (only reported by `verify`).
@@ -119,13 +129,18 @@ impl fmt::Display for RejectReason {
 /// The header fields of an entry.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Header {
+    /// Plan format version of the payload.
     pub version: u32,
+    /// The full contract key.
     pub key: ContractKey,
+    /// Bytes of payload after the header.
     pub payload_len: u64,
+    /// BLAKE3 digest of the payload.
     pub checksum: [u8; 32],
 }
 
 impl Header {
+    /// The header as its 84 bytes on disk.
     pub fn to_bytes(&self) -> [u8; HEADER_LEN] {
         let mut h = [0u8; HEADER_LEN];
         h[0..8].copy_from_slice(&MAGIC);
@@ -171,6 +186,7 @@ impl Header {
 
 /// An encoded entry in pieces, so that the bulk words are written without another copy.
 pub struct Encoded<'a> {
+    /// The header bytes.
     pub header: [u8; HEADER_LEN],
     /// Number of partial-mask words, little-endian.
     pub count: [u8; 8],
@@ -187,10 +203,12 @@ impl Encoded<'_> {
         [&self.header, &self.count, &self.words, &self.tail]
     }
 
+    /// Total entry size in bytes.
     pub fn len(&self) -> u64 {
         (HEADER_LEN + 8 + self.words.len() + self.tail.len()) as u64
     }
 
+    /// Always false: an entry has at least its header.
     pub fn is_empty(&self) -> bool {
         false
     }

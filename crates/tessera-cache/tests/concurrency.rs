@@ -23,7 +23,7 @@ fn writer(dir: &Path, id: usize) {
         if (round + id) % 3 == 1 {
             let _ = std::fs::remove_file(c.entry_path(&expected).unwrap());
         }
-        let p = c.get_or_build(&mask, shape, tile).unwrap();
+        let p = c.get_or_build(&mask, shape, tile).unwrap().plan;
         assert_eq!(p.contract, expected);
         assert_eq!(
             c.counters().rejects,

@@ -5,7 +5,7 @@ mod common;
 use common::*;
 use std::fs;
 use std::os::unix::fs::PermissionsExt;
-use tessera_cache::{CacheConfig, PlanCache};
+use tessera_cache::{CacheConfig, CacheWarning, PlanCache, PlanSource};
 use tessera_core::metrics;
 
 #[test]
@@ -19,8 +19,8 @@ fn no_cache_writes_nothing() {
         disabled: true,
         max_bytes: 1 << 30,
     });
-    let a = c.get_or_build(&mask, shape, tile).unwrap();
-    let b = c.get_or_build(&mask, shape, tile).unwrap();
+    let a = c.get_or_build(&mask, shape, tile).unwrap().plan;
+    let b = c.get_or_build(&mask, shape, tile).unwrap().plan;
     assert!(std::sync::Arc::ptr_eq(&a, &b), "memory cache still works");
     let after = metrics::snapshot();
     assert!(files_under(dir.path()).is_empty(), "nothing on disk");
@@ -54,7 +54,7 @@ fn warm_second_instance_builds_nothing_and_counts_bytes() {
     let (mask, shape, tile) = causal(4096);
     let m0 = metrics::snapshot();
     let c1 = cache(dir.path());
-    let p1 = c1.get_or_build(&mask, shape, tile).unwrap();
+    let p1 = c1.get_or_build(&mask, shape, tile).unwrap().plan;
     let m1 = metrics::snapshot();
     let len = fs::metadata(c1.entry_path(&p1.contract).unwrap())
         .unwrap()
@@ -65,7 +65,7 @@ fn warm_second_instance_builds_nothing_and_counts_bytes() {
     assert_eq!(c1.counters().bytes_written, len);
 
     let c2 = cache(dir.path());
-    let p2 = c2.get_or_build(&mask, shape, tile).unwrap();
+    let p2 = c2.get_or_build(&mask, shape, tile).unwrap().plan;
     let m2 = metrics::snapshot();
     assert_eq!(*p1, *p2, "disk copy is bit-identical, build time included");
     assert_eq!(m2.plans_built - m1.plans_built, 0);
@@ -100,18 +100,21 @@ fn invalid_input_is_an_error_and_caches_nothing() {
 
 fn assert_degraded(c: &PlanCache, what: &str) {
     let (mask, shape, tile) = causal(1024);
-    let a = c.get_or_build(&mask, shape, tile).unwrap();
-    let b = c.get_or_build(&mask, shape, tile).unwrap();
+    let a = c.get_or_build(&mask, shape, tile).unwrap().plan;
+    let b = c.get_or_build(&mask, shape, tile).unwrap().plan;
     assert!(std::sync::Arc::ptr_eq(&a, &b), "{what}: memory cache works");
     let (mask2, shape2, tile2) = causal(2048);
     c.get_or_build(&mask2, shape2, tile2).unwrap();
     let w = c.warnings();
     assert_eq!(w.len(), 1, "{what}: exactly one warning: {w:?}");
     assert!(
-        w[0].starts_with("tessera: warning: plan cache directory ")
-            && w[0].ends_with("; caching in memory only"),
-        "{what}: {}",
-        w[0]
+        matches!(&w[0], CacheWarning::DirectoryUnusable { .. }),
+        "{what}: {w:?}"
+    );
+    let text = w[0].to_string();
+    assert!(
+        text.starts_with("plan cache directory ") && text.ends_with("; caching in memory only"),
+        "{what}: {text}"
     );
     assert!(!c.disk_active(), "{what}");
     assert_eq!(c.counters().builds, 2, "{what}");
@@ -136,17 +139,26 @@ fn plans_path_taken_by_a_file_degrades_to_memory() {
     assert_eq!(fs::read(tmp.path().join("plans")).unwrap(), b"x");
 }
 
+/// `dir/plans` created with `mode`; `None` (the test is skipped) when this user ignores
+/// permissions.
+fn plans_with_mode(dir: &std::path::Path, mode: u32) -> Option<std::path::PathBuf> {
+    if permissions_ignored(dir) {
+        eprintln!("skipped: permissions are not enforced for this user");
+        return None;
+    }
+    let plans = dir.join("plans");
+    fs::create_dir(&plans).unwrap();
+    fs::set_permissions(&plans, fs::Permissions::from_mode(mode)).unwrap();
+    Some(plans)
+}
+
 #[test]
 fn unreadable_directory_degrades_to_memory() {
     let _g = metrics_lock();
     let tmp = tempfile::tempdir().unwrap();
-    if permissions_ignored(tmp.path()) {
-        eprintln!("skipped: permissions are not enforced for this user");
+    let Some(plans) = plans_with_mode(tmp.path(), 0o000) else {
         return;
-    }
-    let plans = tmp.path().join("plans");
-    fs::create_dir(&plans).unwrap();
-    fs::set_permissions(&plans, fs::Permissions::from_mode(0o000)).unwrap();
+    };
     assert_degraded(&cache(tmp.path()), "plans mode 000");
     fs::set_permissions(&plans, fs::Permissions::from_mode(0o755)).unwrap();
 }
@@ -181,12 +193,25 @@ fn entry_larger_than_bound_is_not_written() {
         max_bytes: 100,
     });
     let (mask, shape, tile) = causal(1024);
-    c.get_or_build(&mask, shape, tile).unwrap();
-    c.get_or_build(&mask, shape, tile).unwrap();
+    let first = c.get_or_build(&mask, shape, tile).unwrap();
+    let second = c.get_or_build(&mask, shape, tile).unwrap();
     assert_eq!(c.counters().memory_hits, 1, "still kept in memory");
     assert_eq!(c.stats().entries, 0);
     assert_eq!(c.warnings().len(), 1);
-    assert!(c.warnings()[0].contains("over the cache bound"));
+    assert!(matches!(
+        c.warnings()[0],
+        CacheWarning::TooLarge { max_bytes: 100, .. }
+    ));
+    assert!(c.warnings()[0].to_string().contains("over the cache bound"));
+    assert_eq!(
+        first.warnings,
+        c.warnings(),
+        "raised by the building lookup"
+    );
+    assert_eq!(
+        (second.source, second.warnings.len()),
+        (PlanSource::Memory, 0)
+    );
 }
 
 #[test]
@@ -225,13 +250,9 @@ fn verify_reports_and_clear_removes() {
 fn unlistable_directory_still_caches() {
     let _g = metrics_lock();
     let tmp = tempfile::tempdir().unwrap();
-    if permissions_ignored(tmp.path()) {
-        eprintln!("skipped: permissions are not enforced for this user");
+    let Some(plans) = plans_with_mode(tmp.path(), 0o300) else {
         return;
-    }
-    let plans = tmp.path().join("plans");
-    fs::create_dir(&plans).unwrap();
-    fs::set_permissions(&plans, fs::Permissions::from_mode(0o300)).unwrap();
+    };
     let (mask, shape, tile) = causal(1024);
     let c1 = cache(tmp.path());
     c1.get_or_build(&mask, shape, tile).unwrap();

@@ -6,7 +6,7 @@ use common::*;
 use std::fs::{self, OpenOptions};
 use std::path::Path;
 use tessera_cache::entry::{self, Header, HEADER_LEN};
-use tessera_cache::RejectReason;
+use tessera_cache::{CacheWarning, PlanSource, RejectReason};
 use tessera_core::metrics;
 use tessera_plan::{Plan, PLAN_FORMAT_VERSION};
 
@@ -22,7 +22,7 @@ fn check_fault(
     let dir = tempfile::tempdir().unwrap();
     let (mask, shape, tile) = causal(1024);
     let c0 = cache(dir.path());
-    let plan = c0.get_or_build(&mask, shape, tile).unwrap();
+    let plan = c0.get_or_build(&mask, shape, tile).unwrap().plan;
     let path = c0.entry_path(&plan.contract).unwrap();
     assert!(path.is_file(), "{what}: entry written");
     assert!(c0.verify().unwrap().all_ok());
@@ -36,7 +36,14 @@ fn check_fault(
 
     let before = metrics::snapshot();
     let c1 = cache(dir.path());
-    let got = c1.get_or_build(&mask, shape, tile).unwrap();
+    let lookup = c1.get_or_build(&mask, shape, tile).unwrap();
+    assert_eq!(lookup.source, PlanSource::Built, "{what}");
+    assert_eq!(
+        lookup.warnings,
+        c1.warnings(),
+        "{what}: the lookup returns its warning"
+    );
+    let got = lookup.plan;
     assert!(
         same_plan(&got, &plan),
         "{what}: rebuilt plan equals the original"
@@ -55,11 +62,12 @@ fn check_fault(
 
     let warnings = c1.warnings();
     assert_eq!(warnings.len(), 1, "{what}: one warning: {warnings:?}");
-    let w = &warnings[0];
-    let expected_prefix = format!(
-        "tessera: warning: plan cache entry {} rejected (",
-        path.display()
+    assert!(
+        matches!(&warnings[0], CacheWarning::EntryRejected { path: p, .. } if p == &path),
+        "{what}: {warnings:?}"
     );
+    let w = &warnings[0].to_string();
+    let expected_prefix = format!("plan cache entry {} rejected (", path.display());
     assert!(w.starts_with(&expected_prefix), "{what}: {w}");
     assert!(w.ends_with("); rebuilt"), "{what}: {w}");
     assert!(
@@ -68,7 +76,11 @@ fn check_fault(
     );
 
     // The same process never warns twice: the plan is now in memory.
-    c1.get_or_build(&mask, shape, tile).unwrap();
+    let again = c1.get_or_build(&mask, shape, tile).unwrap();
+    assert_eq!(
+        (again.source, again.warnings.len()),
+        (PlanSource::Memory, 0)
+    );
     assert_eq!(c1.warnings().len(), 1);
     assert_eq!(c1.counters().memory_hits, 1);
 
@@ -77,10 +89,9 @@ fn check_fault(
     assert_eq!((good.ok, good.bad), (1, 0), "{what}: valid entry rewritten");
     assert!(path.is_file());
     let c2 = cache(dir.path());
-    assert!(same_plan(
-        &c2.get_or_build(&mask, shape, tile).unwrap(),
-        &plan
-    ));
+    let hit = c2.get_or_build(&mask, shape, tile).unwrap();
+    assert_eq!(hit.source, PlanSource::Disk, "{what}");
+    assert!(same_plan(&hit.plan, &plan));
     let c = c2.counters();
     assert_eq!((c.disk_hits, c.rejects, c.builds), (1, 0, 0), "{what}");
     assert!(c2.warnings().is_empty());
@@ -221,7 +232,7 @@ fn entry_of_another_key_copied_over() {
             let scratch = tempfile::tempdir().unwrap();
             let (mask, shape, tile) = causal(2048);
             let other = cache(scratch.path());
-            let plan = other.get_or_build(&mask, shape, tile).unwrap();
+            let plan = other.get_or_build(&mask, shape, tile).unwrap().plan;
             fs::copy(other.entry_path(&plan.contract).unwrap(), p).unwrap();
         },
     );

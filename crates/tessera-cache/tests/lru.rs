@@ -18,7 +18,7 @@ fn contracts() -> Vec<(Mask, PlanShape, TileShape)> {
 
 fn entry_size(dir: &Path, c: &(Mask, PlanShape, TileShape)) -> u64 {
     let cache = cache(dir);
-    let plan = cache.get_or_build(&c.0, c.1, c.2).unwrap();
+    let plan = cache.get_or_build(&c.0, c.1, c.2).unwrap().plan;
     fs::metadata(cache.entry_path(&plan.contract).unwrap())
         .unwrap()
         .len()
@@ -52,7 +52,7 @@ fn disk_evicts_least_recently_used() {
         .iter()
         .map(|c| {
             let cache = cache_with(config.clone());
-            let p = cache.get_or_build(&c.0, c.1, c.2).unwrap();
+            let p = cache.get_or_build(&c.0, c.1, c.2).unwrap().plan;
             sleep(Duration::from_millis(30));
             cache.entry_path(&p.contract).unwrap()
         })
@@ -69,7 +69,7 @@ fn disk_evicts_least_recently_used() {
     sleep(Duration::from_millis(30));
 
     let d = cache_with(config.clone());
-    let pd = d.get_or_build(&cs[3].0, cs[3].1, cs[3].2).unwrap();
+    let pd = d.get_or_build(&cs[3].0, cs[3].1, cs[3].2).unwrap().plan;
     assert!(d.entry_path(&pd.contract).unwrap().is_file(), "D written");
     assert!(!paths[1].exists(), "B, the least recently used, evicted");
     assert!(paths[0].is_file() && paths[2].is_file(), "A and C kept");
@@ -103,7 +103,7 @@ fn disk_stays_within_bound() {
     });
     for l in lens {
         let (mask, shape, tile) = causal(l);
-        let p = c.get_or_build(&mask, shape, tile).unwrap();
+        let p = c.get_or_build(&mask, shape, tile).unwrap().plan;
         assert!(c.entry_path(&p.contract).unwrap().is_file());
         assert!(disk_bytes(dir.path()) <= bound);
         sleep(Duration::from_millis(15));

@@ -42,17 +42,33 @@ impl Ctx {
         shape: tessera_plan::PlanShape,
         tile: tessera_plan::TileShape,
     ) -> Result<std::sync::Arc<tessera_plan::Plan>> {
-        self.plan_cache().get_or_build(mask, shape, tile)
+        Ok(self.lookup(mask, shape, tile)?.plan)
     }
 
-    /// The plan cache configured by `--cache-dir`, `--no-cache` and `--cache-max-bytes`.
+    /// The plan of `mask` for `shape` and `tile` with where it came from; the cache's warnings
+    /// of this lookup are printed to stderr.
+    pub fn lookup(
+        &self,
+        mask: &tessera_mask::Mask,
+        shape: tessera_plan::PlanShape,
+        tile: tessera_plan::TileShape,
+    ) -> Result<tessera_cache::Lookup> {
+        let lookup = self.plan_cache().get_or_build(mask, shape, tile)?;
+        warn_all(&lookup.warnings);
+        Ok(lookup)
+    }
+
+    /// The plan cache configured by `--cache-dir`, `--no-cache` and `--cache-max-bytes`; its
+    /// construction warnings (no directory) are printed when it is first created.
     pub fn plan_cache(&self) -> &tessera_cache::PlanCache {
         self.cache.get_or_init(|| {
-            tessera_cache::PlanCache::new(tessera_cache::CacheConfig {
+            let cache = tessera_cache::PlanCache::new(tessera_cache::CacheConfig {
                 dir: self.global.cache_dir.clone(),
                 disabled: self.global.no_cache,
                 max_bytes: self.global.cache_max_bytes,
-            })
+            });
+            warn_all(&cache.warnings());
+            cache
         })
     }
 
@@ -79,6 +95,13 @@ impl Ctx {
             eprint!("{}", report.to_text());
         }
         Ok(())
+    }
+}
+
+/// Prints each warning as one `tessera: warning: ...` line on stderr.
+fn warn_all(warnings: &[tessera_cache::CacheWarning]) {
+    for w in warnings {
+        eprintln!("tessera: warning: {w}");
     }
 }
 

@@ -8,7 +8,6 @@ mod cmd;
 mod ctx;
 mod manifest;
 mod maskload;
-mod picture;
 mod progress;
 
 use clap::{Parser, Subcommand};

@@ -142,7 +142,7 @@ fn cpu_features() -> Vec<String> {
 }
 
 /// AMX-BF16, by hand: `is_x86_feature_detected!("amx-bf16")` is not stable yet. The CPU must
-/// report it (CPUID.(7,0):EDX[22]) and the OS must enable the tile state (XCR0 bits 17 and 18).
+/// report it (CPUID.(7,0):EDX bit 22) and the OS must enable the tile state (XCR0 bits 17 and 18).
 #[cfg(target_arch = "x86_64")]
 #[allow(unused_unsafe)] // CPUID intrinsics are safe from Rust 1.87 on, unsafe before.
 fn amx_bf16() -> bool {

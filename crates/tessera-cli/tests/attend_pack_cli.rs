@@ -1,62 +1,14 @@
 //! End-to-end tests of `tessera attend`, `tessera pack` and `tessera plan --export` through the
 //! built binary: results against the float64 reference, and bad input giving exit code 2.
 
+mod common;
+
+use common::{bad, ok, save, values};
 use std::path::Path;
-use std::process::{Command, Output};
-use tessera_attn::{reference, AttnOptions};
+use tessera_attn::AttnOptions;
+use tessera_conformance::reference;
 use tessera_core::{Tensor, TensorData};
 use tessera_mask::{Mask, SegmentIds, Segments};
-
-fn tessera(args: &[&str], dir: &Path) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_tessera"))
-        .args(args)
-        .arg("--no-cache")
-        .current_dir(dir)
-        .output()
-        .expect("run tessera")
-}
-
-fn ok(args: &[&str], dir: &Path) -> String {
-    let out = tessera(args, dir);
-    assert!(
-        out.status.success(),
-        "{args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-fn bad(args: &[&str], dir: &Path, needle: &str) {
-    let out = tessera(args, dir);
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
-    assert_eq!(err.trim_end().lines().count(), 1, "{args:?}: {err}");
-    assert!(
-        err.contains(needle),
-        "{args:?}: expected '{needle}' in: {err}"
-    );
-}
-
-/// Seeded values in [-1, 1) (a small LCG keeps the test free of extra dependencies).
-fn values(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed
-        .wrapping_mul(6364136223846793005)
-        .wrapping_add(1442695040888963407);
-    (0..n)
-        .map(|_| {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        })
-        .collect()
-}
-
-fn save(dir: &Path, name: &str, t: &Tensor) -> String {
-    let p = dir.join(name);
-    tessera_io::write_tensor(&p, t).unwrap();
-    p.to_string_lossy().into_owned()
-}
 
 fn load(dir: &Path, name: &str) -> Vec<f32> {
     tessera_io::read_tensor(dir.join(name).to_str().unwrap(), None)

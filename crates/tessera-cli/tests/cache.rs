@@ -29,6 +29,11 @@ fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
 }
 
+/// The lines of `text` that start with `prefix`.
+fn lines_starting<'a>(text: &'a str, prefix: &str) -> Vec<&'a str> {
+    text.lines().filter(|l| l.starts_with(prefix)).collect()
+}
+
 /// The metrics report: the last stderr line starting with `{`.
 fn metrics(o: &Output) -> Value {
     let err = stderr(o);
@@ -127,10 +132,7 @@ fn check_fault(what: &str, corrupt: impl FnOnce(&Path)) {
 
     let o = plan(dir.path(), 4096);
     let err = stderr(&o);
-    let warnings: Vec<&str> = err
-        .lines()
-        .filter(|l| l.starts_with("tessera: warning: plan cache entry"))
-        .collect();
+    let warnings = lines_starting(&err, "tessera: warning: plan cache entry");
     assert_eq!(warnings.len(), 1, "{what}: one warning:\n{err}");
     assert!(
         warnings[0].contains(&path.display().to_string())
@@ -224,10 +226,7 @@ fn unusable_cache_dir_degrades_to_memory() {
     fs::write(&file, b"x").unwrap();
     let o = plan(&file.join("cache"), 4096);
     let err = stderr(&o);
-    let warnings: Vec<&str> = err
-        .lines()
-        .filter(|l| l.starts_with("tessera: warning:"))
-        .collect();
+    let warnings = lines_starting(&err, "tessera: warning:");
     assert_eq!(warnings.len(), 1, "{err}");
     assert!(warnings[0].contains("caching in memory only"), "{err}");
     assert_eq!(count(&metrics(&o), "plans_built"), 1);

@@ -1,30 +1,10 @@
 //! End-to-end tests of `tessera plan` and `tessera demo` through the built binary.
 
+mod common;
+
+use common::{bad, tessera};
 use std::path::Path;
-use std::process::{Command, Output};
 use tessera_core::{Tensor, TensorData};
-
-fn tessera(args: &[&str], dir: &Path) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_tessera"))
-        .args(args)
-        .args(["--no-cache"])
-        .current_dir(dir)
-        .output()
-        .expect("run tessera")
-}
-
-/// Asserts exit code 2 and exactly one stderr line containing `needle`.
-fn bad(args: &[&str], dir: &Path, needle: &str) {
-    let out = tessera(args, dir);
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
-    assert_eq!(err.trim_end().lines().count(), 1, "{args:?}: {err}");
-    assert!(
-        err.contains(needle),
-        "{args:?}: expected '{needle}' in: {err}"
-    );
-    assert!(!err.contains("panicked"), "{err}");
-}
 
 fn write(dir: &Path, name: &str, shape: Vec<usize>, data: TensorData) -> String {
     let p = dir.join(name);

@@ -1,51 +1,12 @@
 //! End-to-end tests of the telemetry outputs of `tessera attend --telemetry` and `tessera demo`
 //! through the built binary.
 
-use std::path::Path;
-use std::process::{Command, Output};
+mod common;
+
+use common::{ok, save, tessera, values};
 use tessera_core::{Tensor, TensorData};
 use tessera_mask::{Mask, SegmentIds, Segments};
 use tessera_telemetry::{read_jsonl, reference_summary, sink_key_flags, ReferenceInput};
-
-fn tessera(args: &[&str], dir: &Path) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_tessera"))
-        .args(args)
-        .arg("--no-cache")
-        .current_dir(dir)
-        .output()
-        .expect("run tessera")
-}
-
-fn ok(args: &[&str], dir: &Path) -> String {
-    let out = tessera(args, dir);
-    assert!(
-        out.status.success(),
-        "{args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-/// Seeded values in [-1, 1).
-fn values(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed
-        .wrapping_mul(6364136223846793005)
-        .wrapping_add(1442695040888963407);
-    (0..n)
-        .map(|_| {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        })
-        .collect()
-}
-
-fn save(dir: &Path, name: &str, t: &Tensor) -> String {
-    let p = dir.join(name);
-    tessera_io::write_tensor(&p, t).unwrap();
-    p.to_string_lossy().into_owned()
-}
 
 #[test]
 fn attend_writes_one_telemetry_record_matching_the_reference() {

@@ -436,7 +436,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             }
         }
         let dense = NpyArray::from_bools(vec![bg, h, lq, lkv], &bits);
-        std::fs::write(out.join(format!("{}.dense.npy", c.name)), dense.to_npy())?;
+        tessera_io::atomic_write_bytes(
+            &out.join(format!("{}.dense.npy", c.name)),
+            &dense.to_npy(),
+        )?;
         // An error here is what JAX does too (process_mask asserts on an empty shrunk grid):
         // the checker expects the reference to fail when the case says so.
         let splash_error = match splash::export_with(&plan, &c.splash) {
@@ -475,7 +478,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         );
     }
     json.push_str("]\n");
-    std::fs::write(out.join("cases.json"), json)?;
+    tessera_io::atomic_write_bytes(&out.join("cases.json"), json.as_bytes())?;
     println!("{} cases written to {}", cases.len(), out.display());
     Ok(())
 }

@@ -14,7 +14,7 @@
 //! (`mask_tile_states`, `mask_block_ids`, `mask_blocks`), from which `docs/export.md` builds a
 //! `mask_mod`.
 
-use crate::npz::{self, DType, Members, NpyArray};
+use crate::npz::{self, Members, NpyArray, NpyDType};
 use crate::tiles::{Contents, Eff};
 use std::path::Path;
 use tessera_core::{Error, Result};
@@ -35,13 +35,17 @@ pub struct FlexArrays {
     pub kv_num_blocks: Vec<i32>,
     /// `[B', H', nq, nk]`.
     pub kv_indices: Vec<i32>,
+    /// `[B', H', nq]`: full kv blocks per q block.
     pub full_kv_num_blocks: Vec<i32>,
+    /// `[B', H', nq, nk]`: full kv block indices, then the others.
     pub full_kv_indices: Vec<i32>,
     /// `[B', H', nk]`.
     pub q_num_blocks: Vec<i32>,
     /// `[B', H', nk, nq]`.
     pub q_indices: Vec<i32>,
+    /// `[B', H', nk]`: full q blocks per kv block.
     pub full_q_num_blocks: Vec<i32>,
+    /// `[B', H', nk, nq]`: full q block indices, then the others.
     pub full_q_indices: Vec<i32>,
     /// Tessera addition: engine tile states `[B', H', nq, nk]` (0 empty, 1 partial, 2 full).
     pub mask_tile_states: Vec<i8>,
@@ -239,11 +243,9 @@ impl FlexArrays {
 
     /// The npz member names and arrays (see `docs/export.md`).
     pub fn to_members(&self) -> Vec<(String, NpyArray)> {
-        let meta = |v: &[usize]| {
-            NpyArray::from_ints(DType::I64, vec![v.len()], v.iter().map(|&x| x as i64))
-        };
+        let meta = npz::meta;
         let int = |shape: &[usize], v: &[i32]| {
-            NpyArray::from_ints(DType::I32, shape.to_vec(), v.iter().map(|&x| x as i64))
+            NpyArray::from_ints(NpyDType::I32, shape.to_vec(), v.iter().map(|&x| x as i64))
         };
         let [kv, q] = self.dims();
         vec![
@@ -271,7 +273,7 @@ impl FlexArrays {
             (
                 "mask_tile_states".into(),
                 NpyArray::from_ints(
-                    DType::I8,
+                    NpyDType::I8,
                     kv.to_vec(),
                     self.mask_tile_states.iter().map(|&x| x as i64),
                 ),
@@ -294,14 +296,7 @@ impl FlexArrays {
 
     /// Reads tensors written by [`FlexArrays::write_npz`].
     pub fn read_npz(path: &Path) -> Result<Self> {
-        let m = Members::read(path)?;
-        let tag = m.meta("tessera_export", 2)?;
-        if tag != [1, 1] {
-            return Err(Error::format(
-                path,
-                format!("not a Tessera Flex export (tag {tag:?})"),
-            ));
-        }
+        let m = Members::read_export(path, [1, 1], "Flex")?;
         let s = m.meta("meta_shape", 4)?;
         let bs = m.meta("block_size", 2)?;
         let kvi = m.need("kv_indices")?;
@@ -315,18 +310,10 @@ impl FlexArrays {
             }
         };
         let get = |name: &str, shape: &[usize]| -> Result<Vec<i32>> {
-            let a = m.need(name)?;
-            if a.dtype != DType::I32 || a.shape != shape {
-                return Err(Error::format(
-                    path,
-                    format!(
-                        "{name}: expected int32 {shape:?}, found {} {:?}",
-                        a.dtype.name(),
-                        a.shape
-                    ),
-                ));
-            }
-            Ok(a.to_i64().into_iter().map(|v| v as i32).collect())
+            Ok(m.ints(name, NpyDType::I32, shape)?
+                .into_iter()
+                .map(|v| v as i32)
+                .collect())
         };
         let kv = [bg, hg, nq, nk];
         let q = [bg, hg, nk, nq];
@@ -343,20 +330,16 @@ impl FlexArrays {
             q_indices: get("q_indices", &q)?,
             full_q_num_blocks: get("full_q_num_blocks", &q[..3])?,
             full_q_indices: get("full_q_indices", &q)?,
-            mask_tile_states: {
-                let a = m.need("mask_tile_states")?;
-                if a.dtype != DType::I8 || a.shape != kv {
-                    return Err(Error::format(
-                        path,
-                        format!("mask_tile_states: expected int8 {kv:?}"),
-                    ));
-                }
-                a.to_i64().into_iter().map(|v| v as i8).collect()
-            },
+            mask_tile_states: m
+                .ints("mask_tile_states", NpyDType::I8, &kv)?
+                .into_iter()
+                .map(|v| v as i8)
+                .collect(),
             mask_block_ids: get("mask_block_ids", &kv)?,
             mask_blocks: {
                 let a = m.need("mask_blocks")?;
-                if a.dtype != DType::Bool || a.shape.len() != 3 || a.shape[1..] != [bs[0], bs[1]] {
+                if a.dtype != NpyDType::Bool || a.shape.len() != 3 || a.shape[1..] != [bs[0], bs[1]]
+                {
                     return Err(Error::format(
                         path,
                         format!(

@@ -7,6 +7,24 @@
 //! padding entries and dtypes included. Both engines see sequences padded with masked-out tokens
 //! up to whole blocks, so a ragged-edge tile that Tessera marks Full is Partial there
 //! ([`engine_states`]). Files are `.npz` archives written atomically.
+//!
+//! ```
+//! use tessera_export::{export_npz, flex, ExportKind};
+//! use tessera_mask::Mask;
+//! use tessera_plan::{build_plan, PlanShape, TileShape};
+//!
+//! let shape = PlanShape::new(1, 1, 256, 256)?;
+//! let plan = build_plan(&Mask::causal(), shape, TileShape::new(128, 128)?)?;
+//! let f = flex::export(&plan)?;
+//! // q block 0: one partial kv block; q block 1: one partial and one full.
+//! assert_eq!(f.kv_num_blocks, [1, 1]);
+//! assert_eq!(f.full_kv_num_blocks, [0, 1]);
+//! let dir = tempfile::tempdir()?;
+//! let path = dir.path().join("causal.flex.npz");
+//! export_npz(&plan, ExportKind::Flex, &path)?;
+//! assert_eq!(flex::FlexArrays::read_npz(&path)?, f);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
 
 pub mod flex;
 pub mod npz;
@@ -31,6 +49,7 @@ pub enum ExportKind {
 }
 
 impl ExportKind {
+    /// The command-line spelling (`splash`, `flex`).
     pub fn name(self) -> &'static str {
         match self {
             ExportKind::Splash => "splash",

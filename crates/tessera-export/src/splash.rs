@@ -14,7 +14,7 @@
 //! the first one of the shard; partial blocks are deduplicated in order of first appearance over
 //! (unique mask, q block, kv block); the grid is shrunk when there is a single distinct mask.
 
-use crate::npz::{self, DType, Members, NpyArray};
+use crate::npz::{self, Members, NpyArray, NpyDType};
 use crate::tiles::{Contents, Eff};
 use std::ops::Range;
 use std::path::Path;
@@ -52,8 +52,11 @@ impl Default for SplashOptions {
 /// A rank-3 integer array with the numpy dtype `process_mask` gives it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct IntArray {
-    pub dtype: DType,
+    /// numpy dtype (int8, int16 or int32).
+    pub dtype: NpyDType,
+    /// Shape `[H, nq, nk]` (or the shrunk grid).
     pub shape: [usize; 3],
+    /// Row-major values.
     pub data: Vec<i32>,
 }
 
@@ -62,17 +65,18 @@ impl IntArray {
         // `_downcast_to_small_type`: the smallest of int8/int16/int32 holding the maximum.
         let max = data.iter().copied().max().unwrap_or(0);
         let dtype = if !downcast || data.is_empty() {
-            DType::I32
+            NpyDType::I32
         } else if max <= i8::MAX as i32 {
-            DType::I8
+            NpyDType::I8
         } else if max <= i16::MAX as i32 {
-            DType::I16
+            NpyDType::I16
         } else {
-            DType::I32
+            NpyDType::I32
         };
         IntArray { dtype, shape, data }
     }
 
+    /// Entry `[a, b, c]`.
     pub fn get(&self, a: usize, b: usize, c: usize) -> i32 {
         self.data[(a * self.shape[1] + b) * self.shape[2] + c]
     }
@@ -87,31 +91,34 @@ impl IntArray {
 
     fn from_npy(a: &NpyArray, path: &Path, name: &str) -> Result<Self> {
         let shape = rank3(a, path, name)?;
-        if a.dtype == DType::Bool || a.dtype == DType::I64 {
-            return Err(Error::format(
+        match (a.dtype, a.to_i64()) {
+            (NpyDType::I8 | NpyDType::I16 | NpyDType::I32, Some(v)) => Ok(IntArray {
+                dtype: a.dtype,
+                shape,
+                data: v.into_iter().map(|v| v as i32).collect(),
+            }),
+            _ => Err(Error::format(
                 path,
                 format!(
                     "{name}: expected int8/int16/int32, found {}",
                     a.dtype.name()
                 ),
-            ));
+            )),
         }
-        Ok(IntArray {
-            dtype: a.dtype,
-            shape,
-            data: a.to_i64().into_iter().map(|v| v as i32).collect(),
-        })
     }
 }
 
 /// `partial_mask_blocks`: `bool[num_partial_blocks, rows, cols]`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BoolBlocks {
+    /// `[blocks, rows, cols]`.
     pub shape: [usize; 3],
+    /// Row-major bits.
     pub data: Vec<bool>,
 }
 
 impl BoolBlocks {
+    /// Bit (`r`, `c`) of block `block`.
     pub fn get(&self, block: usize, r: usize, c: usize) -> bool {
         self.data[(block * self.shape[1] + r) * self.shape[2] + c]
     }
@@ -120,9 +127,11 @@ impl BoolBlocks {
 /// One `MaskInfo` (`q_sequence` is always `None`: the export is a data mask).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MaskInfo {
+    /// Next data block index per grid step.
     pub data_next: IntArray,
     /// `None` when the mask has no partial block (as in the reference).
     pub mask_next: Option<IntArray>,
+    /// Grid step state (0 empty, 1 partial, 2 full).
     pub block_mask: IntArray,
     /// `[n, tile.q, tile.kv]` forward, `[n, tile.kv, tile.q]` (transposed) for dKV; `None` when
     /// there is no partial block.
@@ -132,13 +141,16 @@ pub struct MaskInfo {
 /// Forward and dKV mask infos of one batch row.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SplashRow {
+    /// The forward `MaskInfo` (`process_mask`).
     pub fwd: MaskInfo,
+    /// The dKV `MaskInfo` (`process_mask_dkv`).
     pub dkv: MaskInfo,
 }
 
 /// Splash arrays of a plan: one [`SplashRow`] per distinct batch row (`B'` of them).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SplashArrays {
+    /// The preprocessing options the arrays were made with.
     pub options: SplashOptions,
     /// `[B, H, Lq, Lkv]` of the plan.
     pub shape: [usize; 4],
@@ -146,6 +158,7 @@ pub struct SplashArrays {
     pub block_shape: (usize, usize),
     /// Sequence lengths after padding to whole blocks (what the JAX caller pads Q/K/V to).
     pub padded_lengths: (usize, usize),
+    /// One per distinct batch row.
     pub rows: Vec<SplashRow>,
 }
 
@@ -625,9 +638,7 @@ impl SplashArrays {
 
     /// The npz member names and arrays (see `docs/export.md`).
     pub fn to_members(&self) -> Vec<(String, NpyArray)> {
-        let meta = |v: &[usize]| {
-            NpyArray::from_ints(DType::I64, vec![v.len()], v.iter().map(|&x| x as i64))
-        };
+        let meta = npz::meta;
         let o = &self.options;
         let mut out = vec![
             ("tessera_export".to_string(), meta(&[1, 0])),
@@ -682,14 +693,7 @@ impl SplashArrays {
 
     /// Reads arrays written by [`SplashArrays::write_npz`].
     pub fn read_npz(path: &Path) -> Result<Self> {
-        let m = Members::read(path)?;
-        let tag = m.meta("tessera_export", 2)?;
-        if tag != [1, 0] {
-            return Err(Error::format(
-                path,
-                format!("not a Tessera Splash export (tag {tag:?})"),
-            ));
-        }
+        let m = Members::read_export(path, [1, 0], "Splash")?;
         let s = m.meta("meta_shape", 4)?;
         let bs = m.meta("meta_block_shape", 2)?;
         let pl = m.meta("meta_padded_lengths", 2)?;
@@ -726,7 +730,7 @@ impl SplashArrays {
                 let pname = format!("partial_mask_blocks{kind}{sfx}");
                 let pmb = match m.get(&pname) {
                     Some(a) => {
-                        if a.dtype != DType::Bool {
+                        if a.dtype != NpyDType::Bool {
                             return Err(Error::format(path, format!("{pname}: expected bool")));
                         }
                         Some(BoolBlocks {

@@ -1,9 +1,12 @@
-//! Atomic file replacement.
+//! Atomic file replacement: the one file writer of the workspace.
 //!
 //! Contract: [`atomic_write`] either leaves `path` holding exactly what the closure wrote, or
 //! leaves `path` untouched (absent if it was absent) and no temporary file behind. The data goes
-//! to a uniquely named temporary file in the destination's own directory (so the final `rename`
-//! never crosses a file system) and is flushed and synced before the rename.
+//! to a uniquely named temporary file `.NAME.tmp.PID.N` in the destination's own directory (so
+//! the final `rename` never crosses a file system) and is flushed and synced before the rename.
+//! [`atomic_write_with`]`(.., Durability::Unsynced, ..)` skips the sync, for files that are
+//! checked on every read and cheap to rebuild (the plan cache's entries): a power failure may
+//! then leave a renamed but incomplete file, never a partly overwritten one.
 
 use std::fs::{File, OpenOptions};
 use std::io::{BufWriter, Write};
@@ -30,10 +33,46 @@ impl Drop for TempGuard {
     }
 }
 
+/// Whether [`atomic_write_with`] syncs the data to the storage device before the rename.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Durability {
+    /// `fsync` the temporary file before renaming it (what [`atomic_write`] does).
+    #[default]
+    Synced,
+    /// Rename without syncing: atomic for other processes, not across a power failure.
+    Unsynced,
+}
+
 /// Writes a file atomically: `write` fills a temporary file next to `path`, which is then renamed
 /// over `path`. On any error (from `write`, flushing, syncing or renaming) the temporary file is
 /// removed and `path` is left as it was.
+///
+/// ```
+/// use std::io::Write;
+/// let dir = tempfile::tempdir()?;
+/// let path = dir.path().join("hello.txt");
+/// tessera_io::atomic_write(&path, |w| {
+///     w.write_all(b"hello").map_err(|e| tessera_core::Error::io("hello.txt", e))
+/// })?;
+/// assert_eq!(std::fs::read(&path)?, b"hello");
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 pub fn atomic_write(path: &Path, write: impl FnOnce(&mut dyn Write) -> Result<()>) -> Result<()> {
+    atomic_write_with(path, Durability::Synced, |w| write(w))
+}
+
+/// Writes `bytes` to `path` atomically (see [`atomic_write`]).
+pub fn atomic_write_bytes(path: &Path, bytes: &[u8]) -> Result<()> {
+    atomic_write(path, |w| w.write_all(bytes).map_err(|e| Error::io(path, e)))
+}
+
+/// [`atomic_write`] with a choice of [`Durability`], handing `write` the buffered temporary file
+/// itself (it can seek, as zip writers need).
+pub fn atomic_write_with(
+    path: &Path,
+    durability: Durability,
+    write: impl FnOnce(&mut BufWriter<File>) -> Result<()>,
+) -> Result<()> {
     let file_name = path
         .file_name()
         .ok_or_else(|| Error::invalid("output path", "a path naming a file", path.display()))?
@@ -53,7 +92,9 @@ pub fn atomic_write(path: &Path, write: impl FnOnce(&mut dyn Write) -> Result<()
     let file = out
         .into_inner()
         .map_err(|e| Error::io(&guard.path, e.into_error()))?;
-    file.sync_all().map_err(|e| Error::io(&guard.path, e))?;
+    if durability == Durability::Synced {
+        file.sync_all().map_err(|e| Error::io(&guard.path, e))?;
+    }
     drop(file);
     std::fs::rename(&guard.path, path).map_err(|e| Error::io(path, e))?;
     guard.armed = false;

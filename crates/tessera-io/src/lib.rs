@@ -7,13 +7,27 @@
 //!   what was found; nothing panics on malformed files.
 //! - Every writer goes through [`atomic_write`], so a failed write never leaves a partial file
 //!   and never damages an existing one.
+//! - One `.npy` codec ([`NpyArray`] for raw arrays, the same parser and encoder for tensors).
+//!
+//! ```
+//! use tessera_core::{Tensor, TensorData};
+//!
+//! let dir = tempfile::tempdir()?;
+//! let t = Tensor::new(vec![2, 3], TensorData::I32(vec![1, 2, 3, 4, 5, 6]))?;
+//! for name in ["t.npy", "t.safetensors"] {
+//!     let path = dir.path().join(name);
+//!     tessera_io::write_tensor(&path, &t)?;
+//!     assert_eq!(tessera_io::read_tensor(&path.display().to_string(), None)?, t);
+//! }
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
 
 mod atomic;
 mod npy;
 mod sfts;
 
-pub use atomic::atomic_write;
-pub use npy::{open_npy_ints, NpyInts};
+pub use atomic::{atomic_write, atomic_write_bytes, atomic_write_with, Durability};
+pub use npy::{open_npy_ints, NpyArray, NpyDType, NpyInts};
 
 use std::path::Path;
 use tessera_core::tensor::TensorView;

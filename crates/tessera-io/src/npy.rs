@@ -1,12 +1,15 @@
-//! `.npy` reading and writing.
+//! The workspace's one `.npy` codec.
 //!
-//! Contract: reads C-order (or 1-d) arrays of the dtypes listed in [`read_npy`]; every malformed
-//! or unsupported file is an [`Error::Format`] naming the file, never a panic and never an
-//! allocation larger than the file itself. Writes C-order arrays with numpy's standard descrs;
-//! bf16 is written as `<u2` raw bits because numpy has no bf16 dtype.
+//! Contract: one header parser ([`parse`]) serves every reader (tensors, raw arrays, streamed
+//! integers) and one header encoder ([`write_header`]) every writer. Reads C-order (or 1-d)
+//! arrays; every malformed or unsupported file is an [`Error::Format`] naming the file, never a
+//! panic and never an allocation larger than the file itself. Writes C-order arrays in numpy's
+//! own layout (format 1.0, header padded to 64 bytes, numpy's descrs, little-endian data), so
+//! `numpy.load` reads every file and `numpy.savez`-style archives can embed the bytes as they
+//! are; bf16 is written as `<u2` raw bits because numpy has no bf16 dtype.
 
 use half::{bf16, f16};
-use npyz::{NpyFile, NpyHeader, Order, TypeChar, WriteOptions, WriterBuilder};
+use npyz::{NpyFile, NpyHeader, Order, TypeChar, TypeStr};
 use std::io::Write;
 use std::path::Path;
 use tessera_core::{DType, Error, Result, Tensor, TensorData};
@@ -14,7 +17,328 @@ use tessera_core::{DType, Error, Result, Tensor, TensorData};
 /// The 6-byte magic string every `.npy` file starts with.
 const MAGIC: &[u8] = b"\x93NUMPY";
 
-/// Reads a `.npy` file.
+/// Element type of an [`NpyArray`]: the little-endian numpy dtypes Tessera reads and writes raw.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum NpyDType {
+    /// `|b1` (`bool`).
+    Bool,
+    /// `|u1` (`uint8`).
+    U8,
+    /// `|i1` (`int8`).
+    I8,
+    /// `<u2` (`uint16`; also bf16 raw bits).
+    U16,
+    /// `<i2` (`int16`).
+    I16,
+    /// `<i4` (`int32`).
+    I32,
+    /// `<i8` (`int64`).
+    I64,
+    /// `<f2` (`float16`).
+    F16,
+    /// `<f4` (`float32`).
+    F32,
+    /// `<f8` (`float64`).
+    F64,
+}
+
+impl NpyDType {
+    /// The numpy `descr` string (`|b1`, `<i4`, ...).
+    pub fn descr(self) -> &'static str {
+        match self {
+            NpyDType::Bool => "|b1",
+            NpyDType::U8 => "|u1",
+            NpyDType::I8 => "|i1",
+            NpyDType::U16 => "<u2",
+            NpyDType::I16 => "<i2",
+            NpyDType::I32 => "<i4",
+            NpyDType::I64 => "<i8",
+            NpyDType::F16 => "<f2",
+            NpyDType::F32 => "<f4",
+            NpyDType::F64 => "<f8",
+        }
+    }
+
+    /// The numpy name (`bool`, `int8`, `float32`, ...).
+    pub fn name(self) -> &'static str {
+        match self {
+            NpyDType::Bool => "bool",
+            NpyDType::U8 => "uint8",
+            NpyDType::I8 => "int8",
+            NpyDType::U16 => "uint16",
+            NpyDType::I16 => "int16",
+            NpyDType::I32 => "int32",
+            NpyDType::I64 => "int64",
+            NpyDType::F16 => "float16",
+            NpyDType::F32 => "float32",
+            NpyDType::F64 => "float64",
+        }
+    }
+
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            NpyDType::Bool | NpyDType::U8 | NpyDType::I8 => 1,
+            NpyDType::U16 | NpyDType::I16 | NpyDType::F16 => 2,
+            NpyDType::I32 | NpyDType::F32 => 4,
+            NpyDType::I64 | NpyDType::F64 => 8,
+        }
+    }
+
+    /// Whether the values are integers (bools included).
+    pub fn is_integer(self) -> bool {
+        !matches!(self, NpyDType::F16 | NpyDType::F32 | NpyDType::F64)
+    }
+
+    /// The dtype of a parsed type string; `None` for big-endian or unsupported types.
+    fn of(ts: &TypeStr) -> Option<NpyDType> {
+        if ts.endianness() == npyz::Endianness::Big && ts.size_field() > 1 {
+            return None;
+        }
+        Some(match (ts.type_char(), ts.size_field()) {
+            (TypeChar::Bool, 1) => NpyDType::Bool,
+            (TypeChar::Uint, 1) => NpyDType::U8,
+            (TypeChar::Int, 1) => NpyDType::I8,
+            (TypeChar::Uint, 2) => NpyDType::U16,
+            (TypeChar::Int, 2) => NpyDType::I16,
+            (TypeChar::Int, 4) => NpyDType::I32,
+            (TypeChar::Int, 8) => NpyDType::I64,
+            (TypeChar::Float, 2) => NpyDType::F16,
+            (TypeChar::Float, 4) => NpyDType::F32,
+            (TypeChar::Float, 8) => NpyDType::F64,
+            _ => return None,
+        })
+    }
+}
+
+/// One array in `.npy` form: dtype, C-order shape and little-endian element bytes. The raw
+/// counterpart of [`Tensor`] for dtypes a tensor does not have (`int16`, `uint16`, `float64`)
+/// and for containers that embed `.npy` files (the plan exporters' `.npz` archives).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NpyArray {
+    /// Element type.
+    pub dtype: NpyDType,
+    /// C-order shape (empty for a scalar).
+    pub shape: Vec<usize>,
+    /// `len() * dtype.size()` little-endian bytes.
+    pub bytes: Vec<u8>,
+}
+
+impl NpyArray {
+    /// Encodes integer values as `dtype` (bools as `v != 0`, floats as the nearest value).
+    /// Integers are truncated to the dtype's width: callers pass values that fit.
+    pub fn from_ints(
+        dtype: NpyDType,
+        shape: Vec<usize>,
+        values: impl ExactSizeIterator<Item = i64>,
+    ) -> Self {
+        let mut bytes = Vec::with_capacity(values.len() * dtype.size());
+        for v in values {
+            match dtype {
+                NpyDType::Bool => bytes.push((v != 0) as u8),
+                NpyDType::U8 | NpyDType::I8 => bytes.push(v as u8),
+                NpyDType::U16 | NpyDType::I16 => bytes.extend_from_slice(&(v as u16).to_le_bytes()),
+                NpyDType::I32 => bytes.extend_from_slice(&(v as i32).to_le_bytes()),
+                NpyDType::I64 => bytes.extend_from_slice(&v.to_le_bytes()),
+                NpyDType::F16 => bytes.extend_from_slice(&f16::from_f64(v as f64).to_le_bytes()),
+                NpyDType::F32 => bytes.extend_from_slice(&(v as f32).to_le_bytes()),
+                NpyDType::F64 => bytes.extend_from_slice(&(v as f64).to_le_bytes()),
+            }
+        }
+        NpyArray {
+            dtype,
+            shape,
+            bytes,
+        }
+    }
+
+    /// A `bool` array.
+    pub fn from_bools(shape: Vec<usize>, values: &[bool]) -> Self {
+        NpyArray {
+            dtype: NpyDType::Bool,
+            shape,
+            bytes: values.iter().map(|&b| b as u8).collect(),
+        }
+    }
+
+    /// Number of elements (the product of the shape).
+    pub fn len(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// True when the array has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The values widened to i64 (bools as 0/1); `None` for a float dtype.
+    pub fn to_i64(&self) -> Option<Vec<i64>> {
+        let b = &self.bytes;
+        let le = |c: &[u8]| {
+            let mut w = [0u8; 8];
+            w[..c.len()].copy_from_slice(c);
+            w
+        };
+        Some(match self.dtype {
+            NpyDType::Bool => b.iter().map(|&x| (x != 0) as i64).collect(),
+            NpyDType::U8 => b.iter().map(|&x| x as i64).collect(),
+            NpyDType::I8 => b.iter().map(|&x| x as i8 as i64).collect(),
+            NpyDType::U16 => b
+                .chunks_exact(2)
+                .map(|c| u64::from_le_bytes(le(c)) as i64)
+                .collect(),
+            NpyDType::I16 => b
+                .chunks_exact(2)
+                .map(|c| i16::from_le_bytes([c[0], c[1]]) as i64)
+                .collect(),
+            NpyDType::I32 => b
+                .chunks_exact(4)
+                .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]) as i64)
+                .collect(),
+            NpyDType::I64 => b
+                .chunks_exact(8)
+                .map(|c| i64::from_le_bytes(le(c)))
+                .collect(),
+            NpyDType::F16 | NpyDType::F32 | NpyDType::F64 => return None,
+        })
+    }
+
+    /// Writes the `.npy` bytes (header, then data) to `out`.
+    pub fn write(&self, out: &mut dyn Write) -> std::io::Result<()> {
+        write_header(out, self.dtype.descr(), &self.shape)?;
+        out.write_all(&self.bytes)
+    }
+
+    /// The `.npy` file bytes.
+    pub fn to_npy(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(128 + self.bytes.len());
+        // Writing to a Vec cannot fail.
+        let _ = self.write(&mut out);
+        out
+    }
+
+    /// Parses `.npy` bytes (format versions 1 to 3, C order, a dtype of [`NpyDType`]); `path`
+    /// names the source in errors.
+    pub fn from_npy(bytes: &[u8], path: &Path) -> Result<Self> {
+        let p = parse(bytes).map_err(|m| Error::format(path, m))?;
+        let dtype = NpyDType::of(&p.ts).ok_or_else(|| {
+            Error::format(
+                path,
+                format!(
+                    "unsupported npy dtype {} (supported: little-endian b1, u1, i1, u2, i2, i4, i8, f2, f4, f8)",
+                    p.ts
+                ),
+            )
+        })?;
+        Ok(NpyArray {
+            dtype,
+            shape: p.shape,
+            bytes: p.data.to_vec(),
+        })
+    }
+
+    /// Reads a `.npy` file into an [`NpyArray`] (see [`NpyArray::from_npy`]).
+    pub fn read(path: &Path) -> Result<Self> {
+        let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
+        Self::from_npy(&bytes, path)
+    }
+}
+
+/// Writes a format-1.0 `.npy` header for a C-order array of `descr` and `shape`, exactly as
+/// numpy does: the dictionary padded with spaces so the data starts at a multiple of 64 bytes.
+pub(crate) fn write_header(
+    out: &mut dyn Write,
+    descr: &str,
+    shape: &[usize],
+) -> std::io::Result<()> {
+    let dims = match shape {
+        [] => "()".to_string(),
+        [n] => format!("({n},)"),
+        _ => format!(
+            "({})",
+            shape
+                .iter()
+                .map(|d| d.to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+    };
+    let mut header = format!("{{'descr': '{descr}', 'fortran_order': False, 'shape': {dims}, }}");
+    // Magic (6) + version (2) + header length (2) + header, padded to 64 bytes, ending in '\n'.
+    let total = 10 + header.len() + 1;
+    header.push_str(&" ".repeat(total.next_multiple_of(64) - total));
+    header.push('\n');
+    let len = u16::try_from(header.len())
+        .map_err(|_| std::io::Error::other(format!("npy header of {} bytes", header.len())))?;
+    out.write_all(MAGIC)?;
+    out.write_all(&[1, 0])?;
+    out.write_all(&len.to_le_bytes())?;
+    out.write_all(header.as_bytes())
+}
+
+/// A parsed `.npy` file: its header, element type, C-order shape and data bytes.
+struct Parsed<'a> {
+    header: NpyHeader,
+    ts: TypeStr,
+    shape: Vec<usize>,
+    data: &'a [u8],
+}
+
+/// Parses and checks a whole `.npy` file held in memory: magic, header length against the size,
+/// the header itself, C order (or 1-d), a plain dtype, and a data size equal to what the shape
+/// and dtype need. Errors are messages for [`Error::Format`].
+fn parse(bytes: &[u8]) -> std::result::Result<Parsed<'_>, String> {
+    let header_end = check_preamble(bytes).map_err(str::to_string)?;
+    let (header, ts, shape) = parse_header(&bytes[..header_end])?;
+    let data = &bytes[header_end..];
+    let item = ts.num_bytes().unwrap_or(usize::MAX);
+    let want_bytes = usize::try_from(header.len())
+        .ok()
+        .and_then(|n| n.checked_mul(item))
+        .ok_or("data size overflows")?;
+    if data.len() != want_bytes {
+        return Err(format!(
+            "expected {want_bytes} data bytes for shape {shape:?} and dtype {ts}, found {} (truncated or corrupt file)",
+            data.len()
+        ));
+    }
+    Ok(Parsed {
+        header,
+        ts,
+        shape,
+        data,
+    })
+}
+
+/// Parses the header bytes (preamble included, already length-checked): a C-order (or 1-d)
+/// array of a plain dtype.
+fn parse_header(head: &[u8]) -> std::result::Result<(NpyHeader, TypeStr, Vec<usize>), String> {
+    check_shape_text(head)?;
+    let mut cursor: &[u8] = head;
+    let header =
+        NpyHeader::from_reader(&mut cursor).map_err(|e| format!("not a valid .npy header: {e}"))?;
+    let shape: Vec<usize> = header
+        .shape()
+        .iter()
+        .map(|&d| usize::try_from(d))
+        .collect::<std::result::Result<_, _>>()
+        .map_err(|_| "shape does not fit in memory".to_string())?;
+    if header.order() == Order::Fortran && shape.len() > 1 {
+        return Err(
+            "Fortran-order arrays are not supported; save a C-contiguous array (np.ascontiguousarray)"
+                .into(),
+        );
+    }
+    let npyz::DType::Plain(ts) = header.dtype() else {
+        return Err(format!(
+            "structured dtype {} is not supported",
+            header.dtype().descr()
+        ));
+    };
+    Ok((header, ts, shape))
+}
+
+/// Reads a `.npy` file as a [`Tensor`].
 ///
 /// Supported descrs: `f4`, `f2`, `f8` (narrowed to f32), `b1`, `u1`, `i1`, `i4`, `i8`, and `u2`
 /// as bf16 raw bits only when `want == Some(DType::BF16)` (a `u2` file is otherwise ambiguous).
@@ -22,45 +346,13 @@ const MAGIC: &[u8] = b"\x93NUMPY";
 pub(crate) fn read_npy(path: &Path, want: Option<DType>) -> Result<Tensor> {
     let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
     let bad = |msg: String| Error::format(path, msg);
-
-    let header_end = check_preamble(&bytes).map_err(|m| bad(m.to_string()))?;
-    check_shape_text(&bytes[..header_end]).map_err(&bad)?;
-    let mut cursor: &[u8] = &bytes[..header_end];
-    let header = NpyHeader::from_reader(&mut cursor)
-        .map_err(|e| bad(format!("not a valid .npy header: {e}")))?;
-    let data = &bytes[header_end..];
-
-    let shape: Vec<usize> = header
-        .shape()
-        .iter()
-        .map(|&d| usize::try_from(d))
-        .collect::<std::result::Result<_, _>>()
-        .map_err(|_| bad("shape does not fit in memory".into()))?;
-    if header.order() == Order::Fortran && shape.len() > 1 {
-        return Err(bad(
-            "Fortran-order arrays are not supported; save a C-contiguous array (np.ascontiguousarray)"
-                .into(),
-        ));
-    }
-    let npyz::DType::Plain(ts) = header.dtype() else {
-        return Err(bad(format!(
-            "structured dtype {} is not supported",
-            header.dtype().descr()
-        )));
-    };
+    let Parsed {
+        header,
+        ts,
+        shape,
+        data,
+    } = parse(&bytes).map_err(bad)?;
     let descr = ts.to_string();
-    let item = ts.num_bytes().unwrap_or(usize::MAX);
-    let want_bytes = usize::try_from(header.len())
-        .ok()
-        .and_then(|n| n.checked_mul(item))
-        .ok_or_else(|| bad("data size overflows".into()))?;
-    if data.len() != want_bytes {
-        return Err(bad(format!(
-            "expected {want_bytes} data bytes for shape {shape:?} and dtype {descr}, found {} (truncated or corrupt file)",
-            data.len()
-        )));
-    }
-
     let file = NpyFile::with_header(header, data);
     let decode_err = |e: std::io::Error| bad(format!("bad data: {e}"));
     let tdata = match (ts.type_char(), ts.size_field()) {
@@ -159,34 +451,45 @@ fn check_shape_text(header: &[u8]) -> std::result::Result<(), String> {
 
 /// Writes a tensor as `.npy` (C order); bf16 becomes `<u2` raw bits.
 pub(crate) fn write_npy(out: &mut dyn Write, path: &Path, t: &Tensor) -> Result<()> {
-    let shape: Vec<u64> = t.shape().iter().map(|&d| d as u64).collect();
-    let io = |e: std::io::Error| Error::io(path, e);
-    match t.data() {
-        TensorData::F32(v) => write_vec(out, &shape, v.iter().copied()).map_err(io),
-        TensorData::F16(v) => write_vec(out, &shape, v.iter().copied()).map_err(io),
-        TensorData::BF16(v) => write_vec(out, &shape, v.iter().map(|x| x.to_bits())).map_err(io),
-        TensorData::I8(v) => write_vec(out, &shape, v.iter().copied()).map_err(io),
-        TensorData::U8(v) => write_vec(out, &shape, v.iter().copied()).map_err(io),
-        TensorData::Bool(v) => write_vec(out, &shape, v.iter().copied()).map_err(io),
-        TensorData::I32(v) => write_vec(out, &shape, v.iter().copied()).map_err(io),
-        TensorData::I64(v) => write_vec(out, &shape, v.iter().copied()).map_err(io),
+    let descr = match t.data() {
+        TensorData::F32(_) => NpyDType::F32,
+        TensorData::F16(_) => NpyDType::F16,
+        TensorData::BF16(_) => NpyDType::U16,
+        TensorData::I8(_) => NpyDType::I8,
+        TensorData::U8(_) => NpyDType::U8,
+        TensorData::Bool(_) => NpyDType::Bool,
+        TensorData::I32(_) => NpyDType::I32,
+        TensorData::I64(_) => NpyDType::I64,
     }
+    .descr();
+    let io = |e: std::io::Error| Error::io(path, e);
+    write_header(out, descr, t.shape()).map_err(io)?;
+    match t.data() {
+        TensorData::F32(v) => write_le(out, v, |x| x.to_le_bytes()),
+        TensorData::F16(v) => write_le(out, v, |x| x.to_le_bytes()),
+        TensorData::BF16(v) => write_le(out, v, |x| x.to_le_bytes()),
+        TensorData::I8(v) => write_le(out, v, |x| x.to_le_bytes()),
+        TensorData::U8(v) => out.write_all(v),
+        TensorData::Bool(v) => write_le(out, v, |&x| [x as u8]),
+        TensorData::I32(v) => write_le(out, v, |x| x.to_le_bytes()),
+        TensorData::I64(v) => write_le(out, v, |x| x.to_le_bytes()),
+    }
+    .map_err(io)
 }
 
-fn write_vec<T: npyz::AutoSerialize>(
+/// Writes `values` as little-endian bytes, a bounded chunk at a time.
+fn write_le<T, const N: usize>(
     out: &mut dyn Write,
-    shape: &[u64],
-    values: impl Iterator<Item = T>,
+    values: &[T],
+    le: impl Fn(&T) -> [u8; N],
 ) -> std::io::Result<()> {
-    let mut w = WriteOptions::<T>::new()
-        .default_dtype()
-        .shape(shape)
-        .writer(out)
-        .begin_nd()?;
-    for v in values {
-        w.push(&v)?;
+    let mut buf = Vec::with_capacity(N * 4096);
+    for chunk in values.chunks(4096) {
+        buf.clear();
+        buf.extend(chunk.iter().flat_map(&le));
+        out.write_all(&buf)?;
     }
-    w.finish()
+    Ok(())
 }
 
 /// A streaming reader over a 1-d integer `.npy` file: yields the values as `i64` without holding
@@ -290,23 +593,14 @@ pub fn open_npy_ints(path: &Path) -> Result<NpyInts> {
         .read_to_end(&mut head)
         .map_err(|e| Error::io(path, e))?;
     let end = check_preamble(&head).map_err(|m| bad(m.to_string()))?;
-    check_shape_text(&head[..end]).map_err(&bad)?;
-    let mut cursor: &[u8] = &head[..end];
-    let header = NpyHeader::from_reader(&mut cursor)
-        .map_err(|e| bad(format!("not a valid .npy header: {e}")))?;
-    if header.shape().len() != 1 {
+    let (header, ts, shape) = parse_header(&head[..end]).map_err(&bad)?;
+    if shape.len() != 1 {
         return Err(Error::invalid(
             format!("{}", path.display()),
             "a 1-d integer array",
-            format!("shape {:?}", header.shape()),
+            format!("shape {shape:?}"),
         ));
     }
-    let npyz::DType::Plain(ts) = header.dtype() else {
-        return Err(bad(format!(
-            "structured dtype {} is not an integer dtype",
-            header.dtype().descr()
-        )));
-    };
     let item = ts.size_field() as usize;
     let signed = match ts.type_char() {
         TypeChar::Int => true,

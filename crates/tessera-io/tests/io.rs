@@ -408,3 +408,56 @@ fn view_writer_checks_element_counts() {
     assert!(is_invalid(&e), "{e}");
     assert!(!p.exists());
 }
+
+#[test]
+fn raw_npy_arrays_round_trip_and_match_tensor_files() {
+    use tessera_io::{NpyArray, NpyDType};
+    let dir = tempfile::tempdir().unwrap();
+    let vals = [0i64, 1, -1, 100, -7, 3];
+    for dt in [
+        NpyDType::Bool,
+        NpyDType::U8,
+        NpyDType::I8,
+        NpyDType::U16,
+        NpyDType::I16,
+        NpyDType::I32,
+        NpyDType::I64,
+        NpyDType::F16,
+        NpyDType::F32,
+        NpyDType::F64,
+    ] {
+        let a = NpyArray::from_ints(dt, vec![2, 3], vals.iter().copied());
+        assert_eq!(a.bytes.len(), 6 * dt.size(), "{dt:?}");
+        let bytes = a.to_npy();
+        assert_eq!(&bytes[..8], b"\x93NUMPY\x01\x00");
+        let header_len = u16::from_le_bytes([bytes[8], bytes[9]]) as usize;
+        assert_eq!(
+            (10 + header_len) % 64,
+            0,
+            "{dt:?}: data aligned to 64 bytes"
+        );
+        let back = NpyArray::from_npy(&bytes, Path::new("x.npy")).unwrap();
+        assert_eq!(back, a, "{dt:?}");
+        assert_eq!(back.to_i64().is_some(), dt.is_integer(), "{dt:?}");
+        // Every proper prefix is a format error.
+        for cut in [0, 9, 10 + header_len - 1, bytes.len() - 1] {
+            let e = NpyArray::from_npy(&bytes[..cut], Path::new("x.npy")).unwrap_err();
+            assert!(is_format(&e), "{dt:?} cut {cut}: {e}");
+        }
+    }
+    // A tensor written as .npy is byte for byte the raw encoding of the same values.
+    let t = Tensor::new(vec![2, 3], TensorData::I32(vec![0, 1, -1, 100, -7, 3])).unwrap();
+    let p = dir.path().join("t.npy");
+    write_tensor(&p, &t).unwrap();
+    let raw = NpyArray::from_ints(NpyDType::I32, vec![2, 3], vals.iter().copied());
+    assert_eq!(std::fs::read(&p).unwrap(), raw.to_npy());
+    assert_eq!(NpyArray::read(&p).unwrap(), raw);
+    // Big-endian data is not a raw array (tensors and the integer stream read it).
+    let be = raw_npy(
+        "{'descr': '>i4', 'fortran_order': False, 'shape': (1,), }",
+        &[0, 0, 0, 1],
+    );
+    assert!(is_format(
+        &NpyArray::from_npy(&be, Path::new("b.npy")).unwrap_err()
+    ));
+}

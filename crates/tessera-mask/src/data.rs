@@ -53,14 +53,17 @@ impl SegmentIds {
         Self::new(1, len, ids)
     }
 
+    /// Batch rows held (1 when shared by every row).
     pub fn rows(&self) -> usize {
         self.rows
     }
 
+    /// Tokens per row.
     pub fn len(&self) -> usize {
         self.len
     }
 
+    /// True when rows have no tokens.
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
@@ -71,6 +74,7 @@ impl SegmentIds {
         &self.ids[r * self.len..(r + 1) * self.len]
     }
 
+    /// BLAKE3 digest of the shape and ids (part of the plan contract).
     pub fn digest(&self) -> &[u8; 32] {
         &self.digest
     }
@@ -88,7 +92,9 @@ impl SegmentIds {
 /// Query-side and key-side segment ids of a `document` leaf.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Segments {
+    /// Segment ids of the queries.
     pub q: SegmentIds,
+    /// Segment ids of the keys.
     pub kv: SegmentIds,
 }
 
@@ -113,6 +119,7 @@ impl Segments {
         Ok(Arc::new(Segments { q, kv }))
     }
 
+    /// Batch rows covered: the larger of the two sides.
     pub fn rows(&self) -> usize {
         self.q.rows.max(self.kv.rows)
     }
@@ -195,30 +202,37 @@ impl DenseMask {
         })
     }
 
+    /// Batch dimension (1 unless the array is 4-d).
     pub fn batch(&self) -> usize {
         self.batch
     }
 
+    /// Head dimension (1 for a 2-d array).
     pub fn heads(&self) -> usize {
         self.heads
     }
 
+    /// Rank of the array as given (2, 3 or 4).
     pub fn rank(&self) -> usize {
         self.rank
     }
 
+    /// Query length.
     pub fn q_len(&self) -> usize {
         self.q_len
     }
 
+    /// Key length.
     pub fn kv_len(&self) -> usize {
         self.kv_len
     }
 
+    /// Where the array came from (its file name), for the canonical text.
     pub fn label(&self) -> &str {
         &self.label
     }
 
+    /// BLAKE3 digest of the shape and bits (part of the plan contract).
     pub fn digest(&self) -> &[u8; 32] {
         &self.digest
     }

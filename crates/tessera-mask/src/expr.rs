@@ -12,27 +12,35 @@ pub enum Mask {
     Full,
     /// `i + offset >= j`.
     Causal {
+        /// Diagonal offset `N`.
         offset: i64,
     },
     /// `i - left <= j <= i + right`.
     Window {
+        /// Keys allowed before the query.
         left: i64,
+        /// Keys allowed after the query.
         right: i64,
     },
     /// `i / size == j / size`.
     Chunk {
+        /// Chunk length `C`.
         size: u64,
     },
     /// `j < len`.
     Prefix {
+        /// Prefix length `N`.
         len: u64,
     },
     /// `seg_q[b, i] == seg_kv[b, j]`, both non-negative.
     Document(Arc<Segments>),
     /// A boolean array.
     Dense(Arc<DenseMask>),
+    /// Every operand allows the pair.
     And(Vec<Mask>),
+    /// Some operand allows the pair.
     Or(Vec<Mask>),
+    /// The operand does not allow the pair.
     Not(Box<Mask>),
     /// Head `h` uses expression `h`.
     Heads(Vec<Mask>),
@@ -41,17 +49,22 @@ pub enum Mask {
 /// Which plan dimensions a mask varies along.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Dependence {
+    /// Differs between batch rows.
     pub batch: bool,
+    /// Differs between heads.
     pub heads: bool,
 }
 
 impl Mask {
+    /// `full`: every pair allowed.
     pub fn full() -> Self {
         Mask::Full
     }
+    /// `causal`: `i >= j`.
     pub fn causal() -> Self {
         Mask::Causal { offset: 0 }
     }
+    /// `causal(offset=N)`: `i + N >= j`.
     pub fn causal_offset(offset: i64) -> Self {
         Mask::Causal { offset }
     }
@@ -59,18 +72,23 @@ impl Mask {
     pub fn window(left: i64, right: i64) -> Self {
         Mask::Window { left, right }
     }
+    /// `chunk(C)`: `i / C == j / C`.
     pub fn chunk(size: u64) -> Self {
         Mask::Chunk { size }
     }
+    /// `prefix(N)`: `j < N`.
     pub fn prefix(len: u64) -> Self {
         Mask::Prefix { len }
     }
+    /// `document`: same non-negative segment id (see [`Segments`]).
     pub fn document(segments: Arc<Segments>) -> Self {
         Mask::Document(segments)
     }
+    /// `dense(F)`: the boolean array.
     pub fn dense(mask: DenseMask) -> Self {
         Mask::Dense(Arc::new(mask))
     }
+    /// `heads(e0, e1, ...)`: head `h` uses `per_head[h]`.
     pub fn heads(per_head: Vec<Mask>) -> Self {
         Mask::Heads(per_head)
     }

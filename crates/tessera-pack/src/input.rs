@@ -5,20 +5,28 @@
 //! answers it from the offsets alone). Only one document is held in memory at a time. Every token
 //! id handed out is in `0..=i32::MAX`; anything else is an error naming where it was found.
 
-use crate::progress::Progress;
+use crate::Progress;
 use serde::Deserialize;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use tessera_core::{Error, Result};
 
+/// Where a source reports how far a pass has got (see [`Progress`]).
+pub(crate) type OnProgress<'a> = &'a mut dyn FnMut(Progress<'_>);
+
 pub(crate) trait Source {
     /// The input file errors are reported against.
     fn path(&self) -> &Path;
     /// Calls `f` with every document's token ids, in order.
-    fn docs(&mut self, f: &mut dyn FnMut(&[i32]) -> Result<()>) -> Result<()>;
+    fn docs(&mut self, f: &mut dyn FnMut(&[i32]) -> Result<()>, progress: OnProgress)
+        -> Result<()>;
     /// Calls `f` with every document's length, in order.
-    fn lengths(&mut self, f: &mut dyn FnMut(usize) -> Result<()>) -> Result<()> {
-        self.docs(&mut |d| f(d.len()))
+    fn lengths(
+        &mut self,
+        f: &mut dyn FnMut(usize) -> Result<()>,
+        progress: OnProgress,
+    ) -> Result<()> {
+        self.docs(&mut |d| f(d.len()), progress)
     }
 }
 
@@ -29,7 +37,7 @@ impl Source for Memory<'_> {
     fn path(&self) -> &Path {
         Path::new("<memory>")
     }
-    fn docs(&mut self, f: &mut dyn FnMut(&[i32]) -> Result<()>) -> Result<()> {
+    fn docs(&mut self, f: &mut dyn FnMut(&[i32]) -> Result<()>, _: OnProgress) -> Result<()> {
         for (d, doc) in self.0.iter().enumerate() {
             if let Some((i, &t)) = doc.iter().enumerate().find(|(_, &t)| t < 0) {
                 return Err(Error::invalid(
@@ -55,12 +63,11 @@ struct Line {
 pub(crate) struct Jsonl {
     path: PathBuf,
     size: u64,
-    progress: bool,
     pass: u8,
 }
 
 impl Jsonl {
-    pub(crate) fn new(path: &Path, progress: bool) -> Result<Self> {
+    pub(crate) fn new(path: &Path) -> Result<Self> {
         let meta = std::fs::metadata(path).map_err(|e| Error::io(path, e))?;
         if meta.is_dir() {
             return Err(Error::invalid(
@@ -72,7 +79,6 @@ impl Jsonl {
         Ok(Jsonl {
             path: path.to_path_buf(),
             size: meta.len(),
-            progress,
             pass: 0,
         })
     }
@@ -83,15 +89,18 @@ impl Source for Jsonl {
         &self.path
     }
 
-    fn docs(&mut self, f: &mut dyn FnMut(&[i32]) -> Result<()>) -> Result<()> {
+    fn docs(
+        &mut self,
+        f: &mut dyn FnMut(&[i32]) -> Result<()>,
+        progress: OnProgress,
+    ) -> Result<()> {
         self.pass += 1;
         let path = &self.path;
         let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
-        let bar = Progress::new(
-            self.progress,
-            self.size,
-            format!("pack pass {}/2", self.pass.min(2)),
-        );
+        progress(Progress::Begin {
+            label: &format!("pack pass {}/2", self.pass.min(2)),
+            total: self.size,
+        });
         let mut reader = BufReader::with_capacity(1 << 16, file);
         let mut line = Vec::new();
         let mut ids: Vec<i32> = Vec::new();
@@ -105,7 +114,7 @@ impl Source for Jsonl {
                 break;
             }
             lineno += 1;
-            bar.inc(n as u64);
+            progress(Progress::Advance(n as u64));
             if line.iter().all(|b| b.is_ascii_whitespace()) {
                 continue;
             }
@@ -140,7 +149,7 @@ impl Source for Jsonl {
             }
             f(&ids)?;
         }
-        bar.finish();
+        progress(Progress::End);
         Ok(())
     }
 }
@@ -149,11 +158,10 @@ impl Source for Jsonl {
 pub(crate) struct NpyDocs {
     tokens_path: PathBuf,
     offsets: Vec<u64>,
-    progress: bool,
 }
 
 impl NpyDocs {
-    pub(crate) fn new(tokens_path: &Path, offsets_path: &Path, progress: bool) -> Result<Self> {
+    pub(crate) fn new(tokens_path: &Path, offsets_path: &Path) -> Result<Self> {
         let tokens = tessera_io::open_npy_ints(tokens_path)?;
         let n_tokens = tokens.len();
         let bad = |msg: String| Error::format(offsets_path, msg);
@@ -189,7 +197,6 @@ impl NpyDocs {
         Ok(NpyDocs {
             tokens_path: tokens_path.to_path_buf(),
             offsets,
-            progress,
         })
     }
 }
@@ -199,7 +206,7 @@ impl Source for NpyDocs {
         &self.tokens_path
     }
 
-    fn lengths(&mut self, f: &mut dyn FnMut(usize) -> Result<()>) -> Result<()> {
+    fn lengths(&mut self, f: &mut dyn FnMut(usize) -> Result<()>, _: OnProgress) -> Result<()> {
         for w in self.offsets.windows(2) {
             let n = usize::try_from(w[1] - w[0]).map_err(|_| {
                 Error::invalid(
@@ -213,7 +220,11 @@ impl Source for NpyDocs {
         Ok(())
     }
 
-    fn docs(&mut self, f: &mut dyn FnMut(&[i32]) -> Result<()>) -> Result<()> {
+    fn docs(
+        &mut self,
+        f: &mut dyn FnMut(&[i32]) -> Result<()>,
+        progress: OnProgress,
+    ) -> Result<()> {
         let path = &self.tokens_path;
         let mut reader = tessera_io::open_npy_ints(path)?;
         let total = self.offsets.last().copied().unwrap_or(0);
@@ -223,7 +234,10 @@ impl Source for NpyDocs {
                 "input changed between the two packing passes (pack a file that is not being written)",
             ));
         }
-        let bar = Progress::new(self.progress, total, "pack tokens".to_string());
+        progress(Progress::Begin {
+            label: "pack tokens",
+            total,
+        });
         let mut ids: Vec<i32> = Vec::new();
         for (d, w) in self.offsets.windows(2).enumerate() {
             ids.clear();
@@ -243,10 +257,10 @@ impl Source for NpyDocs {
                 })?;
                 ids.push(v);
             }
-            bar.inc(w[1] - w[0]);
+            progress(Progress::Advance(w[1] - w[0]));
             f(&ids)?;
         }
-        bar.finish();
+        progress(Progress::End);
         Ok(())
     }
 }

@@ -33,12 +33,24 @@
 //! and writes tokens into the output rows, which are held in memory (`12 * N * L` bytes). A file
 //! that changes between the passes is an error. The output is deterministic.
 //!
+//! ```
+//! use tessera_pack::{pack_docs, PackConfig, PAD_SEGMENT};
+//!
+//! let cfg = PackConfig { seq_len: 8, ..PackConfig::default() };
+//! let packed = pack_docs(&[vec![5, 6, 7], vec![8, 9]], &cfg)?;
+//! // One row: BOS 5 6 7 | BOS 8 9 | padding (BOS = 256).
+//! assert_eq!(packed.rows, 1);
+//! assert_eq!(packed.tokens, [256, 5, 6, 7, 256, 8, 9, 0]);
+//! assert_eq!(packed.segment_ids, [0, 0, 0, 0, 1, 1, 1, PAD_SEGMENT]);
+//! assert_eq!(packed.positions, [0, 1, 2, 3, 0, 1, 2, 0]);
+//! # Ok::<(), tessera_core::Error>(())
+//! ```
+//!
 //! **Invariants** (checked by [`verify_packed`] and, in tests, on every packing): see
 //! [`verify_packed`].
 
 mod input;
 mod place;
-mod progress;
 mod verify;
 
 pub use verify::{verify_packed, verify_packed_with};
@@ -96,8 +108,6 @@ pub struct PackConfig {
     pub strategy: Strategy,
     /// BOS token id put at the start of every piece (at most `i32::MAX`).
     pub bos: u32,
-    /// Draw a progress bar on stderr (only ever drawn when stderr is a terminal).
-    pub progress: bool,
 }
 
 impl Default for PackConfig {
@@ -106,7 +116,6 @@ impl Default for PackConfig {
             seq_len: 2048,
             strategy: Strategy::BestFit,
             bos: DEFAULT_BOS,
-            progress: false,
         }
     }
 }
@@ -191,11 +200,17 @@ impl PackStats {
 /// Packed rows: three row-major `[rows, seq_len]` arrays and the statistics.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Packed {
+    /// Token ids, `[rows, seq_len]` row-major.
     pub tokens: Vec<i32>,
+    /// Segment ids (0, 1, ... per row; [`PAD_SEGMENT`] for padding).
     pub segment_ids: Vec<i32>,
+    /// Position of each token in its piece (0 at each BOS, 0 for padding).
     pub positions: Vec<i32>,
+    /// Rows `N`.
     pub rows: usize,
+    /// Row length `L`.
     pub seq_len: usize,
+    /// The statistics of the run.
     pub stats: PackStats,
 }
 
@@ -212,28 +227,65 @@ impl Packed {
     }
 }
 
+/// How far a packing run has got, reported to the callback of [`pack_jsonl_with_progress`] and
+/// [`pack_npy_with_progress`] (the library never draws anything itself). Each pass over an input
+/// file is one `Begin`, then `Advance`s adding up to `total`, then one `End`: two passes of
+/// `total` = file bytes for JSON lines, one pass of `total` = tokens for a tokens `.npy` (its
+/// first pass reads only the offsets).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Progress<'a> {
+    /// A pass starts: what it is (`pack pass 1/2`, ...) and how many units it will do.
+    Begin {
+        /// Short name of the pass.
+        label: &'a str,
+        /// Units of work in the pass (bytes or tokens).
+        total: u64,
+    },
+    /// This many more units are done.
+    Advance(u64),
+    /// The pass is over.
+    End,
+}
+
 /// Packs a JSON-lines file: one document per line, `{"tokens": [ids...]}` or `{"text": "..."}`
 /// (byte-level). Other keys are ignored; blank lines are skipped. Errors name the 1-based line.
 pub fn pack_jsonl(path: &Path, cfg: &PackConfig) -> Result<Packed> {
+    pack_jsonl_with_progress(path, cfg, &mut |_| {})
+}
+
+/// [`pack_jsonl`], reporting [`Progress`] to `progress`.
+pub fn pack_jsonl_with_progress(
+    path: &Path,
+    cfg: &PackConfig,
+    progress: &mut dyn FnMut(Progress<'_>),
+) -> Result<Packed> {
     cfg.validate()?;
-    let mut src = input::Jsonl::new(path, cfg.progress)?;
-    pack_source(&mut src, cfg)
+    pack_source(&mut input::Jsonl::new(path)?, cfg, progress)
 }
 
 /// Packs a 1-d integer tokens `.npy` with document boundaries from a 1-d integer offsets `.npy`
 /// (length ndocs+1, starting at 0, non-decreasing, last == number of tokens). Document `d` is
 /// `tokens[offsets[d]..offsets[d+1]]`.
 pub fn pack_npy(tokens_path: &Path, offsets_path: &Path, cfg: &PackConfig) -> Result<Packed> {
+    pack_npy_with_progress(tokens_path, offsets_path, cfg, &mut |_| {})
+}
+
+/// [`pack_npy`], reporting [`Progress`] to `progress`.
+pub fn pack_npy_with_progress(
+    tokens_path: &Path,
+    offsets_path: &Path,
+    cfg: &PackConfig,
+    progress: &mut dyn FnMut(Progress<'_>),
+) -> Result<Packed> {
     cfg.validate()?;
-    let mut src = input::NpyDocs::new(tokens_path, offsets_path, cfg.progress)?;
-    pack_source(&mut src, cfg)
+    let mut src = input::NpyDocs::new(tokens_path, offsets_path)?;
+    pack_source(&mut src, cfg, progress)
 }
 
 /// Packs in-memory documents (token ids must be non-negative). Same rules as the file packers.
 pub fn pack_docs(docs: &[Vec<i32>], cfg: &PackConfig) -> Result<Packed> {
     cfg.validate()?;
-    let mut src = input::Memory(docs);
-    pack_source(&mut src, cfg)
+    pack_source(&mut input::Memory(docs), cfg, &mut |_| {})
 }
 
 /// Writes packed rows as `.safetensors` with i32 tensors `tokens`, `segment_ids` and
@@ -277,30 +329,37 @@ pub fn write_packed(path: &Path, packed: &Packed) -> Result<()> {
 }
 
 /// The two-pass engine shared by every input kind.
-fn pack_source(src: &mut dyn input::Source, cfg: &PackConfig) -> Result<Packed> {
+fn pack_source(
+    src: &mut dyn input::Source,
+    cfg: &PackConfig,
+    progress: input::OnProgress,
+) -> Result<Packed> {
     let l = cfg.seq_len;
     let content = l - 1; // document tokens per piece after its BOS
 
     // Pass 1: piece lengths only.
     let mut pieces: Vec<u32> = Vec::new();
     let (mut documents, mut tokens, mut split, mut empty) = (0usize, 0usize, 0usize, 0usize);
-    src.lengths(&mut |n| {
-        if n == 0 {
-            empty += 1;
-            return Ok(());
-        }
-        documents += 1;
-        tokens += n;
-        let k = n.div_ceil(content);
-        if k > 1 {
-            split += 1;
-        }
-        for i in 0..k {
-            let take = content.min(n - i * content);
-            pieces.push((take + 1) as u32);
-        }
-        Ok(())
-    })?;
+    src.lengths(
+        &mut |n| {
+            if n == 0 {
+                empty += 1;
+                return Ok(());
+            }
+            documents += 1;
+            tokens += n;
+            let k = n.div_ceil(content);
+            if k > 1 {
+                split += 1;
+            }
+            for i in 0..k {
+                let take = content.min(n - i * content);
+                pieces.push((take + 1) as u32);
+            }
+            Ok(())
+        },
+        progress,
+    )?;
 
     let placement = place::place(&pieces, l as u32, cfg.strategy);
     let rows = placement.rows;
@@ -328,27 +387,30 @@ fn pack_source(src: &mut dyn input::Source, cfg: &PackConfig) -> Result<Packed> 
             "input changed between the two packing passes (pack a file that is not being written)",
         )
     };
-    src.docs(&mut |doc| {
-        for chunk in doc.chunks(content) {
-            let slot = placement.slots.get(next_piece).ok_or_else(changed)?;
-            if pieces[next_piece] as usize != chunk.len() + 1 {
-                return Err(changed());
+    src.docs(
+        &mut |doc| {
+            for chunk in doc.chunks(content) {
+                let slot = placement.slots.get(next_piece).ok_or_else(changed)?;
+                if pieces[next_piece] as usize != chunk.len() + 1 {
+                    return Err(changed());
+                }
+                next_piece += 1;
+                let base = slot.row as usize * l + slot.col as usize;
+                let seg = slot.seg as i32;
+                out_tokens[base] = bos;
+                out_tokens[base + 1..base + 1 + chunk.len()].copy_from_slice(chunk);
+                for (j, p) in out_positions[base..base + 1 + chunk.len()]
+                    .iter_mut()
+                    .enumerate()
+                {
+                    *p = j as i32;
+                }
+                out_segments[base..base + 1 + chunk.len()].fill(seg);
             }
-            next_piece += 1;
-            let base = slot.row as usize * l + slot.col as usize;
-            let seg = slot.seg as i32;
-            out_tokens[base] = bos;
-            out_tokens[base + 1..base + 1 + chunk.len()].copy_from_slice(chunk);
-            for (j, p) in out_positions[base..base + 1 + chunk.len()]
-                .iter_mut()
-                .enumerate()
-            {
-                *p = j as i32;
-            }
-            out_segments[base..base + 1 + chunk.len()].fill(seg);
-        }
-        Ok(())
-    })?;
+            Ok(())
+        },
+        progress,
+    )?;
     if next_piece != pieces.len() {
         return Err(changed());
     }

@@ -6,8 +6,8 @@ use rand_chacha::ChaCha8Rng;
 use std::path::{Path, PathBuf};
 use tessera_core::{Error, Tensor, TensorData};
 use tessera_pack::{
-    pack_docs, pack_jsonl, pack_npy, verify_packed, verify_packed_with, write_packed, PackConfig,
-    Packed, Strategy,
+    pack_docs, pack_jsonl, pack_jsonl_with_progress, pack_npy, pack_npy_with_progress,
+    verify_packed, verify_packed_with, write_packed, PackConfig, Packed, Progress, Strategy,
 };
 
 const BOS: u32 = 256;
@@ -17,7 +17,6 @@ fn cfg(seq_len: usize, strategy: Strategy) -> PackConfig {
         seq_len,
         strategy,
         bos: BOS,
-        progress: false,
     }
 }
 
@@ -279,6 +278,75 @@ fn jsonl_pack_write_verify_round_trip() {
     let seg = tessera_io::read_tensor(&format!("{}:segment_ids", out.display()), None).unwrap();
     assert_eq!(seg.shape(), &[p.rows, 16]);
     assert_eq!(seg.data(), &TensorData::I32(p.segment_ids.clone()));
+}
+
+/// The progress events of a run, with labels owned.
+#[derive(Debug, PartialEq)]
+enum Event {
+    Begin(String, u64),
+    Advance(u64),
+    End,
+}
+
+fn recorder(events: &mut Vec<Event>) -> impl FnMut(Progress<'_>) + '_ {
+    |p| {
+        events.push(match p {
+            Progress::Begin { label, total } => Event::Begin(label.to_string(), total),
+            Progress::Advance(n) => Event::Advance(n),
+            Progress::End => Event::End,
+        })
+    }
+}
+
+/// Splits events into passes: (label, total, sum of advances), checking Begin ... End framing.
+fn passes(events: &[Event]) -> Vec<(String, u64, u64)> {
+    let mut out: Vec<(String, u64, u64)> = Vec::new();
+    let mut open = false;
+    for e in events {
+        match e {
+            Event::Begin(l, t) => {
+                assert!(!open, "nested Begin: {events:?}");
+                open = true;
+                out.push((l.clone(), *t, 0));
+            }
+            Event::Advance(n) => {
+                assert!(open, "Advance outside a pass");
+                out.last_mut().unwrap().2 += n;
+            }
+            Event::End => {
+                assert!(open, "End without Begin");
+                open = false;
+            }
+        }
+    }
+    assert!(!open, "unfinished pass: {events:?}");
+    out
+}
+
+#[test]
+fn progress_is_reported_to_the_callback() {
+    let dir = tempfile::tempdir().unwrap();
+    let lines = [r#"{"text": "hello"}"#, r#"{"tokens": [1, 2, 3]}"#, ""];
+    let input = write_lines(dir.path(), "p.jsonl", &lines);
+    let size = std::fs::metadata(&input).unwrap().len();
+    let c = cfg(8, Strategy::BestFit);
+    let mut events = Vec::new();
+    let p = pack_jsonl_with_progress(&input, &c, &mut recorder(&mut events)).unwrap();
+    assert_eq!(p, pack_jsonl(&input, &c).unwrap());
+    assert_eq!(
+        passes(&events),
+        vec![
+            ("pack pass 1/2".to_string(), size, size),
+            ("pack pass 2/2".to_string(), size, size)
+        ]
+    );
+
+    let (tp, op) = (dir.path().join("tok.npy"), dir.path().join("off.npy"));
+    write_i64(&tp, &[5, 6, 7, 8, 9]);
+    write_i64(&op, &[0, 2, 5]);
+    let mut events = Vec::new();
+    pack_npy_with_progress(&tp, &op, &c, &mut recorder(&mut events)).unwrap();
+    assert_eq!(passes(&events), vec![("pack tokens".to_string(), 5, 5)]);
 }
 
 fn write_i64(path: &Path, v: &[i64]) {

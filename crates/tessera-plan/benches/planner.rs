@@ -1,5 +1,7 @@
 //! Planner speed, single thread: causal-within-documents (documents ~1K tokens, tile 128) at
 //! 32K, 128K and 1M tokens, plus plain causal. Run: `cargo bench -p tessera-plan --bench planner`.
+// criterion_group! defines an undocumented public function.
+#![allow(missing_docs)]
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use rand::{Rng, SeedableRng};

@@ -7,6 +7,21 @@
 //! visiting only the kv tiles a q-tile row can reach, (2) token-level refinement of partial tiles
 //! with content-deduplicated bitmasks, (3) compaction into forward and backward work lists.
 //! No stage allocates O(Lq·Lkv) for structured masks. This crate holds no kernel code.
+//!
+//! ```
+//! use tessera_mask::Mask;
+//! use tessera_plan::{build_plan, PlanShape, TileShape, TileState};
+//!
+//! // causal over 512 tokens in 128x128 tiles: a 4x4 grid.
+//! let shape = PlanShape::new(1, 1, 512, 512)?;
+//! let plan = build_plan(&Mask::causal(), shape, TileShape::new(128, 128)?)?;
+//! let head = plan.head_plan(0, 0);
+//! assert_eq!(head.state(0, 1), TileState::Empty);
+//! assert_eq!(head.state(1, 0), TileState::Full);
+//! assert_eq!(head.state(2, 2), TileState::Partial);
+//! assert_eq!((plan.stats.full_tiles, plan.stats.partial_tiles), (6, 4));
+//! # Ok::<(), tessera_core::Error>(())
+//! ```
 
 mod build;
 mod classify;

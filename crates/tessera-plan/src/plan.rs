@@ -12,8 +12,11 @@ use crate::shape::{PlanShape, TileShape};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 #[repr(i8)]
 pub enum TileState {
+    /// No allowed pair.
     Empty = 0,
+    /// Some pairs allowed, some not.
     Partial = 1,
+    /// Every in-range pair allowed.
     Full = 2,
 }
 
@@ -24,11 +27,14 @@ pub const FULL_TILE: u32 = u32::MAX;
 /// ([`FULL_TILE`] when the tile is full).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct TileEntry {
+    /// Index of the tile along the other axis.
     pub tile: u32,
+    /// Partial-mask id in [`PartialMasks`], or [`FULL_TILE`].
     pub mask: u32,
 }
 
 impl TileEntry {
+    /// True for a full tile.
     pub fn is_full(&self) -> bool {
         self.mask == FULL_TILE
     }
@@ -39,11 +45,15 @@ impl TileEntry {
 pub struct HeadPlan {
     /// `fwd[fwd_offsets[qt]..fwd_offsets[qt + 1]]` are q-tile `qt`'s non-empty kv tiles, ascending.
     pub fwd_offsets: Vec<u32>,
+    /// Forward work list entries (kv tiles).
     pub fwd: Vec<TileEntry>,
     /// `bwd[bwd_offsets[kt]..bwd_offsets[kt + 1]]` are kv-tile `kt`'s non-empty q tiles, ascending.
     pub bwd_offsets: Vec<u32>,
+    /// Backward work list entries (q tiles).
     pub bwd: Vec<TileEntry>,
+    /// Full tiles of this mask.
     pub full_tiles: u64,
+    /// Partial tiles of this mask.
     pub partial_tiles: u64,
     /// Allowed (query, key) pairs of this mask.
     pub allowed_pairs: u64,
@@ -70,6 +80,7 @@ impl HeadPlan {
         }
     }
 
+    /// Non-empty tiles.
     pub fn active_tiles(&self) -> u64 {
         self.fwd.len() as u64
     }
@@ -89,12 +100,16 @@ impl HeadPlan {
 /// out-of-range rows and columns (ragged tails) are 0.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct PartialMasks {
+    /// The tile shape of every mask.
     pub tile: TileShape,
+    /// `ceil(tile.kv / 64)`.
     pub words_per_row: usize,
+    /// The masks, one after the other.
     pub data: Vec<u64>,
 }
 
 impl PartialMasks {
+    /// No masks yet, for tiles of `tile`.
     pub fn new(tile: TileShape) -> Self {
         PartialMasks {
             tile,
@@ -108,10 +123,12 @@ impl PartialMasks {
         self.tile.q * self.words_per_row
     }
 
+    /// Number of masks.
     pub fn len(&self) -> usize {
         self.data.len() / self.mask_words()
     }
 
+    /// True when there is no partial mask.
     pub fn is_empty(&self) -> bool {
         self.data.is_empty()
     }
@@ -139,9 +156,13 @@ impl PartialMasks {
 pub struct PlanStats {
     /// Tiles over the `[B', H', nq, nk]` grid, by state.
     pub tiles: u64,
+    /// Empty tiles.
     pub empty_tiles: u64,
+    /// Partial tiles.
     pub partial_tiles: u64,
+    /// Full tiles.
     pub full_tiles: u64,
+    /// Distinct partial bitmasks after deduplication.
     pub unique_partial_masks: u64,
     /// Distinct (batch row, head) masks actually planned.
     pub head_plans: u64,
@@ -153,20 +174,28 @@ pub struct PlanStats {
     pub tile_density: f64,
     /// Longest forward row in tiles.
     pub grid_width: u64,
+    /// Heap size of the plan in bytes.
     pub plan_bytes: u64,
+    /// Wall time of the build in milliseconds.
     pub build_ms: f64,
 }
 
 /// A plan for one contract (SPEC §5).
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Plan {
+    /// [`PLAN_FORMAT_VERSION`](crate::PLAN_FORMAT_VERSION) of the build that made it.
     pub format_version: u32,
+    /// The contract this plan answers (mask, shapes, tiles, format version).
     pub contract: ContractKey,
     /// Canonical text of the planned mask.
     pub mask: String,
+    /// Problem shape.
     pub shape: PlanShape,
+    /// Tile shape.
     pub tile: TileShape,
+    /// Query tiles `nq = ceil(Lq / tile.q)`.
     pub q_tiles: usize,
+    /// Key tiles `nk = ceil(Lkv / tile.kv)`.
     pub kv_tiles: usize,
     /// `B'`: 1 when the mask is the same for every batch row, else `B`.
     pub batch_groups: usize,
@@ -174,8 +203,11 @@ pub struct Plan {
     pub head_groups: usize,
     /// `[B' * H']` index into `head_plans`.
     pub group_plan: Vec<u32>,
+    /// One plan per distinct (batch row, head) mask.
     pub head_plans: Vec<HeadPlan>,
+    /// The deduplicated partial-tile bitmasks all head plans point into.
     pub partials: PartialMasks,
+    /// Summary numbers.
     pub stats: PlanStats,
 }
 

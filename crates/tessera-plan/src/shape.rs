@@ -5,13 +5,18 @@ use tessera_core::{Error, Result};
 /// Batch size, query heads and sequence lengths a plan is built for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub struct PlanShape {
+    /// Batch size `B`.
     pub batch: usize,
+    /// Query heads `H`.
     pub heads: usize,
+    /// Query length `Lq`.
     pub q_len: usize,
+    /// Key length `Lkv`.
     pub kv_len: usize,
 }
 
 impl PlanShape {
+    /// A shape; every dimension must be positive.
     pub fn new(batch: usize, heads: usize, q_len: usize, kv_len: usize) -> Result<Self> {
         for (arg, v) in [
             ("batch", batch),
@@ -35,7 +40,9 @@ impl PlanShape {
 /// Tile sizes in tokens: `q` query rows by `kv` key columns.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub struct TileShape {
+    /// Query rows per tile.
     pub q: usize,
+    /// Key columns per tile.
     pub kv: usize,
 }
 

@@ -1,7 +1,6 @@
 //! Gating: the telemetry configuration and the step counter that decides, before each forward,
 //! whether this step logs (and therefore which kernel variant runs).
 
-use crate::summary::AttnSummary;
 use serde::{Deserialize, Serialize};
 use tessera_core::{Error, Result};
 
@@ -38,6 +37,7 @@ pub const DEFAULT_OUTLIER_RATIO: f64 = 6.0;
 pub struct TelemetryConfig {
     /// Log on steps where `step % every == 0`; 0 = never.
     pub every: u64,
+    /// Which summaries a logging step fills.
     pub streams: Streams,
     /// Sink keys per document (or sequence): key positions `< sink_tokens`. 0 = no sink keys.
     pub sink_tokens: usize,
@@ -100,7 +100,9 @@ pub(crate) fn check_ratio(ratio: f64) -> Result<()> {
 /// kernel variant, run the forward, then [`Telemetry::advance`].
 #[derive(Debug, Clone, PartialEq)]
 pub struct Telemetry {
+    /// Cadence, streams and thresholds.
     pub config: TelemetryConfig,
+    /// The current step (0 after [`Telemetry::new`]).
     pub step: u64,
 }
 
@@ -132,10 +134,5 @@ impl Telemetry {
     /// Moves to the next step.
     pub fn advance(&mut self) {
         self.step = self.step.saturating_add(1);
-    }
-
-    /// An empty summary for this step and `layer` with `heads` query heads.
-    pub fn summary(&self, layer: u32, heads: usize, has_learned_sinks: bool) -> AttnSummary {
-        AttnSummary::new(self.step, layer, heads, has_learned_sinks)
     }
 }

@@ -1,4 +1,6 @@
-//! [`ExactSum`]: an order-independent, exactly mergeable sum of f64 values.
+//! Deterministic arithmetic: [`ExactSum`], an order-independent, exactly mergeable sum of f64
+//! values, and [`det_max`], a bit-for-bit commutative maximum. The leaf of the crate's module
+//! graph (config → exact → outlier → summary → record; reference uses summary and outlier).
 //!
 //! Contract: the sum of any multiset of f64 values is held *exactly* (a fixed-point integer
 //! wide enough for every finite f64, a "superaccumulator"), so adding in any order, on any
@@ -230,6 +232,23 @@ impl TryFrom<ExactSumRepr> for ExactSum {
             pos_inf: r.pos_inf,
             neg_inf: r.neg_inf,
         })
+    }
+}
+
+/// Maximum that is commutative and associative bit for bit: NaN if either is NaN, and
+/// `max(-0.0, +0.0) = +0.0` whatever the order.
+#[inline]
+pub fn det_max(a: f64, b: f64) -> f64 {
+    if a.is_nan() || b.is_nan() {
+        f64::NAN
+    } else if a > b {
+        a
+    } else if b > a {
+        b
+    } else if a.is_sign_positive() {
+        a
+    } else {
+        b
     }
 }
 

@@ -67,6 +67,30 @@
 //! # Reference
 //! [`reference_summary`] computes O, LSE, max_logit and the whole summary from the dense
 //! probability matrix in f64.
+//!
+//! ```
+//! use tessera_telemetry::{finish_row, RowSums, Telemetry, TelemetryConfig, TelemetrySink};
+//!
+//! let mut tel = Telemetry::new(TelemetryConfig::every(2))?;
+//! let mut sink = TelemetrySink::new(tel.config.clone());
+//! for _step in 0..3 {
+//!     if tel.should_log() {
+//!         // What the kernel's telemetry variant does: one query row over two keys with equal
+//!         // logits, the first one a sink key.
+//!         let mut summary = tel.summary(0, 1, false);
+//!         let mut row = RowSums::EMPTY;
+//!         row.push_logit(1.0, true);
+//!         row.push_logit(1.0, false);
+//!         finish_row(&mut summary.heads[0], &row, None);
+//!         sink.submit(summary)?;
+//!     }
+//!     tel.advance();
+//! }
+//! let records = sink.flush(); // steps 0 and 2 logged
+//! assert_eq!(records.iter().map(|r| r.step).collect::<Vec<_>>(), [0, 2]);
+//! assert_eq!(records[0].sink_mass, Some(vec![Some(0.5)]));
+//! # Ok::<(), tessera_core::Error>(())
+//! ```
 
 mod config;
 mod exact;
@@ -80,9 +104,9 @@ pub use config::{
     Streams, Telemetry, TelemetryConfig, DEFAULT_EPSILON, DEFAULT_OUTLIER_RATIO,
     DEFAULT_SINK_TOKENS,
 };
-pub use exact::ExactSum;
+pub use exact::{det_max, ExactSum};
 pub use outlier::{outlier_summary, outlier_summary_f64, OutlierStats};
 pub use record::{parse_jsonl, read_jsonl, JsonlWriter, TelemetryRecord, TelemetrySink};
 pub use reference::{reference_summary, ReferenceInput, ReferenceOutput};
 pub use sinks::{document_kv_segments, sink_key_flags};
-pub use summary::{det_max, finish_row, AttnSummary, HeadAccum, RowStats, RowSums};
+pub use summary::{finish_row, AttnSummary, HeadAccum, RowStats, RowSums};

@@ -2,8 +2,7 @@
 //! `ratio × RMS` of their slice, for O or any activation tensor a caller hands in.
 
 use crate::config::check_ratio;
-use crate::exact::ExactSum;
-use crate::summary::det_max;
+use crate::exact::{det_max, ExactSum};
 use serde::{Deserialize, Serialize};
 use tessera_core::tensor::{TensorView, ViewData};
 use tessera_core::{Error, Result};

@@ -2,6 +2,7 @@
 //! [`TelemetrySink`] and the JSON-lines writer and reader.
 
 use crate::config::TelemetryConfig;
+use crate::exact::ExactSum;
 use crate::summary::AttnSummary;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -15,7 +16,9 @@ use tessera_core::{Error, Result};
 /// sinks). See the crate doc for the definitions.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TelemetryRecord {
+    /// Training step.
     pub step: u64,
+    /// Layer index.
     pub layer: u32,
     /// Mean sink mass over valid rows (all batch rows), per head.
     pub sink_mass: Option<Vec<Option<f64>>>,
@@ -85,6 +88,70 @@ impl TelemetryRecord {
     }
 }
 
+impl AttnSummary {
+    /// The readout (see the crate doc for every field). Fields of a stream that `config`
+    /// turns off are `None`.
+    pub fn record(&self, config: &TelemetryConfig) -> TelemetryRecord {
+        let finite = |x: f64| if x.is_finite() { Some(x) } else { None };
+        let mean = |s: &ExactSum, n: u64| {
+            if n == 0 {
+                None
+            } else {
+                finite(s.value() / n as f64)
+            }
+        };
+        let hs = &self.heads;
+        let sink_mass: Vec<Option<f64>> = hs
+            .iter()
+            .map(|a| mean(&a.sink_mass_sum, a.valid_rows))
+            .collect();
+        let defined = sink_mass.iter().flatten().count();
+        let above = sink_mass
+            .iter()
+            .flatten()
+            .filter(|&&x| x > config.epsilon)
+            .count();
+        let sink_rate = if defined == 0 {
+            None
+        } else {
+            Some(above as f64 / defined as f64)
+        };
+        let sink_on = config.streams.sink;
+        let out_on = config.streams.outlier;
+        TelemetryRecord {
+            step: self.step,
+            layer: self.layer,
+            max_logit: hs.iter().map(|a| finite(a.max_logit)).collect(),
+            sink_rate: if sink_on { sink_rate } else { None },
+            learned_sink_mass: (sink_on && self.has_learned_sinks).then(|| {
+                hs.iter()
+                    .map(|a| mean(&a.learned_sink_mass_sum, a.valid_rows))
+                    .collect()
+            }),
+            entropy: sink_on.then(|| {
+                hs.iter()
+                    .map(|a| mean(&a.entropy_sum, a.valid_rows))
+                    .collect()
+            }),
+            valid_rows: sink_on.then(|| hs.iter().map(|a| a.valid_rows).collect()),
+            sink_mass: sink_on.then_some(sink_mass),
+            out_abs_max: out_on.then(|| {
+                hs.iter()
+                    .map(|a| {
+                        if a.out.count == 0 {
+                            None
+                        } else {
+                            finite(a.out.abs_max)
+                        }
+                    })
+                    .collect()
+            }),
+            out_rms: out_on.then(|| hs.iter().map(|a| finite(a.out.rms())).collect()),
+            out_outliers: out_on.then(|| hs.iter().map(|a| a.out.outliers).collect()),
+        }
+    }
+}
+
 /// Deferred readout: summaries are merged per (step, layer) as they arrive (from layers, batch
 /// shards, replicas) and turned into records only at the logging boundary ([`flush`]).
 ///
@@ -96,6 +163,7 @@ pub struct TelemetrySink {
 }
 
 impl TelemetrySink {
+    /// An empty sink turning summaries into records with `config`.
     pub fn new(config: TelemetryConfig) -> Self {
         TelemetrySink {
             config,
@@ -103,6 +171,7 @@ impl TelemetrySink {
         }
     }
 
+    /// The configuration records are made with.
     pub fn config(&self) -> &TelemetryConfig {
         &self.config
     }

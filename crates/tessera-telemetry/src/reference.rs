@@ -1,8 +1,9 @@
 //! Float64 dense reference: every telemetry quantity computed from the dense probability matrix
 //! with simple loops. Kernel telemetry is tested against it.
 
+use crate::exact::det_max;
 use crate::outlier::outlier_summary_f64;
-use crate::summary::{det_max, AttnSummary, RowStats};
+use crate::summary::{AttnSummary, RowStats};
 use tessera_core::{Error, Result};
 use tessera_mask::Mask;
 
@@ -10,23 +11,37 @@ use tessera_mask::Mask;
 /// K `[B, Hkv, Lkv, Dqk]`, V `[B, Hkv, Lkv, Dv]`, row-major).
 #[derive(Debug, Clone, Copy)]
 pub struct ReferenceInput<'a> {
+    /// Q `[B, Hq, Lq, Dqk]`.
     pub q: &'a [f64],
+    /// K `[B, Hkv, Lkv, Dqk]`.
     pub k: &'a [f64],
+    /// V `[B, Hkv, Lkv, Dv]`.
     pub v: &'a [f64],
+    /// Batch size `B`.
     pub batch: usize,
+    /// Query heads `Hq`.
     pub heads_q: usize,
+    /// Key/value heads `Hkv` (divides `Hq`).
     pub heads_kv: usize,
+    /// Query length `Lq`.
     pub q_len: usize,
+    /// Key length `Lkv`.
     pub kv_len: usize,
+    /// Query/key head dimension `Dqk`.
     pub d_qk: usize,
+    /// Value head dimension `Dv`.
     pub d_v: usize,
+    /// Which pairs may attend.
     pub mask: &'a Mask,
+    /// Logit scale.
     pub scale: f64,
+    /// Softcap `c` (`c * tanh(s / c)`), if any.
     pub softcap: Option<f64>,
     /// Learned sink logit per query head (`Hq` values).
     pub sinks: Option<&'a [f64]>,
     /// Sink-key flags `[B, Lkv]` ([`crate::sink_key_flags`]).
     pub sink_flags: &'a [bool],
+    /// Outlier threshold as a multiple of the RMS of each (b, h) slice.
     pub outlier_ratio: f64,
 }
 
@@ -34,9 +49,13 @@ pub struct ReferenceInput<'a> {
 /// telemetry summary (both streams filled).
 #[derive(Debug, Clone)]
 pub struct ReferenceOutput {
+    /// O `[B, Hq, Lq, Dv]`.
     pub o: Vec<f64>,
+    /// LSE `[B, Hq, Lq]`.
     pub lse: Vec<f64>,
+    /// max_logit `[B, Hq]` (pre-softcap).
     pub max_logit: Vec<f64>,
+    /// The telemetry summary, both streams filled.
     pub summary: AttnSummary,
 }
 

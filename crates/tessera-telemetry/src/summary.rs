@@ -1,30 +1,12 @@
 //! Per-head accumulators ([`HeadAccum`]), the per-(step, layer) summary ([`AttnSummary`]), and
 //! the per-row finalize step the kernel calls ([`RowSums`], [`finish_row`]).
 
-use crate::config::TelemetryConfig;
-use crate::exact::ExactSum;
+use crate::config::Telemetry;
+use crate::exact::{det_max, ExactSum};
 use crate::outlier::{outlier_summary, OutlierStats};
-use crate::record::TelemetryRecord;
 use serde::{Deserialize, Serialize};
 use tessera_core::tensor::TensorView;
 use tessera_core::{Error, Result};
-
-/// Maximum that is commutative and associative bit for bit: NaN if either is NaN, and
-/// `max(-0.0, +0.0) = +0.0` whatever the order.
-#[inline]
-pub fn det_max(a: f64, b: f64) -> f64 {
-    if a.is_nan() || b.is_nan() {
-        f64::NAN
-    } else if a > b {
-        a
-    } else if b > a {
-        b
-    } else if a.is_sign_positive() {
-        a
-    } else {
-        b
-    }
-}
 
 /// Sums for one query head, over every valid row of every batch row seen. All fields merge
 /// exactly (integer counts, [`ExactSum`]s, [`det_max`]), so any split of the work, merged in
@@ -112,9 +94,13 @@ pub struct RowStats {
 /// `α·ln α·l` term (0 when `α` is 1 or 0) is what keeps `es` relative to the new max.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct RowSums {
+    /// Reference `m` (running max of the post-softcap logits).
     pub m: f64,
+    /// `l = Σ e^{s − m}` over allowed keys.
     pub l: f64,
+    /// `sink_l = Σ e^{s − m}` over allowed sink keys.
     pub sink_l: f64,
+    /// `es = Σ e^{s − m}·(s − m)` over allowed keys.
     pub es: f64,
 }
 
@@ -223,12 +209,23 @@ pub fn finish_row(acc: &mut HeadAccum, row: &RowSums, sigma: Option<f64>) {
     }
 }
 
+impl Telemetry {
+    /// An empty summary for this step and `layer` with `heads` query heads.
+    pub fn summary(&self, layer: u32, heads: usize, has_learned_sinks: bool) -> AttnSummary {
+        AttnSummary::new(self.step, layer, heads, has_learned_sinks)
+    }
+}
+
 /// The telemetry of one (step, layer): one [`HeadAccum`] per query head.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct AttnSummary {
+    /// Training step.
     pub step: u64,
+    /// Layer index.
     pub layer: u32,
+    /// One accumulator per query head.
     pub heads: Vec<HeadAccum>,
+    /// Whether learned sinks were on (the learned-sink mass is then reported).
     pub has_learned_sinks: bool,
 }
 
@@ -273,17 +270,21 @@ impl AttnSummary {
         Ok(())
     }
 
+    /// Checks that `t` has rank `rank` and this summary's head count in dimension 1; returns
+    /// the head count. `rest` spells the dimensions after the heads in the error.
+    fn check_heads(&self, arg: &str, t: &TensorView<'_>, rank: usize, rest: &str) -> Result<usize> {
+        let h = self.heads.len();
+        if t.shape.len() != rank || t.shape[1] != h {
+            let expected = format!("shape [B, {h}{rest}]");
+            return Err(Error::invalid(arg, expected, format!("{:?}", t.shape)));
+        }
+        Ok(h)
+    }
+
     /// Folds the kernel's `max_logit` output `[B, Hq]` (pre-softcap, `-inf` where a `(b, h)`
     /// has no allowed pair) into every head's `max_logit`.
     pub fn absorb_max_logit(&mut self, max_logit: &TensorView<'_>) -> Result<()> {
-        let h = self.heads.len();
-        if max_logit.shape.len() != 2 || max_logit.shape[1] != h {
-            return Err(Error::invalid(
-                "max_logit",
-                format!("shape [B, {h}]"),
-                format!("{:?}", max_logit.shape),
-            ));
-        }
+        let h = self.check_heads("max_logit", max_logit, 2, "")?;
         let vals = max_logit.to_f32_vec()?;
         for (idx, &x) in vals.iter().enumerate() {
             self.heads[idx % h].observe_max_logit(x as f64);
@@ -294,81 +295,12 @@ impl AttnSummary {
     /// The outlier stream: adds the statistics of O `[B, Hq, Lq, Dv]` (f32, bf16 or f16), with
     /// the threshold `ratio × RMS` taken per `(b, h)` slice.
     pub fn add_output(&mut self, o: &TensorView<'_>, ratio: f64) -> Result<()> {
-        let h = self.heads.len();
-        if o.shape.len() != 4 || o.shape[1] != h {
-            return Err(Error::invalid(
-                "o",
-                format!("shape [B, {h}, Lq, Dv]"),
-                format!("{:?}", o.shape),
-            ));
-        }
+        self.check_heads("o", o, 4, ", Lq, Dv")?;
         let stats = outlier_summary(o, ratio)?;
         for (acc, s) in self.heads.iter_mut().zip(&stats) {
             acc.out.merge(s);
         }
         Ok(())
-    }
-
-    /// The readout (see the crate doc for every field). Fields of a stream that `config`
-    /// turns off are `None`.
-    pub fn record(&self, config: &TelemetryConfig) -> TelemetryRecord {
-        let finite = |x: f64| if x.is_finite() { Some(x) } else { None };
-        let mean = |s: &ExactSum, n: u64| {
-            if n == 0 {
-                None
-            } else {
-                finite(s.value() / n as f64)
-            }
-        };
-        let hs = &self.heads;
-        let sink_mass: Vec<Option<f64>> = hs
-            .iter()
-            .map(|a| mean(&a.sink_mass_sum, a.valid_rows))
-            .collect();
-        let defined = sink_mass.iter().flatten().count();
-        let above = sink_mass
-            .iter()
-            .flatten()
-            .filter(|&&x| x > config.epsilon)
-            .count();
-        let sink_rate = if defined == 0 {
-            None
-        } else {
-            Some(above as f64 / defined as f64)
-        };
-        let sink_on = config.streams.sink;
-        let out_on = config.streams.outlier;
-        TelemetryRecord {
-            step: self.step,
-            layer: self.layer,
-            max_logit: hs.iter().map(|a| finite(a.max_logit)).collect(),
-            sink_rate: if sink_on { sink_rate } else { None },
-            learned_sink_mass: (sink_on && self.has_learned_sinks).then(|| {
-                hs.iter()
-                    .map(|a| mean(&a.learned_sink_mass_sum, a.valid_rows))
-                    .collect()
-            }),
-            entropy: sink_on.then(|| {
-                hs.iter()
-                    .map(|a| mean(&a.entropy_sum, a.valid_rows))
-                    .collect()
-            }),
-            valid_rows: sink_on.then(|| hs.iter().map(|a| a.valid_rows).collect()),
-            sink_mass: sink_on.then_some(sink_mass),
-            out_abs_max: out_on.then(|| {
-                hs.iter()
-                    .map(|a| {
-                        if a.out.count == 0 {
-                            None
-                        } else {
-                            finite(a.out.abs_max)
-                        }
-                    })
-                    .collect()
-            }),
-            out_rms: out_on.then(|| hs.iter().map(|a| finite(a.out.rms())).collect()),
-            out_outliers: out_on.then(|| hs.iter().map(|a| a.out.outliers).collect()),
-        }
     }
 
     /// Compares with `reference` (a dense float64 summary): counts exactly, floats within

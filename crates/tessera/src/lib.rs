@@ -4,8 +4,8 @@
 //! depends on. It re-exports the end-to-end path of SPEC §1: a [`Mask`] expression, the
 //! planner ([`build_plan`] → [`Plan`]), the attention [`Backend`]s and the surrounding
 //! services (plan [`cache`], document [`pack`]ing, [`export`]ers for Splash and FlexAttention,
-//! tensor [`io`], gated [`telemetry`]) and the [`conformance`] suite with its seeded workloads.
-//! Each sub-crate is also reachable as a module.
+//! tensor [`io`], gated [`telemetry`], PNG pictures in [`viz`]) and the [`conformance`] suite
+//! with its seeded workloads. Each sub-crate is also reachable as a module.
 //!
 //! ```
 //! use std::sync::Arc;
@@ -51,13 +51,14 @@ pub use tessera_mask as mask;
 pub use tessera_pack as pack;
 pub use tessera_plan as plan;
 pub use tessera_telemetry as telemetry;
+pub use tessera_viz as viz;
 
 pub use tessera_attn::{
     AttnInputs, AttnOptions, Backend, BackwardOutput, CpuBackend, CpuPlan, CpuWorkspace,
     ForwardBufs, ForwardOut, ForwardOutput, GradBufs, GradInputs, GradOut, OutData, Par, Prepared,
     StridedView, TensorView, ViewData,
 };
-pub use tessera_cache::{CacheConfig, PlanCache};
+pub use tessera_cache::{CacheConfig, CacheWarning, Lookup, PlanCache, PlanSource};
 pub use tessera_core::{DType, Error, Result, Tensor, TensorData};
 pub use tessera_mask::{parse, DenseMask, Mask, SegmentIds, Segments};
 pub use tessera_plan::{build_plan, Plan, PlanShape, PlanStats, TileShape, TileState};

@@ -33,11 +33,11 @@ pub fn config(dir: &Path) -> CacheConfig {
 
 /// A quiet cache on `dir`.
 pub fn cache(dir: &Path) -> PlanCache {
-    PlanCache::new(config(dir)).with_warning_echo(false)
+    PlanCache::new(config(dir))
 }
 
 pub fn cache_with(config: CacheConfig) -> PlanCache {
-    PlanCache::new(config).with_warning_echo(false)
+    PlanCache::new(config)
 }
 
 /// Every file under `dir`, recursively (directories excluded).

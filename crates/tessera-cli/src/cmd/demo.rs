@@ -104,7 +104,6 @@ pub fn run(args: DemoArgs, ctx: &Ctx) -> Result<()> {
         seq_len: args.seq_len,
         strategy: Strategy::BestFit,
         bos: tessera_pack::DEFAULT_BOS,
-        progress: false,
     };
     let packed = tessera_pack::pack_jsonl(&corpus, &cfg)?;
     let rows_path = dir.join("rows.safetensors");
@@ -137,7 +136,7 @@ pub fn run(args: DemoArgs, ctx: &Ctx) -> Result<()> {
         .to_text()
     );
     let png = dir.join("plan.png");
-    crate::picture::plan_picture(
+    tessera_viz::write_plan_png(
         &plan,
         0,
         0,
@@ -279,7 +278,7 @@ fn telemetry_steps(ctx: &Ctx, row0: &[i64], d: usize, dir: &Path) -> Result<()> 
     write_jsonl(&jsonl, &records)?;
     let png = dir.join("telemetry.png");
     let title = format!("tessera demo: causal & document, row 0, L={len}, every {TEL_EVERY} steps");
-    crate::picture::telemetry_picture(&records, &title, &png)?;
+    tessera_viz::write_telemetry_png(&records, &title, &png)?;
     println!(
         "\n[telemetry] {} of {TEL_STEPS} steps logged: {} -> {}, {}",
         records.len(),

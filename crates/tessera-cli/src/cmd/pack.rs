@@ -109,8 +109,10 @@ pub fn run(args: PackArgs, ctx: &Ctx) -> Result<()> {
         seq_len,
         strategy: args.strategy.into(),
         bos: args.bos.unwrap_or(DEFAULT_BOS),
-        progress: true, // drawn only when stderr is a terminal
     };
+    // Drawn only when stderr is a terminal.
+    let mut bars = crate::progress::PackBars::default();
+    let mut progress = |p: tessera_pack::Progress<'_>| bars.report(p);
 
     let packed = if has_ext(input, "npy") {
         let offsets = args.offsets.as_deref().ok_or_else(|| {
@@ -120,7 +122,7 @@ pub fn run(args: PackArgs, ctx: &Ctx) -> Result<()> {
                 "nothing",
             )
         })?;
-        tessera_pack::pack_npy(input, offsets, &cfg)?
+        tessera_pack::pack_npy_with_progress(input, offsets, &cfg, &mut progress)?
     } else {
         if let Some(off) = &args.offsets {
             return Err(Error::invalid(
@@ -129,7 +131,7 @@ pub fn run(args: PackArgs, ctx: &Ctx) -> Result<()> {
                 off.display(),
             ));
         }
-        tessera_pack::pack_jsonl(input, &cfg)?
+        tessera_pack::pack_jsonl_with_progress(input, &cfg, &mut progress)?
     };
 
     if let Some(out) = &args.out {

@@ -125,11 +125,9 @@ pub fn run(args: PlanArgs, ctx: &Ctx) -> Result<()> {
     if args.head_dim == 0 {
         return Err(Error::invalid("--head-dim", "a positive value", 0));
     }
-    let built_before = tessera_core::metrics::snapshot().plans_built;
-    let (_mask, plan) = args
-        .mask
-        .plan(ctx, args.batch, args.heads, args.q_len, kv_len)?;
-    let from_cache = tessera_core::metrics::snapshot().plans_built == built_before;
+    let shape = tessera_plan::PlanShape::new(args.batch, args.heads, args.q_len, kv_len)?;
+    let lookup = ctx.lookup(&args.mask.mask()?, shape, args.mask.tile()?)?;
+    let (plan, from_cache) = (lookup.plan, lookup.source.is_cached());
     if let Some(p) = &args.dump_states {
         dump_states(&plan, p)?;
     }
@@ -144,7 +142,7 @@ pub fn run(args: PlanArgs, ctx: &Ctx) -> Result<()> {
         tessera_export::export_npz(&plan, kind, path)?;
     }
     if let Some(p) = &args.png {
-        crate::picture::plan_picture(&plan, 0, 0, &args.mask.mask, p)?;
+        tessera_viz::write_plan_png(&plan, 0, 0, &args.mask.mask, p)?;
     }
     let report = PlanReport::new(&plan, args.head_dim, from_cache);
     if ctx.json() {

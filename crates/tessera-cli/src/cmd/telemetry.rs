@@ -111,7 +111,7 @@ fn plot(input: &Path, out: &Path, layer: Option<u32>, ctx: &Ctx) -> Result<()> {
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_else(|| input.display().to_string());
-    crate::picture::telemetry_picture(&records, &format!("attention telemetry: {name}"), out)?;
+    tessera_viz::write_telemetry_png(&records, &format!("attention telemetry: {name}"), out)?;
     let report = PlotReport {
         out: out.display().to_string(),
         layer,
