@@ -20,7 +20,7 @@ use crate::mask::PyMask;
 /// `~/.cache/tessera`; memory-only when none applies or the directory is unusable).
 pub fn cache() -> &'static PlanCache {
     static CACHE: OnceLock<PlanCache> = OnceLock::new();
-    CACHE.get_or_init(|| PlanCache::new(CacheConfig::default()).with_warning_echo(false))
+    CACHE.get_or_init(|| PlanCache::new(CacheConfig::default()))
 }
 
 /// A plan: which tiles of `[B, H, Lq, Lkv]` are empty, full or partial, with the work lists the
@@ -29,14 +29,17 @@ pub fn cache() -> &'static PlanCache {
 pub struct PyPlan {
     pub(crate) inner: Arc<Plan>,
     pub(crate) mask: Mask,
+    /// Where the plan came from: `memory`, `disk` (plan cache) or `built`.
+    source: &'static str,
     prepared: OnceLock<CpuPlan>,
 }
 
 impl PyPlan {
-    pub(crate) fn new(inner: Arc<Plan>, mask: Mask) -> Self {
+    pub(crate) fn new(inner: Arc<Plan>, mask: Mask, source: &'static str) -> Self {
         PyPlan {
             inner,
             mask,
+            source,
             prepared: OnceLock::new(),
         }
     }
@@ -109,16 +112,18 @@ pub fn plan(
         Some(b) => block_shape(b)?,
         None => TileShape::default(),
     };
-    let inner = py
+    let (inner, source) = py
         .detach(|| {
             if cache {
-                self::cache().get_or_build(&m, shape, tile)
+                self::cache()
+                    .get_or_build(&m, shape, tile)
+                    .map(|l| (l.plan, l.source.name()))
             } else {
-                build_plan(&m, shape, tile).map(Arc::new)
+                build_plan(&m, shape, tile).map(|p| (Arc::new(p), "built"))
             }
         })
         .map_err(to_py)?;
-    Ok(PyPlan::new(inner, m))
+    Ok(PyPlan::new(inner, m, source))
 }
 
 /// Counters of the process-wide plan cache.
@@ -134,7 +139,8 @@ pub fn cache_stats(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("bytes_read", c.bytes_read)?;
     d.set_item("bytes_written", c.bytes_written)?;
     d.set_item("dir", cache().dir().map(|p| p.display().to_string()))?;
-    d.set_item("warnings", cache().warnings())?;
+    let warnings: Vec<String> = cache().warnings().iter().map(|w| w.to_string()).collect();
+    d.set_item("warnings", warnings)?;
     Ok(d)
 }
 
@@ -179,6 +185,39 @@ impl PyPlan {
     #[getter]
     fn mask(&self) -> PyMask {
         crate::mask::wrap(self.mask.clone())
+    }
+    /// Where the plan came from: `"memory"` or `"disk"` (plan cache hits) or `"built"`.
+    #[getter]
+    fn source(&self) -> &'static str {
+        self.source
+    }
+    /// Writes a PNG picture of the tile states of batch row `batch`, head `head` (the CLI's
+    /// `tessera plan --png`); the GIL is released while drawing.
+    #[pyo3(signature = (path, batch=0, head=0, title=None))]
+    fn save_png(
+        &self,
+        py: Python<'_>,
+        path: std::path::PathBuf,
+        batch: usize,
+        head: usize,
+        title: Option<String>,
+    ) -> PyResult<()> {
+        let s = self.inner.shape;
+        if batch >= s.batch || head >= s.heads {
+            return Err(PyValueError::new_err(format!(
+                "batch/head: expected batch < {} and head < {}, got ({batch}, {head})",
+                s.batch, s.heads
+            )));
+        }
+        let title = title.unwrap_or_else(|| {
+            format!(
+                "{}  [B={} H={} Lq={} Lkv={}]",
+                self.inner.mask, s.batch, s.heads, s.q_len, s.kv_len
+            )
+        });
+        let plan = self.inner.clone();
+        py.detach(|| tessera::viz::write_plan_png(&plan, batch, head, &title, &path))
+            .map_err(to_py)
     }
     /// Hex contract key (what the plan cache is keyed by).
     #[getter]
@@ -331,7 +370,7 @@ impl PyPlan {
         shrink_grid_dkv: bool,
         downcast_smem_data: bool,
     ) -> PyResult<Vec<(Bound<'py, PyDict>, Bound<'py, PyDict>)>> {
-        use tessera::export::npz::DType as NDType;
+        use tessera::export::npz::NpyDType as NDType;
         use tessera::export::splash::{export_with, IntArray, MaskInfo, SplashOptions};
         let opts = SplashOptions {
             head_shards,

@@ -192,6 +192,11 @@ class Plan:
         return self._p.mask
 
     @property
+    def source(self) -> str:
+        """Where the plan came from: ``"memory"`` or ``"disk"`` (plan-cache hits) or ``"built"``."""
+        return self._p.source
+
+    @property
     def contract(self) -> str:
         """The contract key the plan cache uses (hex)."""
         return self._p.contract
@@ -226,9 +231,10 @@ class Plan:
 
         return _j.mask_info(self, **kwargs)
 
-    def save_png(self, path: str) -> None:
-        """Writes a picture of the tile states (the CLI's ``tessera plan --png``)."""
-        self._p.save_png(str(path))
+    def save_png(self, path: str, batch: int = 0, head: int = 0, title: Optional[str] = None) -> None:
+        """Writes a PNG picture of the tile states of one batch row and head (the CLI's
+        ``tessera plan --png``)."""
+        self._p.save_png(str(path), batch, head, title)
 
 
 def __getattr__(name: str) -> Any:
