@@ -1,6 +1,6 @@
 //! Options shared by every subcommand and the per-run context built from them.
 
-use tessera_core::{metrics, Error, Result};
+use tessera::core::{metrics, Error, Result};
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct GlobalArgs {
@@ -24,7 +24,7 @@ pub struct GlobalArgs {
 /// What every subcommand receives.
 pub struct Ctx {
     pub global: GlobalArgs,
-    cache: std::sync::OnceLock<tessera_cache::PlanCache>,
+    cache: std::sync::OnceLock<tessera::cache::PlanCache>,
 }
 
 impl Ctx {
@@ -38,10 +38,10 @@ impl Ctx {
     /// The plan of `mask` for `shape` and `tile`.
     pub fn plan(
         &self,
-        mask: &tessera_mask::Mask,
-        shape: tessera_plan::PlanShape,
-        tile: tessera_plan::TileShape,
-    ) -> Result<std::sync::Arc<tessera_plan::Plan>> {
+        mask: &tessera::mask::Mask,
+        shape: tessera::plan::PlanShape,
+        tile: tessera::plan::TileShape,
+    ) -> Result<std::sync::Arc<tessera::plan::Plan>> {
         Ok(self.lookup(mask, shape, tile)?.plan)
     }
 
@@ -49,10 +49,10 @@ impl Ctx {
     /// of this lookup are printed to stderr.
     pub fn lookup(
         &self,
-        mask: &tessera_mask::Mask,
-        shape: tessera_plan::PlanShape,
-        tile: tessera_plan::TileShape,
-    ) -> Result<tessera_cache::Lookup> {
+        mask: &tessera::mask::Mask,
+        shape: tessera::plan::PlanShape,
+        tile: tessera::plan::TileShape,
+    ) -> Result<tessera::cache::Lookup> {
         let lookup = self.plan_cache().get_or_build(mask, shape, tile)?;
         warn_all(&lookup.warnings);
         Ok(lookup)
@@ -60,9 +60,9 @@ impl Ctx {
 
     /// The plan cache configured by `--cache-dir`, `--no-cache` and `--cache-max-bytes`; its
     /// construction warnings (no directory) are printed when it is first created.
-    pub fn plan_cache(&self) -> &tessera_cache::PlanCache {
+    pub fn plan_cache(&self) -> &tessera::cache::PlanCache {
         self.cache.get_or_init(|| {
-            let cache = tessera_cache::PlanCache::new(tessera_cache::CacheConfig {
+            let cache = tessera::cache::PlanCache::new(tessera::cache::CacheConfig {
                 dir: self.global.cache_dir.clone(),
                 disabled: self.global.no_cache,
                 max_bytes: self.global.cache_max_bytes,
@@ -99,7 +99,7 @@ impl Ctx {
 }
 
 /// Prints each warning as one `tessera: warning: ...` line on stderr.
-fn warn_all(warnings: &[tessera_cache::CacheWarning]) {
+fn warn_all(warnings: &[tessera::cache::CacheWarning]) {
     for w in warnings {
         eprintln!("tessera: warning: {w}");
     }

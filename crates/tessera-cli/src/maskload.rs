@@ -3,9 +3,9 @@
 
 use crate::ctx::Ctx;
 use std::sync::Arc;
-use tessera_core::{DType, Error, Result};
-use tessera_mask::{DenseMask, Mask, Resolver, SegmentIds, Segments};
-use tessera_plan::{Plan, PlanShape, TileShape};
+use tessera::core::{DType, Error, Result};
+use tessera::mask::{DenseMask, Mask, Resolver, SegmentIds, Segments};
+use tessera::plan::{Plan, PlanShape, TileShape};
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct MaskArgs {
@@ -37,7 +37,7 @@ struct FileResolver<'a> {
 }
 
 fn load_segments(spec: &str) -> Result<SegmentIds> {
-    let t = tessera_io::read_tensor(spec, None)?;
+    let t = tessera::io::read_tensor(spec, None)?;
     let ids = t
         .to_i64_vec()
         .map_err(|_| Error::invalid(format!("segments {spec}"), "an integer array", t.dtype()))?;
@@ -67,7 +67,7 @@ impl Resolver for FileResolver<'_> {
     }
 
     fn dense(&self, path: &str) -> Result<DenseMask> {
-        let t = tessera_io::read_tensor(path, None)?;
+        let t = tessera::io::read_tensor(path, None)?;
         let vals: Vec<bool> = match t.dtype() {
             DType::Bool | DType::U8 => t.to_i64_vec()?.into_iter().map(|v| v != 0).collect(),
             other => {
@@ -85,7 +85,7 @@ impl Resolver for FileResolver<'_> {
 impl MaskArgs {
     /// Parses the mask expression and loads its data.
     pub fn mask(&self) -> Result<Mask> {
-        tessera_mask::parse(&self.mask, &FileResolver { args: self })
+        tessera::mask::parse(&self.mask, &FileResolver { args: self })
     }
 
     pub fn tile(&self) -> Result<TileShape> {

@@ -1,5 +1,5 @@
 //! Progress bars on stderr, shown only when stderr is a terminal. The libraries only report
-//! progress (e.g. `tessera_pack::Progress`); drawing it is the command line's job.
+//! progress (e.g. `tessera::pack::Progress`); drawing it is the command line's job.
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use std::io::IsTerminal;
@@ -27,8 +27,8 @@ pub struct PackBars(Option<ProgressBar>);
 
 impl PackBars {
     /// Handles one report.
-    pub fn report(&mut self, p: tessera_pack::Progress<'_>) {
-        use tessera_pack::Progress;
+    pub fn report(&mut self, p: tessera::pack::Progress<'_>) {
+        use tessera::pack::Progress;
         match p {
             Progress::Begin { label, total } => {
                 self.0 = Some(styled(

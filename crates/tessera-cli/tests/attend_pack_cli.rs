@@ -5,13 +5,13 @@ mod common;
 
 use common::{bad, ok, save, values};
 use std::path::Path;
-use tessera_attn::AttnOptions;
-use tessera_conformance::reference;
-use tessera_core::{Tensor, TensorData};
-use tessera_mask::{Mask, SegmentIds, Segments};
+use tessera::attn::AttnOptions;
+use tessera::conformance::reference;
+use tessera::core::{Tensor, TensorData};
+use tessera::mask::{Mask, SegmentIds, Segments};
 
 fn load(dir: &Path, name: &str) -> Vec<f32> {
-    tessera_io::read_tensor(dir.join(name).to_str().unwrap(), None)
+    tessera::io::read_tensor(dir.join(name).to_str().unwrap(), None)
         .unwrap()
         .to_f32_vec()
         .unwrap()
@@ -47,7 +47,7 @@ fn attend_matches_the_reference_with_gradients() {
     let segs = Tensor::new(vec![b, l], TensorData::I64(ids.clone())).unwrap();
     // Q and K in one safetensors file, selected with FILE:TENSOR.
     let qk = p.join("qk.safetensors");
-    tessera_io::write_safetensors(&qk, &[("q", &q), ("k", &k)]).unwrap();
+    tessera::io::write_safetensors(&qk, &[("q", &q), ("k", &k)]).unwrap();
     let qk = qk.to_string_lossy();
     let (vf, gf, sf, segf) = (
         save(p, "v.npy", &v),

@@ -4,11 +4,11 @@ mod common;
 
 use common::{bad, tessera};
 use std::path::Path;
-use tessera_core::{Tensor, TensorData};
+use tessera::core::{Tensor, TensorData};
 
 fn write(dir: &Path, name: &str, shape: Vec<usize>, data: TensorData) -> String {
     let p = dir.join(name);
-    tessera_io::write_tensor(&p, &Tensor::new(shape, data).unwrap()).unwrap();
+    tessera::io::write_tensor(&p, &Tensor::new(shape, data).unwrap()).unwrap();
     p.to_string_lossy().into_owned()
 }
 
@@ -66,7 +66,7 @@ fn plan_json_states_and_png() {
     assert_eq!(v["q_tiles"], 10);
     assert_eq!(v["kv_tiles"], 5);
     assert_eq!(v["groups"], serde_json::json!([2, 1]));
-    let states = tessera_io::read_tensor(d.path().join("s.npy").to_str().unwrap(), None).unwrap();
+    let states = tessera::io::read_tensor(d.path().join("s.npy").to_str().unwrap(), None).unwrap();
     assert_eq!(states.shape(), &[2, 1, 10, 5]);
     let TensorData::I8(s) = states.data() else {
         panic!("dtype {}", states.dtype())

@@ -4,9 +4,9 @@
 mod common;
 
 use common::{ok, save, tessera, values};
-use tessera_core::{Tensor, TensorData};
-use tessera_mask::{Mask, SegmentIds, Segments};
-use tessera_telemetry::{read_jsonl, reference_summary, sink_key_flags, ReferenceInput};
+use tessera::core::{Tensor, TensorData};
+use tessera::mask::{Mask, SegmentIds, Segments};
+use tessera::telemetry::{read_jsonl, reference_summary, sink_key_flags, ReferenceInput};
 
 #[test]
 fn attend_writes_one_telemetry_record_matching_the_reference() {
@@ -90,14 +90,14 @@ fn attend_writes_one_telemetry_record_matching_the_reference() {
             softcap: None,
             sinks: None,
             sink_flags: &flags,
-            outlier_ratio: tessera_telemetry::DEFAULT_OUTLIER_RATIO,
+            outlier_ratio: tessera::telemetry::DEFAULT_OUTLIER_RATIO,
         },
         0,
         0,
     )
     .unwrap()
     .summary
-    .record(&tessera_telemetry::TelemetryConfig::every(1));
+    .record(&tessera::telemetry::TelemetryConfig::every(1));
     let close = |a: &[Option<f64>], b: &[Option<f64>], tol: f64| {
         a.iter()
             .zip(b)

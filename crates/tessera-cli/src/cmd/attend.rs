@@ -3,7 +3,7 @@
 //! A thin layer: read Q, K, V (and dO, sinks), plan the mask through `MaskArgs` (plan cache),
 //! run the CPU backend of `tessera-attn`, write every requested output atomically, print one
 //! summary line (or one JSON object with `--json`). With `--telemetry F.jsonl` the forward is a
-//! logging step (step 0, layer 0) of the gated telemetry (`tessera_attn::forward_logged`) and its
+//! logging step (step 0, layer 0) of the gated telemetry (`tessera::attn::forward_logged`) and its
 //! record is written to F (and included in the `--json` report). All checking of shapes, dtypes and options is
 //! the library's (SPEC §10); this file only checks how the flags combine.
 
@@ -11,12 +11,12 @@ use crate::ctx::{print_json, Ctx};
 use crate::maskload::MaskArgs;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
-use tessera_attn::{
+use tessera::attn::{
     effective_gflops, forward_logged, AttnInputs, AttnOptions, Backend, CpuBackend, GradInputs,
     LogContext,
 };
-use tessera_core::{DType, Error, Result, Tensor};
-use tessera_telemetry::{
+use tessera::core::{DType, Error, Result, Tensor};
+use tessera::telemetry::{
     Telemetry, TelemetryConfig, TelemetryRecord, TelemetrySink, DEFAULT_SINK_TOKENS,
 };
 
@@ -151,7 +151,7 @@ fn check_flags(args: &AttendArgs) -> Result<()> {
 }
 
 fn write(path: &Path, t: &Tensor, written: &mut Vec<String>) -> Result<()> {
-    tessera_io::write_tensor(path, t)?;
+    tessera::io::write_tensor(path, t)?;
     written.push(path.display().to_string());
     Ok(())
 }
@@ -165,16 +165,16 @@ pub fn run(args: AttendArgs, ctx: &Ctx) -> Result<()> {
             other => return Err(Error::invalid("--dtype", "f32 or bf16", other)),
         },
     };
-    let q = tessera_io::read_tensor(&args.q, dtype)?;
-    let k = tessera_io::read_tensor(&args.k, dtype)?;
-    let v = tessera_io::read_tensor(&args.v, dtype)?;
+    let q = tessera::io::read_tensor(&args.q, dtype)?;
+    let k = tessera::io::read_tensor(&args.k, dtype)?;
+    let v = tessera::io::read_tensor(&args.v, dtype)?;
     let [b, hq, lq, dqk] = rank4(&q, "--q")?;
     let [_, _, lkv, _] = rank4(&k, "--k")?;
     let [_, _, _, dv] = rank4(&v, "--v")?;
     let sinks = match &args.sinks {
         None => None,
         Some(spec) => {
-            let t = tessera_io::read_tensor(spec, None)?;
+            let t = tessera::io::read_tensor(spec, None)?;
             if t.shape().len() != 1 {
                 return Err(Error::invalid(
                     "--sinks",
@@ -233,7 +233,7 @@ pub fn run(args: AttendArgs, ctx: &Ctx) -> Result<()> {
 
     let mut backward_s = None;
     if let Some(spec) = &args.grad_out {
-        let d_o = tessera_io::read_tensor(spec, dtype)?;
+        let d_o = tessera::io::read_tensor(spec, dtype)?;
         let t1 = Instant::now();
         let g = backend.backward(
             &GradInputs::contiguous(inputs, f.o.view(), f.lse.view(), d_o.view())?,
@@ -308,7 +308,7 @@ pub(crate) fn write_jsonl(path: &Path, records: &[TelemetryRecord]) -> Result<()
         text.push_str(&r.to_json_line()?);
         text.push('\n');
     }
-    tessera_io::atomic_write(path, |w| {
+    tessera::io::atomic_write(path, |w| {
         w.write_all(text.as_bytes()).map_err(|e| Error::io(path, e))
     })
 }

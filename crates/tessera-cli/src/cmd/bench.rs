@@ -6,14 +6,14 @@
 
 use crate::ctx::{print_json, Ctx};
 use std::time::{Duration, Instant};
-use tessera_attn::cpu::peak;
-use tessera_attn::{
+use tessera::attn::cpu::peak;
+use tessera::attn::{
     check_inputs, AttnInputs, AttnOptions, Backend, CpuBackend, CpuWorkspace, ForwardBufs,
     GradBufs, GradInputs, Par,
 };
-use tessera_conformance::workloads::{named_mask, random_tensor, MASK_NAMES};
-use tessera_core::{DType, Error, Result};
-use tessera_plan::{PlanShape, TileShape};
+use tessera::conformance::workloads::{named_mask, random_tensor, MASK_NAMES};
+use tessera::core::{DType, Error, Result};
+use tessera::plan::{PlanShape, TileShape};
 
 #[derive(clap::Args, Debug)]
 #[command(

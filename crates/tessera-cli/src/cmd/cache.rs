@@ -5,7 +5,7 @@
 //! the next run that needs one rejects, rebuilds and rewrites it.
 
 use crate::ctx::{print_json, Ctx};
-use tessera_core::{Error, Result};
+use tessera::core::{Error, Result};
 
 /// Inspect or maintain the persistent plan cache.
 #[derive(clap::Args, Debug)]

@@ -13,16 +13,16 @@ use crate::ctx::Ctx;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
-use tessera_attn::{
+use tessera::attn::{
     check_inputs, forward_logged_into, AttnInputs, AttnOptions, Backend, CpuBackend, CpuWorkspace,
     ForwardBufs, GradInputs, LogContext, Par,
 };
-use tessera_conformance::workloads::random_tensor;
-use tessera_core::{DType, Error, Result, Tensor};
-use tessera_mask::{Mask, SegmentIds, Segments};
-use tessera_pack::{PackConfig, Strategy};
-use tessera_plan::{Plan, PlanShape, TileShape};
-use tessera_telemetry::{
+use tessera::conformance::workloads::random_tensor;
+use tessera::core::{DType, Error, Result, Tensor};
+use tessera::mask::{Mask, SegmentIds, Segments};
+use tessera::pack::{PackConfig, Strategy};
+use tessera::plan::{Plan, PlanShape, TileShape};
+use tessera::telemetry::{
     document_kv_segments, sink_key_flags, Telemetry, TelemetryConfig, TelemetrySink,
 };
 
@@ -96,18 +96,18 @@ pub fn run(args: DemoArgs, ctx: &Ctx) -> Result<()> {
 
     // 1. Pack the corpus.
     let corpus = dir.join("corpus.jsonl");
-    tessera_io::atomic_write(&corpus, |w| {
+    tessera::io::atomic_write(&corpus, |w| {
         w.write_all(CORPUS.as_bytes())
             .map_err(|e| Error::io(&corpus, e))
     })?;
     let cfg = PackConfig {
         seq_len: args.seq_len,
         strategy: Strategy::BestFit,
-        bos: tessera_pack::DEFAULT_BOS,
+        bos: tessera::pack::DEFAULT_BOS,
     };
-    let packed = tessera_pack::pack_jsonl(&corpus, &cfg)?;
+    let packed = tessera::pack::pack_jsonl(&corpus, &cfg)?;
     let rows_path = dir.join("rows.safetensors");
-    tessera_pack::write_packed(&rows_path, &packed)?;
+    tessera::pack::write_packed(&rows_path, &packed)?;
     println!(
         "\n[pack] {} -> {}",
         packed.stats.summary(),
@@ -119,7 +119,7 @@ pub fn run(args: DemoArgs, ctx: &Ctx) -> Result<()> {
     let segs = SegmentIds::new(packed.rows, packed.seq_len, ids)?;
     let mask = Mask::causal() & Mask::document(Segments::shared(segs.clone()));
     let tile = TileShape::default();
-    let built_before = tessera_core::metrics::snapshot().plans_built;
+    let built_before = tessera::core::metrics::snapshot().plans_built;
     let plan = ctx.plan(
         &mask,
         PlanShape::new(packed.rows, 1, packed.seq_len, packed.seq_len)?,
@@ -131,12 +131,12 @@ pub fn run(args: DemoArgs, ctx: &Ctx) -> Result<()> {
         PlanReport::new(
             &plan,
             args.head_dim,
-            tessera_core::metrics::snapshot().plans_built == built_before,
+            tessera::core::metrics::snapshot().plans_built == built_before,
         )
         .to_text()
     );
     let png = dir.join("plan.png");
-    tessera_viz::write_plan_png(
+    tessera::viz::write_plan_png(
         &plan,
         0,
         0,
@@ -229,7 +229,7 @@ fn step_inputs(step: u64, len: usize, d: usize, sink: &[bool]) -> Result<[Tensor
 }
 
 /// `TEL_STEPS` forwards with telemetry every `TEL_EVERY` steps through
-/// `tessera_attn::forward_logged`; writes the records and their picture, prints one line.
+/// `tessera::attn::forward_logged`; writes the records and their picture, prints one line.
 fn telemetry_steps(ctx: &Ctx, row0: &[i64], d: usize, dir: &Path) -> Result<()> {
     let len = TEL_LEN.min(row0.len());
     let ids = SegmentIds::shared(row0[..len].to_vec())?;
@@ -278,7 +278,7 @@ fn telemetry_steps(ctx: &Ctx, row0: &[i64], d: usize, dir: &Path) -> Result<()> 
     write_jsonl(&jsonl, &records)?;
     let png = dir.join("telemetry.png");
     let title = format!("tessera demo: causal & document, row 0, L={len}, every {TEL_EVERY} steps");
-    tessera_viz::write_telemetry_png(&records, &title, &png)?;
+    tessera::viz::write_telemetry_png(&records, &title, &png)?;
     println!(
         "\n[telemetry] {} of {TEL_STEPS} steps logged: {} -> {}, {}",
         records.len(),

@@ -1,7 +1,7 @@
 //! `tessera env`: the run manifest (SPEC §7).
 
 use crate::ctx::{print_json, Ctx};
-use tessera_core::Result;
+use tessera::core::Result;
 
 /// Print the run manifest: version, git revision, rustc, CPU and its features, threads, cache.
 #[derive(clap::Args, Debug)]

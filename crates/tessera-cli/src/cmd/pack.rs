@@ -1,13 +1,13 @@
 //! `tessera pack`: pack documents into fixed-length rows, or verify a packed file (SPEC §8).
 //!
-//! A thin layer over `tessera_pack`: argument checks, input dispatch by extension (`.npy` means a
+//! A thin layer over `tessera::pack`: argument checks, input dispatch by extension (`.npy` means a
 //! tokens array with `--offsets`; anything else is read as JSON lines), and one result line on
 //! stdout (the statistics, as JSON with `--json`). The output file is written atomically.
 
 use crate::ctx::{print_json, Ctx};
 use std::path::{Path, PathBuf};
-use tessera_core::{Error, Result};
-use tessera_pack::{PackConfig, PackStats, Strategy, DEFAULT_BOS};
+use tessera::core::{Error, Result};
+use tessera::pack::{PackConfig, PackStats, Strategy, DEFAULT_BOS};
 
 /// Row assignment strategy.
 #[derive(clap::ValueEnum, Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -64,7 +64,7 @@ pub struct PackArgs {
 
 pub fn run(args: PackArgs, ctx: &Ctx) -> Result<()> {
     if let Some(path) = &args.verify {
-        let stats = tessera_pack::verify_packed_with(path, args.bos)?;
+        let stats = tessera::pack::verify_packed_with(path, args.bos)?;
         return report(ctx, &stats, || {
             format!(
                 "{}: ok, {} rows of {}: {} segments ({} tokens), padding {:.1}%",
@@ -112,7 +112,7 @@ pub fn run(args: PackArgs, ctx: &Ctx) -> Result<()> {
     };
     // Drawn only when stderr is a terminal.
     let mut bars = crate::progress::PackBars::default();
-    let mut progress = |p: tessera_pack::Progress<'_>| bars.report(p);
+    let mut progress = |p: tessera::pack::Progress<'_>| bars.report(p);
 
     let packed = if has_ext(input, "npy") {
         let offsets = args.offsets.as_deref().ok_or_else(|| {
@@ -122,7 +122,7 @@ pub fn run(args: PackArgs, ctx: &Ctx) -> Result<()> {
                 "nothing",
             )
         })?;
-        tessera_pack::pack_npy_with_progress(input, offsets, &cfg, &mut progress)?
+        tessera::pack::pack_npy_with_progress(input, offsets, &cfg, &mut progress)?
     } else {
         if let Some(off) = &args.offsets {
             return Err(Error::invalid(
@@ -131,11 +131,11 @@ pub fn run(args: PackArgs, ctx: &Ctx) -> Result<()> {
                 off.display(),
             ));
         }
-        tessera_pack::pack_jsonl_with_progress(input, &cfg, &mut progress)?
+        tessera::pack::pack_jsonl_with_progress(input, &cfg, &mut progress)?
     };
 
     if let Some(out) = &args.out {
-        tessera_pack::write_packed(out, &packed)?;
+        tessera::pack::write_packed(out, &packed)?;
     }
     report(ctx, &packed.stats, || packed.stats.summary())
 }

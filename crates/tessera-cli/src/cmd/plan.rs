@@ -3,8 +3,8 @@
 use crate::ctx::{print_json, Ctx};
 use crate::maskload::MaskArgs;
 use std::path::PathBuf;
-use tessera_core::{Error, Result, Tensor, TensorData};
-use tessera_plan::Plan;
+use tessera::core::{Error, Result, Tensor, TensorData};
+use tessera::plan::Plan;
 
 #[derive(clap::Args, Debug)]
 #[command(
@@ -58,7 +58,7 @@ pub struct PlanReport<'a> {
     /// True when the plan was loaded from the cache instead of built by this call.
     pub from_cache: bool,
     #[serde(flatten)]
-    pub stats: &'a tessera_plan::PlanStats,
+    pub stats: &'a tessera::plan::PlanStats,
 }
 
 impl<'a> PlanReport<'a> {
@@ -117,7 +117,7 @@ impl<'a> PlanReport<'a> {
 pub fn dump_states(plan: &Plan, path: &std::path::Path) -> Result<()> {
     let (shape, states) = plan.states();
     let t = Tensor::new(shape.to_vec(), TensorData::I8(states))?;
-    tessera_io::write_tensor(path, &t)
+    tessera::io::write_tensor(path, &t)
 }
 
 pub fn run(args: PlanArgs, ctx: &Ctx) -> Result<()> {
@@ -125,7 +125,7 @@ pub fn run(args: PlanArgs, ctx: &Ctx) -> Result<()> {
     if args.head_dim == 0 {
         return Err(Error::invalid("--head-dim", "a positive value", 0));
     }
-    let shape = tessera_plan::PlanShape::new(args.batch, args.heads, args.q_len, kv_len)?;
+    let shape = tessera::plan::PlanShape::new(args.batch, args.heads, args.q_len, kv_len)?;
     let lookup = ctx.lookup(&args.mask.mask()?, shape, args.mask.tile()?)?;
     let (plan, from_cache) = (lookup.plan, lookup.source.is_cached());
     if let Some(p) = &args.dump_states {
@@ -134,15 +134,15 @@ pub fn run(args: PlanArgs, ctx: &Ctx) -> Result<()> {
     for e in args.export.chunks(2) {
         let (kind, path) = match e {
             [k, p] => (
-                k.parse::<tessera_export::ExportKind>()?,
+                k.parse::<tessera::export::ExportKind>()?,
                 std::path::Path::new(p),
             ),
             _ => return Err(Error::invalid("--export", "KIND F.npz", e.join(" "))),
         };
-        tessera_export::export_npz(&plan, kind, path)?;
+        tessera::export::export_npz(&plan, kind, path)?;
     }
     if let Some(p) = &args.png {
-        tessera_viz::write_plan_png(&plan, 0, 0, &args.mask.mask, p)?;
+        tessera::viz::write_plan_png(&plan, 0, 0, &args.mask.mask, p)?;
     }
     let report = PlanReport::new(&plan, args.head_dim, from_cache);
     if ctx.json() {

@@ -8,7 +8,7 @@
 use crate::ctx::{print_json, Ctx};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
-use tessera_core::{Error, Result};
+use tessera::core::{Error, Result};
 
 /// Inspect attention telemetry written as JSON lines.
 #[derive(clap::Args, Debug)]
@@ -57,7 +57,7 @@ pub fn run(args: TelemetryArgs, ctx: &Ctx) -> Result<()> {
 }
 
 fn plot(input: &Path, out: &Path, layer: Option<u32>, ctx: &Ctx) -> Result<()> {
-    let records = tessera_telemetry::read_jsonl(input)?;
+    let records = tessera::telemetry::read_jsonl(input)?;
     if records.is_empty() {
         return Err(Error::format(
             input,
@@ -111,7 +111,7 @@ fn plot(input: &Path, out: &Path, layer: Option<u32>, ctx: &Ctx) -> Result<()> {
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_else(|| input.display().to_string());
-    tessera_viz::write_telemetry_png(&records, &format!("attention telemetry: {name}"), out)?;
+    tessera::viz::write_telemetry_png(&records, &format!("attention telemetry: {name}"), out)?;
     let report = PlotReport {
         out: out.display().to_string(),
         layer,

@@ -3,7 +3,7 @@
 
 use std::path::Path;
 use std::process::{Command, Output};
-use tessera_core::Tensor;
+use tessera::core::Tensor;
 
 /// Runs `tessera ARGS --no-cache` in `dir`.
 pub fn tessera(args: &[&str], dir: &Path) -> Output {
@@ -57,6 +57,6 @@ pub fn values(n: usize, seed: u64) -> Vec<f32> {
 /// Writes `t` to `dir/name` and returns the path as a string argument.
 pub fn save(dir: &Path, name: &str, t: &Tensor) -> String {
     let p = dir.join(name);
-    tessera_io::write_tensor(&p, t).unwrap();
+    tessera::io::write_tensor(&p, t).unwrap();
     p.to_string_lossy().into_owned()
 }
