@@ -25,4 +25,4 @@ mod parse;
 
 pub use data::{DenseMask, SegmentIds, Segments};
 pub use expr::{Dependence, Mask};
-pub use parse::{parse, NoData, Resolver};
+pub use parse::{parse, NoData, Resolver, MAX_DEPTH, MAX_LEN};

@@ -44,11 +44,27 @@ impl Resolver for NoData {
     }
 }
 
-/// Parses a mask expression, resolving data leaves through `resolver`.
+/// Deepest nesting of `(`, `!` and `heads(...)` the parser accepts: every algorithm over a mask
+/// tree (canonical form, planning, evaluation) recurses at most this deep (times a small factor).
+pub const MAX_DEPTH: usize = 256;
+
+/// Longest expression the parser accepts, in bytes.
+pub const MAX_LEN: usize = 1 << 20;
+
+/// Parses a mask expression, resolving data leaves through `resolver`. Input longer than
+/// [`MAX_LEN`] bytes or nested deeper than [`MAX_DEPTH`] is a parse error naming the limit.
 pub fn parse(text: &str, resolver: &dyn Resolver) -> Result<Mask> {
+    if text.len() > MAX_LEN {
+        return Err(Error::Parse {
+            column: MAX_LEN + 1,
+            expected: format!("an expression of at most {MAX_LEN} bytes"),
+            found: format!("{} bytes", text.len()),
+        });
+    }
     let mut p = Parser {
         chars: text.chars().collect(),
         pos: 0,
+        depth: 0,
         resolver,
     };
     p.skip_ws();
@@ -66,6 +82,8 @@ pub fn parse(text: &str, resolver: &dyn Resolver) -> Result<Mask> {
 struct Parser<'a> {
     chars: Vec<char>,
     pos: usize,
+    /// Current nesting of `(`, `!` and `heads(`, bounded by [`MAX_DEPTH`].
+    depth: usize,
     resolver: &'a dyn Resolver,
 }
 
@@ -144,9 +162,24 @@ impl Parser<'_> {
         })
     }
 
+    /// Runs `f` one nesting level deeper, refusing to go past [`MAX_DEPTH`].
+    fn nested<T>(&mut self, f: impl FnOnce(&mut Self) -> Result<T>) -> Result<T> {
+        if self.depth >= MAX_DEPTH {
+            return Err(self.error_at(
+                self.pos.saturating_sub(1),
+                &format!("at most {MAX_DEPTH} levels of nesting of '(', '!' and heads(...)"),
+                "deeper nesting".into(),
+            ));
+        }
+        self.depth += 1;
+        let r = f(self);
+        self.depth -= 1;
+        r
+    }
+
     fn unary(&mut self) -> Result<Mask> {
         if self.eat('!') {
-            return Ok(Mask::Not(Box::new(self.unary()?)));
+            return self.nested(|p| Ok(Mask::Not(Box::new(p.unary()?))));
         }
         self.primary()
     }
@@ -154,7 +187,7 @@ impl Parser<'_> {
     fn primary(&mut self) -> Result<Mask> {
         self.skip_ws();
         if self.eat('(') {
-            let m = self.expr()?;
+            let m = self.nested(|p| p.expr())?;
             self.expect(')')?;
             return Ok(m);
         }
@@ -220,10 +253,13 @@ impl Parser<'_> {
             }
             "heads" => {
                 self.expect('(')?;
-                let mut v = vec![self.expr()?];
-                while self.eat(',') {
-                    v.push(self.expr()?);
-                }
+                let v = self.nested(|p| {
+                    let mut v = vec![p.expr()?];
+                    while p.eat(',') {
+                        v.push(p.expr()?);
+                    }
+                    Ok(v)
+                })?;
                 self.expect(')')?;
                 Ok(Mask::Heads(v))
             }

@@ -165,3 +165,31 @@ fn document_semantics_padding_never_matches() {
     assert!(m.allowed(0, 0, 2, 3));
     assert!(!m.allowed(0, 0, 2, 0));
 }
+
+/// Hostile nesting is a parse error naming the limit and a column, never a stack overflow.
+#[test]
+fn deep_and_long_input_is_bounded() {
+    use tessera_mask::{MAX_DEPTH, MAX_LEN};
+    let deep = format!("{}causal{}", "(".repeat(60_000), ")".repeat(60_000));
+    let e = parse(&deep, &NoData).unwrap_err().to_string();
+    assert!(
+        e.contains(&format!("at most {MAX_DEPTH} levels")) && e.contains("column"),
+        "{e}"
+    );
+    let nots = format!("{}causal", "!".repeat(120_000));
+    let e = parse(&nots, &NoData).unwrap_err().to_string();
+    assert!(e.contains("levels of nesting"), "{e}");
+    let heads = format!("{}causal{}", "heads(".repeat(5_000), ")".repeat(5_000));
+    assert!(parse(&heads, &NoData).is_err());
+    // At the limit it still parses (and means the same as the flat form).
+    let ok = format!("{}causal{}", "(".repeat(MAX_DEPTH), ")".repeat(MAX_DEPTH));
+    assert_eq!(
+        parse(&ok, &NoData).unwrap(),
+        parse("causal", &NoData).unwrap()
+    );
+    let ok = format!("{}causal", "!".repeat(MAX_DEPTH));
+    assert!(parse(&ok, &NoData).is_ok());
+    let long = format!("causal{}", " ".repeat(MAX_LEN));
+    let e = parse(&long, &NoData).unwrap_err().to_string();
+    assert!(e.contains("bytes"), "{e}");
+}
