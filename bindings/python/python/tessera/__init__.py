@@ -269,7 +269,14 @@ def plan(
     then disk) unless ``cache=False``; planning releases the GIL."""
     if not isinstance(mask, Mask):
         raise TypeError(f"mask: expected a tessera.Mask, got {type(mask).__name__}")
-    return Plan(_tessera.plan(mask, q_len, kv_len, heads, batch, block, cache))
+    for name, value in (("q_len", q_len), ("kv_len", kv_len), ("heads", heads), ("batch", batch)):
+        if value is None and name != "q_len":
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
+        if value < 1:
+            raise ValueError(f"{name}: expected a positive int, got {value}")
+    return Plan(_tessera.plan(mask, int(q_len), kv_len, heads, batch, block, cache))
 
 
 def cache_stats() -> Dict[str, Any]:
