@@ -24,7 +24,6 @@ pub fn pack<'py>(
         seq_len,
         strategy,
         bos,
-        ..PackConfig::default()
     };
     let packed = py
         .detach(|| -> tessera::Result<_> {
