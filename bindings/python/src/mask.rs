@@ -105,13 +105,9 @@ pub fn causal(offset: i64) -> PyMask {
 
 #[pyfunction]
 #[pyo3(signature = (left, right=0))]
-pub fn window(left: i64, right: i64) -> PyResult<PyMask> {
-    if left < 0 || right < 0 {
-        return Err(PyValueError::new_err(format!(
-            "window: expected left, right >= 0, got ({left}, {right})"
-        )));
-    }
-    Ok(wrap(Mask::window(left, right)))
+pub fn window(left: i64, right: i64) -> PyMask {
+    // Negative sides are allowed, as in the text form and the Rust API (`i - L <= j <= i + R`).
+    wrap(Mask::window(left, right))
 }
 
 #[pyfunction]

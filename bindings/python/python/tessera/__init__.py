@@ -78,6 +78,16 @@ def _bool_array(name: str, values: Any) -> np.ndarray:
     return np.ascontiguousarray(a)
 
 
+def _int_arg(fn: str, name: str, value: Any, lo: int, hi: int = 2**62) -> int:
+    """An exact integer argument in ``[lo, hi)``: bools, floats and strings are refused."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{fn}: {name} must be an int, got {type(value).__name__} {value!r}")
+    v = int(value)
+    if not lo <= v < hi:
+        raise ValueError(f"{fn}: {name} must be in [{lo}, {hi}), got {v}")
+    return v
+
+
 def full() -> Mask:
     """Every pair allowed."""
     return _tessera.full()
@@ -85,22 +95,24 @@ def full() -> Mask:
 
 def causal(offset: int = 0) -> Mask:
     """``i + offset >= j`` (top-left aligned, as FlexAttention and Splash)."""
-    return _tessera.causal(int(offset))
+    return _tessera.causal(_int_arg("causal", "offset", offset, -(2**62)))
 
 
 def window(left: int, right: int = 0) -> Mask:
-    """``i - left <= j <= i + right``."""
-    return _tessera.window(int(left), int(right))
+    """``i - left <= j <= i + right`` (negative sides are allowed, as in the text form)."""
+    return _tessera.window(
+        _int_arg("window", "left", left, -(2**62)), _int_arg("window", "right", right, -(2**62))
+    )
 
 
 def chunk(size: int) -> Mask:
     """``i // size == j // size`` (combine with ``causal()`` for chunked-causal attention)."""
-    return _tessera.chunk(int(size))
+    return _tessera.chunk(_int_arg("chunk", "size", size, 1))
 
 
 def prefix(n: int) -> Mask:
     """``j < n``: a bidirectional prefix (prefix-LM is ``causal() | prefix(n)``)."""
-    return _tessera.prefix(int(n))
+    return _tessera.prefix(_int_arg("prefix", "n", n, 0))
 
 
 def document(ids: Any, kv_ids: Any = None) -> Mask:
@@ -168,7 +180,9 @@ class Plan:
         # The op passes the plan as a 0-d int64 tensor (a tensor, so compiled graphs are not
         # specialized on it); made now when torch is loaded, else on first use.
         torch = sys.modules.get("torch")
-        self._handle_tensor = torch.tensor(self._handle) if torch is not None else None
+        self._handle_tensor = None
+        if torch is not None:
+            self._handle_tensor = _handle_tensor(torch, self)
 
     # -- what the plan is --------------------------------------------------------------
     @property
@@ -245,6 +259,15 @@ def __getattr__(name: str) -> Any:
 
         return Telemetry
     raise AttributeError(f"module 'tessera' has no attribute {name!r}")
+
+
+def _handle_tensor(torch: Any, plan: "Plan") -> Any:
+    """The plan's 0-d int64 handle tensor. It holds the plan as an attribute, so an autograd graph
+    (which saves the handle) keeps the plan alive until its backward ran, even when the caller
+    dropped it (``attention(q, k, v, tessera.plan(...))``)."""
+    h = torch.tensor(plan._handle, dtype=torch.int64)
+    h._tessera_plan = plan
+    return h
 
 
 def _plan_of(handle: int) -> Plan:

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from . import Plan, _plan_of, _tessera
+from . import Plan, _handle_tensor, _plan_of, _tessera
 from ._telemetry import Telemetry
 
 __all__ = ["attention", "to_flex_block_mask", "Telemetry"]
@@ -50,7 +50,7 @@ def _np(t: Tensor) -> np.ndarray:
 def _handle(plan: Plan) -> Tensor:
     h = plan._handle_tensor
     if h is None:
-        h = torch.tensor(plan._handle, dtype=torch.int64)
+        h = _handle_tensor(torch, plan)
         plan._handle_tensor = h
     return h
 
@@ -248,6 +248,8 @@ def _check(q: Tensor, k: Tensor, v: Tensor, plan: Any, sinks: Optional[Tensor]) 
             )
         if t.dim() != 4:
             raise ValueError(f"{name}: expected a 4-D tensor [B, H, L, D], got shape {tuple(t.shape)}")
+        if 0 in t.shape:
+            raise ValueError(f"{name}: expected a non-empty tensor [B, H, L, D], got shape {tuple(t.shape)}")
         if t.dtype not in (torch.float32, torch.bfloat16):
             raise TypeError(f"{name}: expected dtype float32 or bfloat16, got {t.dtype}")
     if k.dtype != q.dtype or v.dtype != q.dtype:
