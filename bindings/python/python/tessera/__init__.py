@@ -314,6 +314,10 @@ def pack(
     """Packs tokenized documents into rows of ``seq_len`` (SPEC §8): every document starts with
     ``bos``; longer documents are split. Returns ``tokens``, ``segment_ids`` (-1 = padding) and
     ``positions`` (int32 ``[rows, seq_len]``) and ``stats``; the result is verified."""
+    seq_len = _int_arg("pack", "seq_len", seq_len, 2, 2**31)
+    bos = _int_arg("pack", "bos", bos, 0, 2**31)
+    if not isinstance(strategy, str):
+        raise TypeError(f"pack: strategy must be a str, got {type(strategy).__name__}")
     lists = []
     for i, d in enumerate(docs):
         if hasattr(d, "detach") and hasattr(d, "cpu"):
@@ -325,4 +329,4 @@ def pack(
     for i, d in enumerate(lists):
         if any(t < 0 or t > 2**31 - 1 for t in d):
             raise ValueError(f"docs[{i}]: token ids must be in 0..2**31-1")
-    return _tessera.pack(lists, int(seq_len), strategy, int(bos))
+    return _tessera.pack(lists, seq_len, strategy, bos)

@@ -30,8 +30,10 @@ class Telemetry:
         outlier_ratio: float = 6.0,
         streams: Sequence[str] = ("sink", "outlier"),
     ) -> None:
-        if int(every) < 0:
-            raise ValueError(f"every: expected an integer >= 0, got {every}")
+        from . import _int_arg
+
+        every = _int_arg("Telemetry", "every", every, 0)
+        sink_tokens = _int_arg("Telemetry", "sink_tokens", sink_tokens, 0)
         bad = [s for s in streams if s not in ("sink", "outlier")]
         if bad:
             raise ValueError(f"streams: unknown stream(s) {bad}; expected 'sink' and/or 'outlier'")
@@ -39,8 +41,6 @@ class Telemetry:
             raise ValueError(f"epsilon: expected a value in [0, 1], got {epsilon}")
         if not (float(outlier_ratio) >= 0.0 and float(outlier_ratio) != float("inf")):
             raise ValueError(f"outlier_ratio: expected a finite value >= 0, got {outlier_ratio}")
-        if int(sink_tokens) < 0:
-            raise ValueError(f"sink_tokens: expected an integer >= 0, got {sink_tokens}")
         self.every = int(every)
         self.step = 0
         self.config: Dict[str, Any] = {

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from typing import Any, Tuple
 
-from . import Plan
+from . import Plan, _int_arg
 
 __all__ = ["mask_info"]
 
@@ -54,6 +54,9 @@ def mask_info(
 
     if not isinstance(plan, Plan):
         raise TypeError(f"plan: expected a tessera.Plan, got {type(plan).__name__}")
+    head_shards = _int_arg("mask_info", "head_shards", head_shards, 1)
+    q_seq_shards = _int_arg("mask_info", "q_seq_shards", q_seq_shards, 1)
+    batch_row = _int_arg("mask_info", "batch_row", batch_row, 0)
     rows = plan._p._splash_arrays(
         head_shards, q_seq_shards, shrink_grid, shrink_grid_dkv, downcast_smem_data
     )

@@ -308,6 +308,10 @@ def attention(
     outlier counts for ``layer`` (see :class:`Telemetry`).
     """
     _check(q, k, v, plan, sinks)
+    if telemetry is not None:
+        from . import _int_arg
+
+        layer = _int_arg("attention", "layer", layer, 0, 2**32)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     scale = float(scale)

@@ -1,0 +1,359 @@
+"""Shared test helpers: an independent model of the mask semantics (SPEC §3) evaluated densely in
+numpy, the brute-force tile classification of SPEC §5, random segment ids and mask expressions,
+and the float64 dense attention reference of SPEC §4 in torch (GQA, softcap, sinks, fully masked
+rows).
+
+The mask model ``M`` builds the tessera ``Mask`` (typed API), the text expression of the same
+mask (CLI language, for ``tessera.mask``) and a numpy evaluator from one description, so every
+test compares the package against semantics written here from the spec, never against the
+package's own ``Mask.allowed``.
+
+Test modules import these helpers with ``from conftest import ...`` (the directory is put on
+``sys.path`` below so that this works under every pytest import mode).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import sys
+import tempfile
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+# The tests plan through the process-wide plan cache: point it at a fresh directory (set before
+# the first plan of the process) so that runs neither read nor fill the user's cache.
+_CACHE_DIR = tempfile.mkdtemp(prefix="tessera-test-cache-")
+os.environ["TESSERA_CACHE_DIR"] = _CACHE_DIR
+atexit.register(shutil.rmtree, _CACHE_DIR, True)
+
+import tessera  # noqa: E402
+
+# -- the mask model ---------------------------------------------------------------------------
+
+
+class M:
+    """A mask described three ways: ``t`` (tessera typed Mask), ``text`` (expression text or
+    None when the text form cannot name the data, e.g. two different id sets) and ``ev`` (numpy
+    evaluator ``(B, H, Lq, Lkv) -> bool [B, H, Lq, Lkv]``)."""
+
+    def __init__(self, t, text, ev, segs=None, dense=None, kv_segs=None):
+        self.t = t
+        self.text = text
+        self.ev = ev
+        # data for the text form: one segment-id set (q and kv) and named dense arrays
+        self.segs = segs
+        self.kv_segs = kv_segs
+        self.dense_table = dict(dense or {})
+
+    # operators mirror tessera's
+    def __and__(self, o):
+        return M._bin(self, o, "&", lambda a, b: a & b)
+
+    def __or__(self, o):
+        return M._bin(self, o, "|", lambda a, b: a | b)
+
+    def __invert__(self):
+        ev = self.ev
+        return M(~self.t, None if self.text is None else f"!({self.text})", lambda *s: ~ev(*s),
+                 self.segs, self.dense_table, self.kv_segs)
+
+    @staticmethod
+    def _bin(a, b, op, f):
+        t = (a.t & b.t) if op == "&" else (a.t | b.t)
+        segs, kv = _merge_segs(a, b)
+        text = None
+        if a.text is not None and b.text is not None and segs is not _CONFLICT:
+            text = f"({a.text}) {op} ({b.text})"
+        dense = dict(a.dense_table)
+        for k, v in b.dense_table.items():
+            if k in dense and dense[k] is not v:
+                text = None
+            dense[k] = v
+        ea, eb = a.ev, b.ev
+        return M(t, text, lambda *s: f(ea(*s), eb(*s)), None if segs is _CONFLICT else segs, dense,
+                 None if segs is _CONFLICT else kv)
+
+    def dense(self, b, h, lq, lkv):
+        return np.array(np.broadcast_to(self.ev(b, h, lq, lkv), (b, h, lq, lkv)), dtype=bool)
+
+    def parse(self):
+        """The text form parsed by ``tessera.mask`` (with the same data)."""
+        assert self.text is not None
+        kw = {}
+        if self.segs is not None:
+            if self.kv_segs is None:
+                kw["segments"] = self.segs
+            else:
+                kw["q_segments"] = self.segs
+                kw["kv_segments"] = self.kv_segs
+        if self.dense_table:
+            kw["dense"] = self.dense_table
+        return tessera.mask(self.text, **kw)
+
+    def __repr__(self):
+        return f"M({self.t})"
+
+
+_CONFLICT = object()
+
+
+def _merge_segs(a, b):
+    if a.segs is None:
+        return b.segs, b.kv_segs
+    if b.segs is None:
+        return a.segs, a.kv_segs
+    if a.segs is b.segs and a.kv_segs is b.kv_segs:
+        return a.segs, a.kv_segs
+    return _CONFLICT, None
+
+
+def _grid(lq, lkv):
+    return np.arange(lq)[:, None], np.arange(lkv)[None, :]
+
+
+def full():
+    return M(tessera.full(), "full", lambda b, h, lq, lkv: np.ones((1, 1, lq, lkv), dtype=bool))
+
+
+def causal(off=0):
+    def ev(b, h, lq, lkv):
+        i, j = _grid(lq, lkv)
+        return (i + off >= j)[None, None]
+
+    return M(tessera.causal(off), f"causal(offset={off})" if off else "causal", ev)
+
+
+def window(left, right=0):
+    def ev(b, h, lq, lkv):
+        i, j = _grid(lq, lkv)
+        return ((i - left <= j) & (j <= i + right))[None, None]
+
+    return M(tessera.window(left, right), f"window({left}, {right})", ev)
+
+
+def chunk(c):
+    def ev(b, h, lq, lkv):
+        i, j = _grid(lq, lkv)
+        return (i // c == j // c)[None, None]
+
+    return M(tessera.chunk(c), f"chunk({c})", ev)
+
+
+def prefix(n):
+    def ev(b, h, lq, lkv):
+        i, j = _grid(lq, lkv)
+        return np.broadcast_to(j < n, (lq, lkv))[None, None]
+
+    return M(tessera.prefix(n), f"prefix({n})", ev)
+
+
+def document(ids, kv_ids=None):
+    """Same id and both >= 0; ``ids`` ``[L]`` (every row) or ``[B, L]``."""
+    ids = np.asarray(ids, dtype=np.int64)
+    kv = None if kv_ids is None else np.asarray(kv_ids, dtype=np.int64)
+
+    def ev(b, h, lq, lkv):
+        sq = np.atleast_2d(ids)
+        sk = np.atleast_2d(ids if kv is None else kv)
+        assert sq.shape[1] == lq and sk.shape[1] == lkv
+        same = sq[:, :, None] == sk[:, None, :]
+        ok = (sq[:, :, None] >= 0) & (sk[:, None, :] >= 0)
+        return (same & ok)[:, None]
+
+    return M(tessera.document(ids, kv), "document", ev, segs=ids, kv_segs=kv)
+
+
+_dense_names = iter(f"d{i}" for i in range(10**9))
+
+
+def dense(arr):
+    arr = np.asarray(arr, dtype=bool)
+    name = next(_dense_names)
+
+    def ev(b, h, lq, lkv):
+        a = arr
+        while a.ndim < 4:
+            a = a[None]
+        return a
+
+    return M(tessera.dense(arr), f"dense({name})", ev, dense={name: arr})
+
+
+def heads(ms):
+    ms = list(ms)
+
+    def ev(b, h, lq, lkv):
+        assert h == len(ms), "heads(...) needs H == number of expressions"
+        out = np.zeros((b, h, lq, lkv), dtype=bool)
+        for hh, m in enumerate(ms):
+            out[:, hh] = np.broadcast_to(m.ev(b, h, lq, lkv), (b, h, lq, lkv))[:, hh]
+        return out
+
+    segs, kv, dense_t, text = None, None, {}, True
+    for m in ms:
+        if m.segs is not None:
+            if segs is not None and (segs is not m.segs or kv is not m.kv_segs):
+                text = False
+            segs, kv = m.segs, m.kv_segs
+        dense_t.update(m.dense_table)
+        if m.text is None:
+            text = False
+    txt = ("heads(" + ", ".join(m.text for m in ms) + ")") if text else None
+    return M(tessera.heads([m.t for m in ms]), txt, ev, segs, dense_t, kv)
+
+
+# -- data ---------------------------------------------------------------------------------------
+
+
+def packed_ids(rng, rows, length, max_doc, pad_tail=True, pad_inside=False):
+    """Segment ids ``[rows, length]``: consecutive documents of random lengths (1..max_doc),
+    ``-1`` padding at the tail (random amount) and optionally padding runs between documents."""
+    out = np.full((rows, length), -1, dtype=np.int64)
+    for b in range(rows):
+        end = length - (int(rng.integers(0, max(1, length // 4))) if pad_tail else 0)
+        i, d = 0, 0
+        while i < end:
+            n = int(min(rng.integers(1, max_doc + 1), end - i))
+            if pad_inside and rng.random() < 0.25:
+                i += n  # a padding run
+                continue
+            out[b, i : i + n] = d
+            i, d = i + n, d + 1
+    return out
+
+
+def brute_states(allowed, tq, tk):
+    """Tile states of a dense ``[..., Lq, Lkv]`` mask: 0 empty, 1 partial, 2 full (ragged edge
+    tiles judged over their in-range pairs only)."""
+    *lead, lq, lkv = allowed.shape
+    nq, nk = -(-lq // tq), -(-lkv // tk)
+    out = np.zeros(tuple(lead) + (nq, nk), dtype=np.uint8)
+    for a in range(nq):
+        for c in range(nk):
+            t = allowed[..., a * tq : (a + 1) * tq, c * tk : (c + 1) * tk]
+            anyv, allv = t.any(axis=(-1, -2)), t.all(axis=(-1, -2))
+            out[..., a, c] = np.where(allv, 2, np.where(anyv, 1, 0))
+    return out
+
+
+def random_mask(rng, lq, lkv, b, h, depth=2):
+    """A random mask expression over every leaf kind (data sized for ``b`` rows, ``h`` heads)."""
+    ids = packed_ids(rng, b, max(lq, lkv), max(2, max(lq, lkv) // 3), pad_inside=True)
+
+    def leaf():
+        k = int(rng.integers(0, 8))
+        if k == 0:
+            return causal(int(rng.integers(-lkv // 2, lkv // 2 + 1)))
+        if k == 1:
+            if rng.random() < 0.25:  # negative sides: a band strictly ahead of or behind i
+                return window(int(rng.integers(-20, 20)), int(rng.integers(-20, 20)))
+            return window(int(rng.integers(0, max(lq, lkv))), int(rng.integers(0, 20)))
+        if k == 2:
+            return chunk(int(rng.integers(1, max(lq, lkv) + 1)))
+        if k == 3:
+            return prefix(int(rng.integers(0, lkv + 1)))
+        if k == 4:
+            if lq == lkv:
+                return document(ids[:, :lq])
+            return document(ids[:, :lq], ids[:, :lkv])
+        if k == 5:
+            shape = [(lq, lkv), (h, lq, lkv), (b, h, lq, lkv)][int(rng.integers(0, 3))]
+            return dense(rng.random(shape) < rng.uniform(0.05, 0.95))
+        if k == 6:
+            return full()
+        return causal()
+
+    def expr(d):
+        if d == 0 or rng.random() < 0.3:
+            return leaf()
+        op = int(rng.integers(0, 4))
+        if op == 0:
+            return expr(d - 1) & expr(d - 1)
+        if op == 1:
+            return expr(d - 1) | expr(d - 1)
+        if op == 2:
+            return ~expr(d - 1)
+        return heads([expr(d - 1) for _ in range(h)])
+
+    return expr(depth)
+
+
+# -- float64 attention reference ----------------------------------------------------------------
+
+
+def ref_attention(q, k, v, allowed, scale=None, softcap=None, sinks=None):
+    """O ``[B, Hq, Lq, Dv]`` and LSE ``[B, Hq, Lq]`` in float64 (autograd-able), SPEC §4.
+
+    ``allowed``: bool ``[B or 1, H or 1, Lq, Lkv]`` (numpy or torch). GQA by
+    ``repeat_interleave`` of the kv heads (query head h reads kv head h // (Hq / Hkv)). Softcap
+    ``c·tanh(s/c)``; sink logits join the denominator only. Rows with nothing allowed give
+    O = 0 and LSE = -inf (or the sink logit), without NaN in values or gradients."""
+    import torch
+
+    q, k, v = q.double(), k.double(), v.double()
+    hq, hkv = q.shape[1], k.shape[1]
+    k = k.repeat_interleave(hq // hkv, dim=1)
+    v = v.repeat_interleave(hq // hkv, dim=1)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    s = (q @ k.transpose(-1, -2)) * scale
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    allowed = torch.as_tensor(np.array(allowed, dtype=bool))
+    s = s.masked_fill(~allowed, float("-inf"))
+    if sinks is not None:
+        col = sinks.double()[None, :, None, None].expand(s.shape[0], hq, s.shape[2], 1)
+        lse = torch.logsumexp(torch.cat([s, col], -1), -1)
+    else:
+        lse = torch.logsumexp(s, -1)
+    lse_safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    p = torch.exp(s - lse_safe[..., None])
+    return p @ v, lse
+
+
+def ref_probs(q, k, allowed, scale=None, softcap=None, sinks=None):
+    """Dense float64 probabilities ``P [B, Hq, Lq, Lkv]``, the learned-sink probability
+    ``[B, Hq, Lq]`` (zeros without sinks), the raw (pre-softcap) scaled logits and LSE."""
+    import torch
+
+    q, k = q.double(), k.double()
+    hq, hkv = q.shape[1], k.shape[1]
+    k = k.repeat_interleave(hq // hkv, dim=1)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    raw = (q @ k.transpose(-1, -2)) * scale
+    s = raw if softcap is None else softcap * torch.tanh(raw / softcap)
+    allowed = torch.as_tensor(np.array(allowed, dtype=bool)).expand_as(s)
+    s = s.masked_fill(~allowed, float("-inf"))
+    if sinks is not None:
+        col = sinks.double()[None, :, None, None].expand(s.shape[0], hq, s.shape[2], 1)
+        lse = torch.logsumexp(torch.cat([s, col], -1), -1)
+    else:
+        lse = torch.logsumexp(s, -1)
+    lse_safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    p = torch.exp(s - lse_safe[..., None])
+    if sinks is not None:
+        p_sink = torch.exp(sinks.double()[None, :, None] - lse_safe)
+    else:
+        p_sink = torch.zeros_like(lse)
+    return p, p_sink, raw.masked_fill(~allowed, float("-inf")), lse
+
+
+def rel(x, ref):
+    """‖x − ref‖ / ‖ref‖ in float64."""
+    x, ref = x.double(), ref.double()
+    n = ref.norm().item()
+    if n == 0.0:
+        return (x - ref).norm().item()
+    return ((x - ref).norm() / n).item()
+
+
+@pytest.fixture
+def rng(request):
+    """A numpy Generator seeded from the test's name (fresh, reproducible inputs per test)."""
+    import zlib
+
+    return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
