@@ -9,6 +9,8 @@
 //! one reused `CpuWorkspace`, on the current rayon pool (`Par::Current`).
 //!
 //! Run one: `cargo bench -p tessera-attn --bench attention -- 'forward/f32/causal$'`.
+// criterion_group! defines an undocumented public function.
+#![allow(missing_docs)]
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use std::sync::Arc;

@@ -23,6 +23,8 @@
 //! Run: `cargo bench -p tessera-attn --bench telemetry` (only the paired runs:
 //! `cargo bench -p tessera-attn --bench telemetry -- paired`; one dtype: `-- paired-f32` or
 //! `-- paired-bf16`).
+// criterion_group! defines an undocumented public function.
+#![allow(missing_docs)]
 
 use criterion::{criterion_group, Criterion};
 use half::bf16;

@@ -25,8 +25,9 @@ use tessera_telemetry::{
 pub struct TelemetryInput<'a> {
     /// Sink-key flags `[B, Lkv]`, row-major (see `tessera_telemetry::sink_key_flags`).
     pub sink_flags: &'a [bool],
-    /// Step and layer the summary is for.
+    /// Step the summary is for.
     pub step: u64,
+    /// Layer the summary is for.
     pub layer: u32,
     /// Sink stream: the telemetry kernel variant fills sink mass, learned-sink mass, entropy and
     /// valid rows. Outlier stream: a read-only pass over O. `max_logit` is always filled (the

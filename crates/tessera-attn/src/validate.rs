@@ -14,12 +14,19 @@ use tessera_plan::{Plan, FULL_TILE};
 /// Problem dimensions of a validated attention call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Dims {
+    /// Batch size `B`.
     pub batch: usize,
+    /// Query heads `Hq`.
     pub heads_q: usize,
+    /// Key/value heads `Hkv` (divides `Hq`).
     pub heads_kv: usize,
+    /// Query length `Lq`.
     pub q_len: usize,
+    /// Key/value length `Lkv`.
     pub kv_len: usize,
+    /// Query/key head dimension `Dqk`.
     pub d_qk: usize,
+    /// Value head dimension `Dv`.
     pub d_v: usize,
     /// Storage dtype of q, k, v (and o, dO, and every storage-dtype output).
     pub dtype: DType,

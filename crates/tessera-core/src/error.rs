@@ -10,32 +10,45 @@ use std::path::PathBuf;
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 #[derive(Debug, thiserror::Error)]
+/// Every failure Tessera reports (`Display` is the one-line message the CLI prints).
 pub enum Error {
     /// A mask expression could not be parsed.
     #[error("mask expression, column {column}: expected {expected}, found {found}")]
     Parse {
         /// 1-based column of the offending character.
         column: usize,
+        /// What was expected at that column.
         expected: String,
+        /// What was found there instead.
         found: String,
     },
     /// An argument has the wrong value, shape, dtype or length.
     #[error("{arg}: expected {expected}, found {found}")]
     InvalidArgument {
+        /// The argument at fault (its CLI / API name).
         arg: String,
+        /// What a valid value looks like.
         expected: String,
+        /// What was given.
         found: String,
     },
     /// A file could not be read or written.
     #[error("{}: {source}", path.display())]
     Io {
+        /// The file.
         path: PathBuf,
         #[source]
+        /// The operating-system error.
         source: std::io::Error,
     },
     /// A file was read but its content is malformed.
     #[error("{}: {msg}", path.display())]
-    Format { path: PathBuf, msg: String },
+    Format {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong with its content.
+        msg: String,
+    },
     /// A requested capability is not available on this machine or build.
     #[error("{0}")]
     Unsupported(String),

@@ -23,20 +23,30 @@ static COUNTERS: Mutex<BTreeMap<String, u64>> = Mutex::new(BTreeMap::new());
 /// Calls and total wall time of one kernel variant.
 #[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct KernelStat {
+    /// Number of calls.
     pub calls: u64,
+    /// Total wall time of those calls in milliseconds.
     pub total_ms: f64,
 }
 
 /// A point-in-time copy of every counter.
 #[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct MetricsReport {
+    /// Plans built by the planner (cache misses that built).
     pub plans_built: u64,
+    /// Total planner time in milliseconds.
     pub plan_build_ms: f64,
+    /// Plan-cache lookups answered from memory.
     pub memory_hits: u64,
+    /// Plan-cache lookups answered from a valid disk entry.
     pub disk_hits: u64,
+    /// Plan-cache lookups that found no valid copy (rejected entries included).
     pub misses: u64,
+    /// Disk entries rejected (corrupt, wrong version or contract, unreadable).
     pub rejects: u64,
+    /// Bytes read from the disk cache.
     pub bytes_read: u64,
+    /// Bytes written to the disk cache.
     pub bytes_written: u64,
     /// Kernel calls by variant name (for example `cpu.forward.f32.avx512`).
     pub kernels: BTreeMap<String, KernelStat>,
@@ -50,26 +60,32 @@ pub fn record_plan_built(elapsed: Duration) {
     PLAN_BUILD_NS.fetch_add(elapsed.as_nanos() as u64, Relaxed);
 }
 
+/// Counts one plan-cache memory hit.
 pub fn record_memory_hit() {
     MEMORY_HITS.fetch_add(1, Relaxed);
 }
 
+/// Counts one plan-cache disk hit.
 pub fn record_disk_hit() {
     DISK_HITS.fetch_add(1, Relaxed);
 }
 
+/// Counts one plan-cache miss.
 pub fn record_miss() {
     MISSES.fetch_add(1, Relaxed);
 }
 
+/// Counts one rejected disk entry.
 pub fn record_reject() {
     REJECTS.fetch_add(1, Relaxed);
 }
 
+/// Adds `n` bytes read from the disk cache.
 pub fn record_bytes_read(n: u64) {
     BYTES_READ.fetch_add(n, Relaxed);
 }
 
+/// Adds `n` bytes written to the disk cache.
 pub fn record_bytes_written(n: u64) {
     BYTES_WRITTEN.fetch_add(n, Relaxed);
 }

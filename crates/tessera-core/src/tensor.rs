@@ -9,13 +9,21 @@ use half::{bf16, f16};
 /// Storage element type.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub enum DType {
+    /// 32-bit IEEE float.
     F32,
+    /// bfloat16 (8-bit exponent, 7-bit mantissa).
     BF16,
+    /// 16-bit IEEE float.
     F16,
+    /// Signed 8-bit integer.
     I8,
+    /// Unsigned 8-bit integer.
     U8,
+    /// Boolean (one byte).
     Bool,
+    /// Signed 32-bit integer.
     I32,
+    /// Signed 64-bit integer.
     I64,
 }
 
@@ -77,17 +85,26 @@ impl std::str::FromStr for DType {
 /// Owned element storage.
 #[derive(Debug, Clone, PartialEq)]
 pub enum TensorData {
+    /// f32 elements.
     F32(Vec<f32>),
+    /// bf16 elements.
     BF16(Vec<bf16>),
+    /// f16 elements.
     F16(Vec<f16>),
+    /// i8 elements.
     I8(Vec<i8>),
+    /// u8 elements.
     U8(Vec<u8>),
+    /// bool elements.
     Bool(Vec<bool>),
+    /// i32 elements.
     I32(Vec<i32>),
+    /// i64 elements.
     I64(Vec<i64>),
 }
 
 impl TensorData {
+    /// The element type.
     pub fn dtype(&self) -> DType {
         match self {
             TensorData::F32(_) => DType::F32,
@@ -101,6 +118,7 @@ impl TensorData {
         }
     }
 
+    /// Number of elements.
     pub fn len(&self) -> usize {
         match self {
             TensorData::F32(v) => v.len(),
@@ -114,6 +132,7 @@ impl TensorData {
         }
     }
 
+    /// Whether there is no element.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
@@ -140,30 +159,37 @@ impl Tensor {
         Ok(Tensor { shape, data })
     }
 
+    /// An f32 tensor (element count checked against the shape).
     pub fn from_f32(shape: Vec<usize>, data: Vec<f32>) -> Result<Self> {
         Self::new(shape, TensorData::F32(data))
     }
 
+    /// A bf16 tensor (element count checked against the shape).
     pub fn from_bf16(shape: Vec<usize>, data: Vec<bf16>) -> Result<Self> {
         Self::new(shape, TensorData::BF16(data))
     }
 
+    /// The shape, outermost dimension first.
     pub fn shape(&self) -> &[usize] {
         &self.shape
     }
 
+    /// The elements, row-major.
     pub fn data(&self) -> &TensorData {
         &self.data
     }
 
+    /// The elements, consuming the tensor.
     pub fn into_data(self) -> TensorData {
         self.data
     }
 
+    /// The element type.
     pub fn dtype(&self) -> DType {
         self.data.dtype()
     }
 
+    /// Number of elements.
     pub fn numel(&self) -> usize {
         self.data.len()
     }
@@ -200,13 +226,21 @@ impl Tensor {
 /// Borrowed element storage.
 #[derive(Debug, Clone, Copy)]
 pub enum ViewData<'a> {
+    /// f32 elements.
     F32(&'a [f32]),
+    /// bf16 elements.
     BF16(&'a [bf16]),
+    /// f16 elements.
     F16(&'a [f16]),
+    /// i8 elements.
     I8(&'a [i8]),
+    /// u8 elements.
     U8(&'a [u8]),
+    /// bool elements.
     Bool(&'a [bool]),
+    /// i32 elements.
     I32(&'a [i32]),
+    /// i64 elements.
     I64(&'a [i64]),
 }
 
@@ -214,7 +248,9 @@ pub enum ViewData<'a> {
 /// here; [`TensorView::new`] checks it.
 #[derive(Debug, Clone, Copy)]
 pub struct TensorView<'a> {
+    /// The shape, outermost dimension first (row-major, contiguous).
     pub shape: &'a [usize],
+    /// The borrowed elements.
     pub data: ViewData<'a>,
 }
 
@@ -233,6 +269,7 @@ impl<'a> TensorView<'a> {
         Ok(v)
     }
 
+    /// Number of elements.
     pub fn len(&self) -> usize {
         match self.data {
             ViewData::F32(v) => v.len(),
@@ -246,10 +283,12 @@ impl<'a> TensorView<'a> {
         }
     }
 
+    /// Whether there is no element.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
 
+    /// The element type.
     pub fn dtype(&self) -> DType {
         match self.data {
             ViewData::F32(_) => DType::F32,

@@ -57,6 +57,7 @@ impl Isa {
         }
     }
 
+    /// Short lowercase name (`avx512-bf16`, `avx512`, `avx2`, `portable`).
     pub fn name(self) -> &'static str {
         match self {
             Isa::Avx512Bf16 => "avx512-bf16",

@@ -96,6 +96,7 @@ impl CpuBackend {
         Ok(CpuBackend { isa })
     }
 
+    /// The kernel copy this backend runs.
     pub fn isa(&self) -> Isa {
         self.isa
     }
