@@ -1,0 +1,136 @@
+"""Type stubs of the native module ``tessera._tessera`` (PyO3). Users call the pure-Python layer
+(``tessera``, ``tessera.torch``, ``tessera.jax``); these signatures are what it calls."""
+
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+import numpy.typing as npt
+
+__version__: str
+TELEMETRY_COLUMNS: int
+isa: str
+
+class Mask:
+    """An attention mask expression (the algebra of SPEC §3)."""
+
+    def __and__(self, other: Mask) -> Mask: ...
+    def __or__(self, other: Mask) -> Mask: ...
+    def __invert__(self) -> Mask: ...
+    def __eq__(self, other: object) -> bool: ...
+    def __hash__(self) -> int: ...
+    def allowed(self, i: int, j: int, b: int = 0, h: int = 0) -> bool: ...
+
+class Plan:
+    """A native plan; wrapped by :class:`tessera.Plan`."""
+
+    @property
+    def shape(self) -> Tuple[int, int, int, int]: ...
+    @property
+    def block(self) -> Tuple[int, int]: ...
+    @property
+    def groups(self) -> Tuple[int, int]: ...
+    @property
+    def mask(self) -> Mask: ...
+    @property
+    def source(self) -> str: ...
+    @property
+    def contract(self) -> str: ...
+    @property
+    def stats(self) -> Dict[str, Any]: ...
+    def states(self) -> npt.NDArray[np.uint8]: ...
+    def flops(self, d_qk: int, d_v: Optional[int] = None, backward: bool = False) -> float: ...
+    def save_png(self, path: str, batch: int = 0, head: int = 0, title: Optional[str] = None) -> None: ...
+    def _flex_arrays(self, packed: bool = False) -> Dict[str, Any]: ...
+    def _splash_arrays(
+        self,
+        head_shards: int = 1,
+        q_seq_shards: int = 1,
+        shrink_grid: bool = True,
+        shrink_grid_dkv: bool = True,
+        downcast_smem_data: bool = True,
+    ) -> List[Tuple[Dict[str, Any], Dict[str, Any]]]: ...
+
+def full() -> Mask: ...
+def causal(offset: int = 0) -> Mask: ...
+def window(left: int, right: int = 0) -> Mask: ...
+def chunk(size: int) -> Mask: ...
+def prefix(n: int) -> Mask: ...
+def document(ids: npt.NDArray[np.int64], kv_ids: Optional[npt.NDArray[np.int64]] = None) -> Mask: ...
+def dense(values: npt.NDArray[np.bool_]) -> Mask: ...
+def heads(masks: Sequence[Mask]) -> Mask: ...
+def mask(
+    expr: str,
+    segments: Optional[npt.NDArray[np.int64]] = None,
+    q_segments: Optional[npt.NDArray[np.int64]] = None,
+    kv_segments: Optional[npt.NDArray[np.int64]] = None,
+    dense: Optional[Dict[str, npt.NDArray[np.bool_]]] = None,
+) -> Mask: ...
+def plan(
+    mask: Mask,
+    q_len: int,
+    kv_len: Optional[int] = None,
+    heads: Optional[int] = None,
+    batch: Optional[int] = None,
+    block: Union[int, Tuple[int, int], None] = None,
+    cache: bool = True,
+) -> Plan: ...
+def cache_stats() -> Dict[str, Any]: ...
+def pack(docs: List[List[int]], seq_len: int, strategy: str = "best-fit", bos: int = 256) -> Dict[str, Any]: ...
+def attention_forward(
+    plan: Plan,
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    o: np.ndarray,
+    lse: np.ndarray,
+    max_logit: np.ndarray,
+    scale: Optional[float] = None,
+    softcap: Optional[float] = None,
+    sinks: Optional[Sequence[float]] = None,
+) -> None: ...
+def attention_backward(
+    plan: Plan,
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    o: np.ndarray,
+    lse: np.ndarray,
+    d_o: np.ndarray,
+    dq: np.ndarray,
+    dk: np.ndarray,
+    dv: np.ndarray,
+    d_lse: Optional[np.ndarray] = None,
+    dsinks: Optional[np.ndarray] = None,
+    scale: Optional[float] = None,
+    softcap: Optional[float] = None,
+    sinks: Optional[Sequence[float]] = None,
+) -> None: ...
+def attention_forward_logged(
+    plan: Plan,
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    o: np.ndarray,
+    lse: np.ndarray,
+    max_logit: np.ndarray,
+    stats: np.ndarray,
+    scale: Optional[float] = None,
+    softcap: Optional[float] = None,
+    sinks: Optional[Sequence[float]] = None,
+    sink_tokens: int = 1,
+    outlier_ratio: float = 6.0,
+    sink_stream: bool = True,
+    outlier_stream: bool = True,
+) -> None: ...
+def telemetry_records(
+    stats: npt.NDArray[np.float64],
+    steps: List[int],
+    layers: List[int],
+    learned_sinks: List[bool],
+    every: int,
+    sink_tokens: int = 1,
+    epsilon: float = 0.3,
+    outlier_ratio: float = 6.0,
+    sink_stream: bool = True,
+    outlier_stream: bool = True,
+) -> List[str]: ...
