@@ -30,7 +30,7 @@ pub(crate) fn update_max<S: Simd>(
         alpha[i] = if m_old == u {
             1.0
         } else {
-            simd::exp::<S>(m_old - u)
+            simd::exp_le88::<S>(m_old - u)
         };
         m[i] = m_new;
     }

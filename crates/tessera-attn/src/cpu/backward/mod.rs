@@ -731,8 +731,8 @@ fn dkv_item<S: Simd>(cx: &BwdCtx<'_>, ws: &mut BwdWs, it: DkvItem<'_>) {
         dk,
         dv: dva,
     } = ws;
-    load_transposed(cx.k, cx.k.row(b, gh, k0), nk, dqk, cx.scale, tmp, kst, tk);
-    load_transposed(cx.v, cx.v.row(b, gh, k0), nk, dv, 1.0, tmp, vt, tk);
+    load_transposed::<S>(cx.k, cx.k.row(b, gh, k0), nk, dqk, cx.scale, tmp, kst, tk);
+    load_transposed::<S>(cx.v, cx.v.row(b, gh, k0), nk, dv, 1.0, tmp, vt, tk);
     let (ka, ldk) = rows(cx.k, cx.k.row(b, gh, k0), nk, mk, dqk, kbuf);
     dk[..mk * dqkp].fill(0.0);
     dva[..mk * dvp].fill(0.0);

@@ -472,8 +472,8 @@ mod imp {
                     .enumerate();
                 for (k, (((pv, c), (&x0, &x1)), &u)) in lanes {
                     let live_i = a + k < bb;
-                    let p0 = simd::exp::<Avx512>(Avx512::madd(x0, sc, -u));
-                    let p1 = simd::exp::<Avx512>(Avx512::madd(x1, sc, -u));
+                    let p0 = simd::exp_le88::<Avx512>(Avx512::madd(x0, sc, -u));
+                    let p1 = simd::exp_le88::<Avx512>(Avx512::madd(x1, sc, -u));
                     let p0 = if live_i { p0 } else { 0.0 };
                     let p1 = if live_i && has1 { p1 } else { 0.0 };
                     *c += p0 + p1;
@@ -568,13 +568,13 @@ mod imp {
         if let Some(acc) = obs.entropy_terms(a, bb) {
             for ((x, &u), e) in live.iter_mut().zip(mu).zip(acc.iter_mut()) {
                 let d = Avx512::madd(*x, sc, -u);
-                let p = simd::exp::<Avx512>(d);
+                let p = simd::exp_le88::<Avx512>(d);
                 *x = p;
                 *e += p * if d > -88.0 { d } else { -88.0 };
             }
         } else {
             for (x, &u) in live.iter_mut().zip(mu) {
-                *x = simd::exp::<Avx512>(Avx512::madd(*x, sc, -u));
+                *x = simd::exp_le88::<Avx512>(Avx512::madd(*x, sc, -u));
             }
         }
         row[bb..].fill(0.0);

@@ -318,7 +318,7 @@ pub(super) fn item_with<S: Simd, T: TileObserver>(
         tmp,
     } = ws;
     let q_off = cx.q.row(b, h, q0);
-    load_transposed(cx.q, q_off, nq, dqk, cx.scale, tmp, qt, tq);
+    load_transposed::<S>(cx.q, q_off, nq, dqk, cx.scale, tmp, qt, tq);
     o[..mq * dvp].fill(0.0);
     m[..nq].fill(NEG_INF);
     l[..nq].fill(0.0);
@@ -408,7 +408,7 @@ pub(super) fn item_with<S: Simd, T: TileObserver>(
                     .zip(col[a..b].iter_mut());
                 for (((x, &u), c), e) in lanes.zip(acc.iter_mut()) {
                     let d = *x - u;
-                    let p = simd::exp::<S>(d);
+                    let p = simd::exp_le88::<S>(d);
                     *x = p;
                     *c += p;
                     *e += p * if d > -88.0 { d } else { -88.0 };
@@ -419,7 +419,7 @@ pub(super) fn item_with<S: Simd, T: TileObserver>(
                     .zip(&mu[a..b])
                     .zip(col[a..b].iter_mut())
                 {
-                    let p = simd::exp::<S>(*x - u);
+                    let p = simd::exp_le88::<S>(*x - u);
                     *x = p;
                     *c += p;
                 }
