@@ -489,7 +489,13 @@ def test_telemetry_jsonl_is_readable_by_the_cli(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    # two layers in the file and no --layer: a clear usage error (exit 2), not a crash
-    r = subprocess.run([CLI, "telemetry", "plot", "--in", str(path), "--out", str(tmp_path / "x.png")],
+    # two layers in the file and no --layer: the overview of both layers in one picture
+    r = subprocess.run([CLI, "telemetry", "plot", "--in", str(path), "--out", str(tmp_path / "x.png"), "--json"],
                        capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and "layer" in r.stderr
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["layers"] == [0, 1]
+    assert (tmp_path / "x.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # a layer the file does not hold: a clear usage error (exit 2), not a crash
+    r = subprocess.run([CLI, "telemetry", "plot", "--in", str(path), "--out", str(tmp_path / "y.png"), "--layer", "5"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--layer" in r.stderr

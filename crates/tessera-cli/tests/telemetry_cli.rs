@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{ok, save, tessera, values};
+use common::{bad, ok, save, tessera, values};
 use tessera::core::{Tensor, TensorData};
 use tessera::mask::{Mask, SegmentIds, Segments};
 use tessera::telemetry::{read_jsonl, reference_summary, sink_key_flags, ReferenceInput};
@@ -201,4 +201,117 @@ fn demo_logs_every_other_step_and_plots_them() {
     let png = d.path().join("tessera-demo/telemetry.png");
     let bytes = std::fs::read(png).unwrap();
     assert!(bytes.starts_with(b"\x89PNG"));
+}
+
+#[test]
+fn plot_draws_one_layer_or_every_layer() {
+    let d = tempfile::tempdir().unwrap();
+    let p = d.path();
+    // Three layers of two heads over four steps; layer 2 misses step 3, and (step 1, layer 0)
+    // is written twice (a resumed run appending again).
+    let mut lines = Vec::new();
+    for step in 0..4u64 {
+        for layer in 0..3u32 {
+            if layer == 2 && step == 3 {
+                continue;
+            }
+            let m = 0.1 * (step as f64 + 1.0) + 0.01 * layer as f64;
+            lines.push(serde_json::json!({
+                "step": step, "layer": layer, "sink_mass": [m, m / 2.0], "sink_rate": 0.0,
+                "learned_sink_mass": null, "max_logit": [1.0 + step as f64, 2.0], "entropy": null,
+                "valid_rows": null, "out_abs_max": null, "out_rms": null, "out_outliers": null,
+            }));
+        }
+    }
+    lines.push(lines[3].clone());
+    let text: String = lines.iter().map(|l| format!("{l}\n")).collect();
+    std::fs::write(p.join("t.jsonl"), text).unwrap();
+    let png = |name: &str| std::fs::read(p.join(name)).unwrap();
+
+    // Several layers and no --layer: the overview of all of them.
+    let out = ok(
+        &[
+            "telemetry",
+            "plot",
+            "--in",
+            "t.jsonl",
+            "--out",
+            "all.png",
+            "--json",
+        ],
+        p,
+    );
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["layers"], serde_json::json!([0, 1, 2]));
+    assert_eq!(
+        (v["steps"].as_u64(), v["heads"].as_u64()),
+        (Some(4), Some(2))
+    );
+    assert_eq!(v["duplicate_steps"], 1);
+    assert!(png("all.png").starts_with(b"\x89PNG"));
+    // --layer all is the same picture; --layer N one layer's picture.
+    ok(
+        &[
+            "telemetry",
+            "plot",
+            "--in",
+            "t.jsonl",
+            "--out",
+            "all2.png",
+            "--layer",
+            "all",
+        ],
+        p,
+    );
+    assert_eq!(png("all.png"), png("all2.png"));
+    let out = ok(
+        &[
+            "telemetry",
+            "plot",
+            "--in",
+            "t.jsonl",
+            "--out",
+            "l2.png",
+            "--layer",
+            "2",
+            "--json",
+        ],
+        p,
+    );
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(
+        (v["layers"].clone(), v["steps"].as_u64()),
+        (serde_json::json!([2]), Some(3))
+    );
+    assert_ne!(png("l2.png"), png("all.png"));
+    // A layer that is not in the file, or not a layer, is bad input naming --layer.
+    bad(
+        &[
+            "telemetry",
+            "plot",
+            "--in",
+            "t.jsonl",
+            "--out",
+            "x.png",
+            "--layer",
+            "7",
+        ],
+        p,
+        "--layer",
+    );
+    bad(
+        &[
+            "telemetry",
+            "plot",
+            "--in",
+            "t.jsonl",
+            "--out",
+            "x.png",
+            "--layer",
+            "last",
+        ],
+        p,
+        "--layer",
+    );
+    assert!(!p.join("x.png").exists());
 }

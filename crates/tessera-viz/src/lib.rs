@@ -1,9 +1,9 @@
 //! Pictures for people (SPEC §6, §9): the tile-state map of a [`Plan`] and the plot of an
 //! attention-telemetry run, as PNG.
 //!
-//! Contract: every function returns the PNG bytes ([`plan_png`], [`telemetry_png`]) or writes
-//! them atomically through [`tessera_io::atomic_write`] ([`write_plan_png`],
-//! [`write_telemetry_png`]); nothing is printed. Text uses a built-in bitmap font
+//! Contract: every function returns the PNG bytes ([`plan_png`], [`telemetry_png`],
+//! [`telemetry_layers_png`]) or writes them atomically through [`tessera_io::atomic_write`]
+//! ([`write_plan_png`], [`write_telemetry_png`], [`write_telemetry_layers_png`]); nothing is printed. Text uses a built-in bitmap font
 //! (`embedded-graphics`), so no font file or system library is needed. Bad input (a batch row or
 //! head outside the plan, records with differing head counts) is an
 //! [`Error::InvalidArgument`](tessera_core::Error::InvalidArgument), never a panic.
@@ -26,9 +26,11 @@
 mod canvas;
 mod plan;
 mod telemetry;
+mod telemetry_layers;
 
 pub use plan::plan_png;
 pub use telemetry::{telemetry_png, MAX_PLOT_HEADS};
+pub use telemetry_layers::{telemetry_layers_png, MAX_PLOT_LAYERS};
 
 use std::path::Path;
 use tessera_core::Result;
@@ -49,4 +51,13 @@ pub fn write_plan_png(
 /// Writes [`telemetry_png`] to `path`, atomically.
 pub fn write_telemetry_png(records: &[TelemetryRecord], title: &str, path: &Path) -> Result<()> {
     tessera_io::atomic_write_bytes(path, &telemetry_png(records, title)?)
+}
+
+/// Writes [`telemetry_layers_png`] to `path`, atomically.
+pub fn write_telemetry_layers_png(
+    records: &[TelemetryRecord],
+    title: &str,
+    path: &Path,
+) -> Result<()> {
+    tessera_io::atomic_write_bytes(path, &telemetry_layers_png(records, title)?)
 }

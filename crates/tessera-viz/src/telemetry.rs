@@ -6,8 +6,8 @@ use embedded_graphics::mono_font::ascii::{FONT_7X13, FONT_7X13_BOLD};
 use tessera_core::{Error, Result};
 use tessera_telemetry::TelemetryRecord;
 
-const GRID: [u8; 3] = [228, 228, 228];
-const NO_DATA: [u8; 3] = [205, 205, 205];
+pub(crate) const GRID: [u8; 3] = [228, 228, 228];
+pub(crate) const NO_DATA: [u8; 3] = [205, 205, 205];
 
 /// Distinct line colours (Tableau 20 order: the 10 strong colours first).
 #[rustfmt::skip]
@@ -22,12 +22,12 @@ const HEAD_COLOURS: [[u8; 3]; 20] = [
 pub const MAX_PLOT_HEADS: usize = 1024;
 
 /// Colour of head `h` in line charts.
-fn head_colour(h: usize) -> [u8; 3] {
+pub(crate) fn head_colour(h: usize) -> [u8; 3] {
     HEAD_COLOURS[h % HEAD_COLOURS.len()]
 }
 
 /// Mean of the finite values, `None` if there are none.
-fn mean_defined(vals: impl Iterator<Item = Option<f64>>) -> Option<f64> {
+pub(crate) fn mean_defined(vals: impl Iterator<Item = Option<f64>>) -> Option<f64> {
     let (mut s, mut n) = (0.0, 0usize);
     for v in vals.flatten().filter(|v| v.is_finite()) {
         s += v;
@@ -38,7 +38,7 @@ fn mean_defined(vals: impl Iterator<Item = Option<f64>>) -> Option<f64> {
 
 /// Checks that `records` can be drawn: at least one, all with the same 1 to
 /// [`MAX_PLOT_HEADS`] heads. Returns the head count.
-fn check(records: &[TelemetryRecord]) -> Result<usize> {
+pub(crate) fn check(records: &[TelemetryRecord]) -> Result<usize> {
     let Some(first) = records.first() else {
         return Err(Error::invalid(
             "telemetry records",
@@ -62,6 +62,22 @@ fn check(records: &[TelemetryRecord]) -> Result<usize> {
         ));
     }
     Ok(heads)
+}
+
+/// Every how many records a step tick goes (1, 2, 5, 10, 20, ...) so that `n` labels of steps up
+/// to `s0`/`s1` fit in `plot_w` pixels at `fw` pixels a character.
+pub(crate) fn step_stride(n: usize, plot_w: i32, fw: i32, s0: u64, s1: u64) -> usize {
+    let label_w = fw * (s1.to_string().len().max(s0.to_string().len()) as i32) + 14;
+    let max_ticks = (plot_w / label_w).max(1) as usize;
+    let mut pow = 1usize;
+    loop {
+        for m in [1usize, 2, 5] {
+            if n.div_ceil(m * pow) <= max_ticks {
+                return m * pow;
+            }
+        }
+        pow *= 10;
+    }
 }
 
 /// The telemetry of one layer as a PNG: `records` sorted by step, all with the same head count.
@@ -128,20 +144,7 @@ pub fn telemetry_png(records: &[TelemetryRecord], title: &str) -> Result<Vec<u8>
     );
 
     // X ticks (shared by both panels).
-    let label_w = fw * (s1.to_string().len().max(s0.to_string().len()) as i32) + 14;
-    let max_ticks = (plot_w / label_w).max(1) as usize;
-    let mut stride;
-    let mut pow = 1usize;
-    'search: loop {
-        for m in [1usize, 2, 5] {
-            stride = m * pow;
-            if n.div_ceil(stride) <= max_ticks {
-                break 'search;
-            }
-        }
-        pow *= 10;
-    }
-    let ticks: Vec<usize> = (0..n).step_by(stride).collect();
+    let ticks: Vec<usize> = (0..n).step_by(step_stride(n, plot_w, fw, s0, s1)).collect();
     let draw_x_axis = |c: &mut Canvas, y_bottom: i32| {
         for &i in &ticks {
             let x = record_x(i);

@@ -1,9 +1,11 @@
 //! `tessera telemetry plot`: picture of a telemetry JSON-lines file (SPEC §6): sink mass per
 //! head over steps as a heatmap, and max_logit per head over steps.
 //!
-//! The file holds one record per (step, layer) (schema: `docs/telemetry.md`). One layer is
-//! plotted: `--layer N`, or the only layer in the file. When a step appears more than once for
-//! that layer (a resumed run appending again) the last record wins, with a note on stderr.
+//! The file holds one record per (step, layer) (schema: `docs/telemetry.md`). `--layer N` plots
+//! one layer (heads over steps, max_logit per head); `--layer all`, the default when the file
+//! holds several layers, draws the overview of every layer (sink mass per layer and head, the
+//! largest max_logit per layer). When a (step, layer) appears more than once (a resumed run
+//! appending again) the last record wins, with a note on stderr.
 
 use crate::ctx::{print_json, Ctx};
 use std::collections::{BTreeMap, BTreeSet};
@@ -13,7 +15,7 @@ use tessera::core::{Error, Result};
 /// Inspect attention telemetry written as JSON lines.
 #[derive(clap::Args, Debug)]
 #[command(
-    after_help = "Example:\n  tessera telemetry plot --in telemetry.jsonl --out sinks.png --layer 0"
+    after_help = "Example:\n  tessera telemetry plot --in telemetry.jsonl --out sinks.png --layer 0\n  tessera telemetry plot --in telemetry.jsonl --out layers.png --layer all"
 )]
 pub struct TelemetryArgs {
     #[command(subcommand)]
@@ -24,7 +26,7 @@ pub struct TelemetryArgs {
 pub enum TelemetryAction {
     /// Plot sink mass (head × step heatmap) and max_logit per head over steps as a PNG.
     #[command(
-        after_help = "Examples:\n  tessera telemetry plot --in telemetry.jsonl --out sinks.png\n  tessera telemetry plot --in run/telemetry.jsonl --out layer3.png --layer 3 --json"
+        after_help = "Examples:\n  tessera telemetry plot --in telemetry.jsonl --out sinks.png\n  tessera telemetry plot --in run/telemetry.jsonl --out layer3.png --layer 3 --json\n  tessera telemetry plot --in run/telemetry.jsonl --out layers.png --layer all"
     )]
     Plot {
         /// Telemetry JSON lines, one record per (step, layer).
@@ -33,16 +35,36 @@ pub enum TelemetryAction {
         /// Output picture (PNG, written atomically).
         #[arg(long, value_name = "F.png")]
         out: PathBuf,
-        /// Layer to plot (required when the file holds more than one).
-        #[arg(long, value_name = "N")]
-        layer: Option<u32>,
+        /// Layer to plot, or `all` for every layer in one picture (the default when the file
+        /// holds more than one layer).
+        #[arg(long, value_name = "N|all", value_parser = parse_layer)]
+        layer: Option<LayerChoice>,
     },
+}
+
+/// What `--layer` selects.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum LayerChoice {
+    /// Every layer, in the overview picture.
+    All,
+    /// One layer.
+    One(u32),
+}
+
+fn parse_layer(s: &str) -> std::result::Result<LayerChoice, String> {
+    if s == "all" {
+        return Ok(LayerChoice::All);
+    }
+    s.parse::<u32>()
+        .map(LayerChoice::One)
+        .map_err(|_| format!("expected a layer number or 'all', got '{s}'"))
 }
 
 #[derive(serde::Serialize)]
 struct PlotReport {
     out: String,
-    layer: u32,
+    /// The plotted layers.
+    layers: Vec<u32>,
     steps: usize,
     first_step: u64,
     last_step: u64,
@@ -56,7 +78,7 @@ pub fn run(args: TelemetryArgs, ctx: &Ctx) -> Result<()> {
     }
 }
 
-fn plot(input: &Path, out: &Path, layer: Option<u32>, ctx: &Ctx) -> Result<()> {
+fn plot(input: &Path, out: &Path, layer: Option<LayerChoice>, ctx: &Ctx) -> Result<()> {
     let records = tessera::telemetry::read_jsonl(input)?;
     if records.is_empty() {
         return Err(Error::format(
@@ -65,68 +87,72 @@ fn plot(input: &Path, out: &Path, layer: Option<u32>, ctx: &Ctx) -> Result<()> {
         ));
     }
     let layers: BTreeSet<u32> = records.iter().map(|r| r.layer).collect();
-    let list = || {
-        layers
-            .iter()
-            .map(|l| l.to_string())
-            .collect::<Vec<_>>()
-            .join(", ")
-    };
-    let layer = match layer {
-        Some(l) if layers.contains(&l) => l,
-        Some(l) => {
-            return Err(Error::invalid(
-                "--layer",
-                format!("one of the layers in {}: {}", input.display(), list()),
-                l,
-            ))
-        }
-        None if layers.len() == 1 => layers.iter().copied().next().unwrap_or(0),
-        None => {
+    let choice = match layer {
+        Some(LayerChoice::One(l)) if !layers.contains(&l) => {
+            let list: Vec<String> = layers.iter().map(|l| l.to_string()).collect();
             return Err(Error::invalid(
                 "--layer",
                 format!(
-                    "a layer to plot ({} holds layers {})",
+                    "one of the layers in {}: {} (or 'all')",
                     input.display(),
-                    list()
+                    list.join(", ")
                 ),
-                "none given",
-            ))
+                l,
+            ));
         }
+        Some(c) => c,
+        None if layers.len() == 1 => LayerChoice::One(*layers.first().unwrap_or(&0)),
+        None => LayerChoice::All,
     };
-    let mut by_step = BTreeMap::new();
+    // The last record of each (layer, step) wins.
+    let mut by_key = BTreeMap::new();
     let mut selected = 0usize;
-    for r in records.into_iter().filter(|r| r.layer == layer) {
+    let wanted = |l: u32| choice == LayerChoice::All || choice == LayerChoice::One(l);
+    for r in records.into_iter().filter(|r| wanted(r.layer)) {
         selected += 1;
-        by_step.insert(r.step, r);
+        by_key.insert((r.layer, r.step), r);
     }
-    let duplicates = selected - by_step.len();
+    let duplicates = selected - by_key.len();
     if duplicates > 0 {
         eprintln!(
-            "tessera: note: {duplicates} step(s) of layer {layer} appear more than once; the last record of each is plotted"
+            "tessera: note: {duplicates} (step, layer) record(s) appear more than once; the last of each is plotted"
         );
     }
-    let records: Vec<_> = by_step.into_values().collect();
+    let records: Vec<_> = by_key.into_values().collect();
     let name = input
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_else(|| input.display().to_string());
-    tessera::viz::write_telemetry_png(&records, &format!("attention telemetry: {name}"), out)?;
+    let title = format!("attention telemetry: {name}");
+    match choice {
+        LayerChoice::One(_) => tessera::viz::write_telemetry_png(&records, &title, out)?,
+        LayerChoice::All => tessera::viz::write_telemetry_layers_png(&records, &title, out)?,
+    }
+    let steps: BTreeSet<u64> = records.iter().map(|r| r.step).collect();
     let report = PlotReport {
         out: out.display().to_string(),
-        layer,
-        steps: records.len(),
-        first_step: records.first().map_or(0, |r| r.step),
-        last_step: records.last().map_or(0, |r| r.step),
+        layers: records
+            .iter()
+            .map(|r| r.layer)
+            .collect::<BTreeSet<_>>()
+            .into_iter()
+            .collect(),
+        steps: steps.len(),
+        first_step: steps.first().copied().unwrap_or(0),
+        last_step: steps.last().copied().unwrap_or(0),
         heads: records.first().map_or(0, |r| r.heads()),
         duplicate_steps: duplicates,
     };
     if ctx.json() {
         return print_json(&report);
     }
+    let which = match choice {
+        LayerChoice::One(l) => format!("layer {l}"),
+        LayerChoice::All => format!("{} layers", report.layers.len()),
+    };
     println!(
-        "wrote {}: layer {}, {} steps ({} .. {}), {} heads",
-        report.out, report.layer, report.steps, report.first_step, report.last_step, report.heads
+        "wrote {}: {which}, {} steps ({} .. {}), {} heads",
+        report.out, report.steps, report.first_step, report.last_step, report.heads
     );
     Ok(())
 }
