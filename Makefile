@@ -1,12 +1,13 @@
 # `make test`: every test, Rust and Python, on a machine with only Rust and Python 3.11.
 # The first run creates .venv here and installs what the Python tests need from PyPI (~2 min);
-# later runs reuse it. `make demo` runs the main job on built-in defaults.
+# later runs reuse it. `make demo` runs the main job on built-in defaults; `make train` trains the
+# example GPT through Tessera (examples/README.md), after installing the example's extras.
 
 VENV ?= .venv
 PY := $(VENV)/bin/python
-PY_DEPS := numpy torch jax pytest maturin ml_dtypes
+PY_DEPS := numpy torch jax pytest maturin ml_dtypes safetensors
 
-.PHONY: test test-rust test-python python-package demo
+.PHONY: test test-rust test-python python-package demo train
 
 test: test-rust test-python
 
@@ -20,7 +21,8 @@ test-python: python-package
 python-package: $(VENV)/.deps
 	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m pip install -q --no-build-isolation ./bindings/python
 
-$(VENV)/.deps:
+# Re-run when this file changes (a new test dependency reaches existing venvs too).
+$(VENV)/.deps: Makefile
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(PY_DEPS)
@@ -28,3 +30,9 @@ $(VENV)/.deps:
 
 demo:
 	cargo run --release -- demo
+
+# The CLI draws the telemetry pictures, so it is built too.
+train: python-package
+	$(PY) -m pip install -q -r examples/requirements.txt
+	cargo build --release
+	$(PY) examples/train_gpt.py
