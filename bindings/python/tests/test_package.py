@@ -49,3 +49,31 @@ def test_stub_signatures_match_the_native_ones():
         native = {n for n in dir(getattr(_tessera, cls)) if not n.startswith("__")}
         stubbed = {m for m in methods if not m.startswith("__")}
         assert stubbed == native, cls
+
+
+def test_import_needs_numpy_only():
+    # torch and jax made unimportable: masks, plans, packing and the text picture still work,
+    # and importing tessera loads neither.
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "sys.modules['torch'] = None; sys.modules['jax'] = None\n"
+        "import numpy as np, tessera\n"
+        "ids = np.repeat(np.arange(4), 64)\n"
+        "p = tessera.plan(tessera.causal() & tessera.document(ids), q_len=256, block=64)\n"
+        "assert p.stats['allowed_pairs'] == 4 * 64 * 65 // 2, p.stats\n"
+        "assert p.states().shape == (1, 1, 4, 4)\n"
+        "assert tessera.pack([[1, 2, 3]], 8)['tokens'].shape == (1, 8)\n"
+        "assert 'tessera.Plan' in repr(p)\n"
+        "try:\n"
+        "    import tessera.torch\n"
+        "except ImportError:\n"
+        "    pass\n"
+        "else:\n"
+        "    raise AssertionError('tessera.torch imported without torch')\n"
+        "print('ok')\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
