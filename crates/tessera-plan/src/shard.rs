@@ -25,7 +25,8 @@
 //! times as it is used. [`Scheme::Balanced`] minimises the largest per-rank cost with a
 //! longest-processing-time greedy under the equal-tile constraint plus pairwise single-tile swaps,
 //! keeping *clusters* (maximal runs of q tiles whose rows reach only each other: the documents, at
-//! tile granularity) whole on one rank when that costs at most 1% of balance.
+//! tile granularity) whole on one rank, and long ones in contiguous pieces, when that costs at
+//! most 2% of balance (fewer K/V tiles to receive).
 
 use crate::plan::{HeadPlan, PartialMasks, Plan, PlanStats, TileEntry, FULL_TILE};
 use crate::shape::PlanShape;
@@ -434,22 +435,27 @@ fn lpt(
     r: usize,
     cap: usize,
     keep: usize,
+    piece: usize,
 ) -> (Vec<Vec<u32>>, f64) {
     let mut units: Vec<Unit> = Vec::with_capacity(tc.cost.len());
+    let unit = |a: u32, b: u32| Unit {
+        start: a,
+        len: b - a,
+        cost: (a..b).map(|t| tc.cost[t as usize]).sum(),
+    };
     for &(a, b) in clus {
         if ((b - a) as usize) <= keep {
-            let cost = (a..b).map(|t| tc.cost[t as usize]).sum();
-            units.push(Unit {
-                start: a,
-                len: b - a,
-                cost,
-            });
+            units.push(unit(a, b));
         } else {
-            units.extend((a..b).map(|t| Unit {
-                start: t,
-                len: 1,
-                cost: tc.cost[t as usize],
-            }));
+            // Contiguous pieces: a rank holding a piece of a long document needs only the
+            // document's K/V up to that piece.
+            let step = piece.max(1) as u32;
+            let mut s = a;
+            while s < b {
+                let e = (s + step).min(b);
+                units.push(unit(s, e));
+                s = e;
+            }
         }
     }
     units.sort_by(|x, y| {
@@ -573,20 +579,63 @@ fn swap_singles(
 }
 
 /// Balance within this factor of the best candidate is traded for keeping clusters whole.
-const LOCALITY_SLACK: f64 = 1.01;
+const LOCALITY_SLACK: f64 = 1.02;
+
+/// K/V tiles the ranks would receive, estimated from the rows' reach intervals (exact for
+/// masks whose rows reach one interval, such as causal documents and windows).
+fn remote_estimate(tc: &TileCosts, owned: &[Vec<u32>]) -> u64 {
+    let mut total = 0u64;
+    let mut iv: Vec<(u32, u32)> = Vec::new();
+    for o in owned {
+        iv.clear();
+        iv.extend(o.iter().map(|&t| (tc.lo[t as usize], tc.hi[t as usize])));
+        iv.sort_unstable();
+        let (mut covered, mut cur) = (0u64, None::<(u32, u32)>);
+        for &(a, b) in &iv {
+            cur = match cur {
+                Some((x, y)) if a <= y + 1 => Some((x, y.max(b))),
+                Some((x, y)) => {
+                    covered += (y - x + 1) as u64;
+                    Some((a, b))
+                }
+                None => Some((a, b)),
+            };
+        }
+        if let Some((x, y)) = cur {
+            covered += (y - x + 1) as u64;
+        }
+        total += covered.saturating_sub(o.len() as u64);
+    }
+    total
+}
 
 fn balanced(tc: &TileCosts, clus: &[(u32, u32)], r: usize, cap: usize) -> Vec<Vec<u32>> {
-    // Candidates from "keep clusters up to half a rank's share whole" down to "split everything".
-    let mut keeps = vec![cap / 2, cap / 8, cap / 32, 0];
-    keeps.dedup();
-    let cands: Vec<(Vec<Vec<u32>>, f64)> =
-        keeps.iter().map(|&k| lpt(tc, clus, r, cap, k)).collect();
-    let best = cands.iter().map(|c| c.1).fold(f64::INFINITY, f64::min);
-    let pick = cands
+    // Candidates: short clusters kept whole (up to half a rank's share, or smaller), long ones
+    // cut into contiguous pieces or single tiles; single tiles balance finest, whole clusters and
+    // pieces need the least K/V.
+    let mut cands: Vec<(usize, usize)> = vec![
+        (cap / 2, cap / 16),
+        (cap / 2, cap / 64),
+        (cap / 2, 1),
+        (cap / 8, 1),
+        (cap / 32, 1),
+        (0, 1),
+    ];
+    cands.dedup();
+    let runs: Vec<(Vec<Vec<u32>>, f64)> = cands
         .iter()
-        .position(|c| c.1 <= best * LOCALITY_SLACK)
+        .map(|&(keep, piece)| lpt(tc, clus, r, cap, keep, piece))
+        .collect();
+    let best = runs.iter().map(|c| c.1).fold(f64::INFINITY, f64::min);
+    // Among the candidates within the slack of the best balance, the least K/V traffic.
+    let pick = runs
+        .iter()
+        .enumerate()
+        .filter(|(_, c)| c.1 <= best * LOCALITY_SLACK)
+        .min_by_key(|(i, c)| (remote_estimate(tc, &c.0), *i))
+        .map(|(i, _)| i)
         .unwrap_or(0);
-    cands.into_iter().nth(pick).map(|c| c.0).unwrap_or_default()
+    runs.into_iter().nth(pick).map(|c| c.0).unwrap_or_default()
 }
 
 fn finish(
