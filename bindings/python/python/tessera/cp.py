@@ -477,13 +477,19 @@ def attention(
 # -- balance and traffic model ---------------------------------------------------------------------
 
 
-def doc_mix(length: int, seed: int = 0) -> np.ndarray:
+def doc_mix(
+    length: int, seed: int = 0, *, median: float = 1000.0, sigma: float = 1.3,
+    long_fraction: float = 0.3,
+) -> np.ndarray:
     """Segment ids of one packed row of ``length`` tokens from the cp-sim mix: a lognormal body
-    (median 1000 tokens, sigma 1.3, 64..32K−1) plus ~30% of the tokens in 32K–128K documents,
-    shuffled; seeded."""
+    (``median`` tokens, ``sigma``, 64..32K−1) plus ``long_fraction`` of the tokens in 32K–128K
+    documents (capped at the row), shuffled; seeded."""
     length = _int_arg("doc_mix", "length", length, 1, 2**40)
     seed = _int_arg("doc_mix", "seed", seed, 0, 2**64)
-    return _tessera.doc_mix(length, seed)
+    for name, v in (("median", median), ("sigma", sigma), ("long_fraction", long_fraction)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise TypeError(f"{name}: expected a number, got {type(v).__name__}")
+    return _tessera.doc_mix(length, seed, float(median), float(sigma), float(long_fraction))
 
 
 def simulate(
