@@ -24,8 +24,8 @@
 //! backward pass `backward` times the forward; each distinct (batch row, head) plan counts as many
 //! times as it is used. [`Scheme::Balanced`] minimises the largest per-rank cost with a
 //! longest-processing-time greedy under the equal-tile constraint plus pairwise single-tile swaps,
-//! keeping *clusters* (maximal runs of q tiles whose rows reach only each other: the documents, at
-//! tile granularity) whole on one rank, and long ones in contiguous pieces, when that costs at
+//! keeping *clusters* (runs of q tiles that interact with the rest only through their boundary
+//! tiles: the documents, at tile granularity) whole on one rank, and long ones in contiguous pieces, when that costs at
 //! most 2% of balance (fewer K/V tiles to receive).
 
 use crate::plan::{HeadPlan, PartialMasks, Plan, PlanStats, TileEntry, FULL_TILE};
@@ -207,8 +207,8 @@ pub struct Sharding {
     /// `needed[r][s]`: the K/V tiles (global ids, ascending) rank `r`'s rows touch that rank `s`
     /// owns.
     pub needed: Vec<Vec<Vec<u32>>>,
-    /// Clusters (maximal runs of q tiles whose rows reach only each other) as `[start, end)` tile
-    /// ranges, ascending.
+    /// Clusters (runs of q tiles that interact with the rest only through their boundary tiles:
+    /// the documents, at tile granularity) as `[start, end)` tile ranges, ascending.
     pub clusters: Vec<(u32, u32)>,
     /// Digest of the plan's contract, scheme, `R`, cost model and assignment: ranks compare it to
     /// detect a rank that sharded a different plan.
@@ -294,23 +294,24 @@ fn tile_costs(plan: &Plan, model: &CostModel) -> TileCosts {
     tc
 }
 
-/// Maximal runs of tiles whose reach intervals overlap: `[start, end)` ranges covering `0..n`.
+/// Runs of tiles that interact only through the tile at their boundary: a cut goes before tile
+/// `t` when no row from `t` on reaches before `t − 1` and no row before `t` reaches past `t`. For
+/// packed documents these are the documents (a tile straddling two documents is the one halo
+/// tile between them); `[start, end)` ranges covering `0..n`.
 fn clusters(tc: &TileCosts) -> Vec<(u32, u32)> {
     let n = tc.lo.len();
-    // furthest[s] = the highest tile any interval starting at s reaches.
-    let mut furthest: Vec<i64> = vec![-1; n];
-    for t in 0..n {
-        let s = tc.lo[t] as usize;
-        furthest[s] = furthest[s].max(tc.hi[t] as i64);
+    let mut suffix_lo = vec![u32::MAX; n + 1];
+    for t in (0..n).rev() {
+        suffix_lo[t] = suffix_lo[t + 1].min(tc.lo[t]);
     }
     let mut out = Vec::new();
-    let (mut start, mut end) = (0usize, -1i64);
-    for (s, &f) in furthest.iter().enumerate() {
-        if s as i64 > end && s > 0 && end >= 0 {
-            out.push((start as u32, (end + 1) as u32));
-            start = s;
+    let (mut start, mut prefix_hi) = (0usize, 0u32);
+    for t in 1..n {
+        prefix_hi = prefix_hi.max(tc.hi[t - 1]);
+        if suffix_lo[t] as usize + 1 >= t && prefix_hi as usize <= t {
+            out.push((start as u32, t as u32));
+            start = t;
         }
-        end = end.max(f).max(s as i64);
     }
     if n > 0 {
         out.push((start as u32, n as u32));
@@ -532,7 +533,11 @@ fn swap_singles(
             .unwrap_or(0);
         // The best swap: the pair whose cost difference is closest to half the load gap.
         let mut best: Option<(usize, usize, usize, f64)> = None; // (rank b, idx in a, idx in b, new max)
-        for b in 0..r {
+                                                                 // Partners: the few least loaded ranks (where a swap helps most; bounds the work).
+        let mut partners: Vec<usize> = (0..r).collect();
+        partners.sort_by(|&x, &y| load[x].total_cmp(&load[y]).then(x.cmp(&y)));
+        partners.truncate(SWAP_PARTNERS);
+        for b in partners {
             let gap = load[a] - load[b];
             if b == a || gap <= 0.0 || singles[b].is_empty() {
                 continue;
@@ -577,6 +582,9 @@ fn swap_singles(
         }
     }
 }
+
+/// Ranks a swap round tries as partners of the most loaded one.
+const SWAP_PARTNERS: usize = 4;
 
 /// Balance within this factor of the best candidate is traded for keeping clusters whole.
 const LOCALITY_SLACK: f64 = 1.02;
