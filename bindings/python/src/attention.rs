@@ -470,8 +470,14 @@ pub fn attention_forward_logged(
     let opts = options(scale, softcap, sinks);
     let p = &plan.inner;
     // The inputs' batch size: a batch-invariant plan built for one row serves any batch.
+    let Some(mask) = &plan.mask else {
+        return Err(PyValueError::new_err(
+            "telemetry: not available for a rank's local plan of a sharding (its keys are \
+             permuted); log telemetry from a single-process step",
+        ));
+    };
     let flags = sink_key_flags(
-        document_kv_segments(&plan.mask),
+        document_kv_segments(mask),
         inputs.q.shape[0],
         p.shape.kv_len,
         sink_tokens,

@@ -10,6 +10,7 @@ mod errors;
 mod mask;
 mod pack;
 mod plan;
+mod shard;
 
 use pyo3::prelude::*;
 
@@ -30,6 +31,10 @@ fn _tessera(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(plan::plan, m)?)?;
     m.add_function(wrap_pyfunction!(plan::cache_stats, m)?)?;
     m.add_function(wrap_pyfunction!(pack::pack, m)?)?;
+    m.add_class::<shard::PySharding>()?;
+    m.add_function(wrap_pyfunction!(shard::shard, m)?)?;
+    m.add_function(wrap_pyfunction!(shard::doc_mix, m)?)?;
+    m.add_function(wrap_pyfunction!(shard::simulate, m)?)?;
     m.add_function(wrap_pyfunction!(attention::attention_forward, m)?)?;
     m.add_function(wrap_pyfunction!(attention::attention_backward, m)?)?;
     m.add_function(wrap_pyfunction!(attention::attention_forward_logged, m)?)?;

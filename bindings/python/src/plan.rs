@@ -28,14 +28,16 @@ pub fn cache() -> &'static PlanCache {
 #[pyclass(name = "Plan", module = "tessera._tessera", frozen)]
 pub struct PyPlan {
     pub(crate) inner: Arc<Plan>,
-    pub(crate) mask: Mask,
+    /// The planned mask; `None` for a rank's local plan of a sharding (its rows and K/V are a
+    /// permutation of the global ones: no mask expression describes it).
+    pub(crate) mask: Option<Mask>,
     /// Where the plan came from: `memory`, `disk` (plan cache) or `built`.
     source: &'static str,
     prepared: OnceLock<CpuPlan>,
 }
 
 impl PyPlan {
-    pub(crate) fn new(inner: Arc<Plan>, mask: Mask, source: &'static str) -> Self {
+    pub(crate) fn new(inner: Arc<Plan>, mask: Option<Mask>, source: &'static str) -> Self {
         PyPlan {
             inner,
             mask,
@@ -123,7 +125,7 @@ pub fn plan(
             }
         })
         .map_err(to_py)?;
-    Ok(PyPlan::new(inner, m, source))
+    Ok(PyPlan::new(inner, Some(m), source))
 }
 
 /// Counters of the process-wide plan cache.
@@ -181,12 +183,13 @@ impl PyPlan {
     fn groups(&self) -> (usize, usize) {
         (self.inner.batch_groups, self.inner.head_groups)
     }
-    /// The planned mask.
+    /// The planned mask (`None` for a rank's local plan of a sharding).
     #[getter]
-    fn mask(&self) -> PyMask {
-        crate::mask::wrap(self.mask.clone())
+    fn mask(&self) -> Option<PyMask> {
+        self.mask.clone().map(crate::mask::wrap)
     }
-    /// Where the plan came from: `"memory"` or `"disk"` (plan cache hits) or `"built"`.
+    /// Where the plan came from: `"memory"` or `"disk"` (plan cache hits), `"built"`, or
+    /// `"sharded"` (a rank's local plan of a sharding).
     #[getter]
     fn source(&self) -> &'static str {
         self.source

@@ -230,3 +230,29 @@ def test_splash_kernel_runs_with_tessera_mask_info_forward_and_backward():
     for name, a, r in zip(("dq", "dk", "dv"), grads, want):
         a, r = np.asarray(a), r.numpy()
         assert np.linalg.norm(a - r) / np.linalg.norm(r) <= 1e-4, name
+
+
+@pytest.mark.parametrize("mode", ["allgather", "needed"])
+def test_a_ranks_local_plan_gives_splash_the_permuted_mask(mode):
+    """Context parallelism under shard_map: rank r's local plan (its rows against the K/V it
+    receives, in sharded order) as MaskInfo equals Splash's own preprocessing of that permuted
+    dense mask, with Splash's sequence and head sharding on top."""
+    import tessera.cp
+
+    rng = np.random.default_rng(7)
+    L, H, block = 512, 2, (64, 64)
+    ids = packed_ids(rng, 1, L, 150)[0]
+    m = causal() & document(ids)
+    plan = tessera.plan(m.t, q_len=L, heads=H, block=block)
+    sh = tessera.cp.shard(plan, 2, "balanced")
+    allowed = m.dense(1, H, L, L)[0]
+    for rank in range(2):
+        lp = sh.local_plan(rank, mode)
+        rows = sh.positions(rank)
+        cols = (sh.local_kv_tiles(rank, mode)[:, None] * 64 + np.arange(64)).reshape(-1)
+        local = np.broadcast_to(allowed, (H, L, L))[:, rows][:, :, cols]
+        opts = dict(q_seq_shards=2, head_shards=2)
+        want_f, want_d = _process(local, block, opts, len(rows), len(cols))
+        got_f, got_d = tj.mask_info(lp, as_numpy=True, **opts)
+        _equal_infos(got_f, want_f, f"fwd rank {rank}")
+        _equal_infos(got_d, want_d, f"dkv rank {rank}")

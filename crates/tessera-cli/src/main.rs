@@ -45,6 +45,8 @@ enum Command {
     Pack(cmd::pack::PackArgs),
     /// Run the built-in demo on default settings.
     Demo(cmd::demo::DemoArgs),
+    /// Model context-parallel shardings: balance and K/V traffic per scheme and rank count.
+    CpSim(cmd::cp_sim::CpSimArgs),
 }
 
 /// Unix tools die quietly when their reader goes away (`tessera plan ... | head`); Rust ignores
@@ -108,6 +110,7 @@ fn main() -> ExitCode {
         Command::Attend(a) => cmd::attend::run(*a, &ctx),
         Command::Bench(a) => cmd::bench::run(a, &ctx),
         Command::Env(a) => cmd::env::run(a, &ctx),
+        Command::CpSim(a) => cmd::cp_sim::run(a, &ctx),
     };
     let code = match result {
         Ok(()) => 0,

@@ -26,10 +26,13 @@
 mod build;
 mod classify;
 mod contract;
+pub mod cp_sim;
 mod plan;
 mod shape;
+pub mod shard;
 
 pub use build::build_plan;
 pub use contract::{contract_key, ContractKey, PLAN_FORMAT_VERSION};
 pub use plan::{HeadPlan, PartialMasks, Plan, PlanStats, TileEntry, TileState, FULL_TILE};
 pub use shape::{PlanShape, TileShape};
+pub use shard::{shard, CostModel, KvLayout, RankCost, Scheme, Sharding};

@@ -24,10 +24,12 @@
 //! ```
 
 mod canvas;
+mod cp_sim;
 mod plan;
 mod telemetry;
 mod telemetry_layers;
 
+pub use cp_sim::cp_sim_png;
 pub use plan::plan_png;
 pub use telemetry::{telemetry_png, MAX_PLOT_HEADS};
 pub use telemetry_layers::{telemetry_layers_png, MAX_PLOT_LAYERS};
@@ -46,6 +48,15 @@ pub fn write_plan_png(
     path: &Path,
 ) -> Result<()> {
     tessera_io::atomic_write_bytes(path, &plan_png(plan, batch, head, title)?)
+}
+
+/// Writes [`cp_sim_png`] to `path`, atomically.
+pub fn write_cp_sim_png(
+    rows: &[tessera_plan::cp_sim::SimRow],
+    title: &str,
+    path: &Path,
+) -> Result<()> {
+    tessera_io::atomic_write_bytes(path, &cp_sim_png(rows, title)?)
 }
 
 /// Writes [`telemetry_png`] to `path`, atomically.
