@@ -239,7 +239,7 @@ impl NpyArray {
 
     /// Reads a `.npy` file into an [`NpyArray`] (see [`NpyArray::from_npy`]).
     pub fn read(path: &Path) -> Result<Self> {
-        let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
+        let bytes = crate::read_file(path)?;
         Self::from_npy(&bytes, path)
     }
 }
@@ -344,14 +344,19 @@ fn parse_header(head: &[u8]) -> std::result::Result<(NpyHeader, TypeStr, Vec<usi
 /// as bf16 raw bits only when `want == Some(DType::BF16)` (a `u2` file is otherwise ambiguous).
 /// With `want` set, any other dtype mismatch is an error naming both dtypes.
 pub(crate) fn read_npy(path: &Path, want: Option<DType>) -> Result<Tensor> {
-    let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
+    let bytes = crate::read_file(path)?;
+    decode_npy(&bytes, path, want)
+}
+
+/// [`read_npy`] on file bytes already in memory; `path` names the source in errors.
+pub(crate) fn decode_npy(bytes: &[u8], path: &Path, want: Option<DType>) -> Result<Tensor> {
     let bad = |msg: String| Error::format(path, msg);
     let Parsed {
         header,
         ts,
         shape,
         data,
-    } = parse(&bytes).map_err(bad)?;
+    } = parse(bytes).map_err(bad)?;
     let descr = ts.to_string();
     let file = NpyFile::with_header(header, data);
     let decode_err = |e: std::io::Error| bad(format!("bad data: {e}"));

@@ -7,6 +7,7 @@
 
 use crate::contract::ContractKey;
 use crate::shape::{PlanShape, TileShape};
+use tessera_core::{Error, Result};
 
 /// Tile state, with the JAX Splash `block_mask` numbering.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
@@ -277,6 +278,103 @@ impl Plan {
     /// dK (2·Dqk) per pair.
     pub fn backward_flops(&self, d_qk: usize, d_v: usize) -> f64 {
         self.stats.allowed_pairs as f64 * (6 * d_qk + 4 * d_v) as f64
+    }
+    /// The plan's internal consistency: valid tile and problem shapes; tile counts, batch/head
+    /// groups, work lists and the partial-mask table agree; every row of a work list is
+    /// strictly ascending; the backward lists are exactly the transpose of the forward ones; the
+    /// per-head tile counts match the lists. Every consumer (kernels, exporters, pictures) can
+    /// index a plan that passes without going out of range; the plan cache refuses a decoded
+    /// entry that fails. Errors name what is inconsistent.
+    pub fn check_consistent(&self) -> Result<()> {
+        let bad = |found: String| Error::invalid("plan", "an internally consistent plan", found);
+        let (s, t) = (self.shape, self.tile);
+        PlanShape::new(s.batch, s.heads, s.q_len, s.kv_len).map_err(|e| bad(e.to_string()))?;
+        TileShape::new(t.q, t.kv).map_err(|e| bad(e.to_string()))?;
+        if self.partials.tile != t {
+            return Err(bad(format!("partial masks of tile {}", self.partials.tile)));
+        }
+        if self.q_tiles != s.q_len.div_ceil(t.q) || self.kv_tiles != s.kv_len.div_ceil(t.kv) {
+            return Err(bad(format!(
+                "{}x{} tiles for Lq={} Lkv={} and tile {t}",
+                self.q_tiles, self.kv_tiles, s.q_len, s.kv_len
+            )));
+        }
+        if self.partials.words_per_row != t.kv.div_ceil(64)
+            || !self
+                .partials
+                .data
+                .len()
+                .is_multiple_of(self.partials.mask_words())
+        {
+            return Err(bad("a partial-mask table of the wrong size".into()));
+        }
+        let groups_ok = (self.batch_groups == 1 || self.batch_groups == s.batch)
+            && (self.head_groups == 1 || self.head_groups == s.heads)
+            && self.batch_groups.checked_mul(self.head_groups) == Some(self.group_plan.len())
+            && self
+                .group_plan
+                .iter()
+                .all(|&g| (g as usize) < self.head_plans.len());
+        if !groups_ok {
+            return Err(bad("inconsistent batch/head groups".into()));
+        }
+        let n_masks = self.partials.len() as u64;
+        for (k, hp) in self.head_plans.iter().enumerate() {
+            let lists = [
+                (&hp.fwd_offsets, &hp.fwd, self.q_tiles, self.kv_tiles),
+                (&hp.bwd_offsets, &hp.bwd, self.kv_tiles, self.q_tiles),
+            ];
+            for (offsets, entries, n, other) in lists {
+                let ok = offsets.len() == n + 1
+                    && offsets.first() == Some(&0)
+                    && offsets.windows(2).all(|w| w[0] <= w[1])
+                    && offsets.last().map(|&x| x as usize) == Some(entries.len())
+                    && offsets.windows(2).all(|w| {
+                        entries[w[0] as usize..w[1] as usize]
+                            .windows(2)
+                            .all(|p| p[0].tile < p[1].tile)
+                    })
+                    && entries.iter().all(|e| {
+                        (e.tile as usize) < other && (e.is_full() || (e.mask as u64) < n_masks)
+                    });
+                if !ok {
+                    return Err(bad(format!("head plan {k}: a work list out of range")));
+                }
+            }
+            // The backward lists must be the transpose of the forward ones: walking the forward
+            // rows in order visits each backward column's entries in order.
+            let mut fill: Vec<u32> = hp.bwd_offsets[..self.kv_tiles].to_vec();
+            let (mut full, mut partial) = (0u64, 0u64);
+            for qt in 0..self.q_tiles {
+                for e in hp.row(qt) {
+                    let slot = &mut fill[e.tile as usize];
+                    let matches = *slot < hp.bwd_offsets[e.tile as usize + 1]
+                        && hp.bwd[*slot as usize]
+                            == TileEntry {
+                                tile: qt as u32,
+                                mask: e.mask,
+                            };
+                    if !matches {
+                        return Err(bad(format!(
+                            "head plan {k}: backward work list is not the forward one transposed"
+                        )));
+                    }
+                    *slot += 1;
+                    if e.is_full() {
+                        full += 1;
+                    } else {
+                        partial += 1;
+                    }
+                }
+            }
+            if (full, partial) != (hp.full_tiles, hp.partial_tiles) {
+                return Err(bad(format!(
+                    "head plan {k}: {} full and {} partial tiles recorded, {full} and {partial} listed",
+                    hp.full_tiles, hp.partial_tiles
+                )));
+            }
+        }
+        Ok(())
     }
 
     /// Bytes held by the plan's arrays.
