@@ -134,6 +134,24 @@ impl PartialMasks {
         self.data.is_empty()
     }
 
+    /// True when mask `id` has no bit set outside its first `rows` rows and `cols` columns.
+    pub fn zero_outside(&self, id: u32, rows: usize, cols: usize) -> bool {
+        let w = self.words_per_row;
+        self.get(id).chunks(w).enumerate().all(|(r, row)| {
+            row.iter().enumerate().all(|(k, &word)| {
+                let lo = k * 64;
+                let keep = if r >= rows || cols <= lo {
+                    0
+                } else if cols >= lo + 64 {
+                    u64::MAX
+                } else {
+                    (1u64 << (cols - lo)) - 1
+                };
+                word & !keep == 0
+            })
+        })
+    }
+
     /// All words of mask `id`.
     pub fn get(&self, id: u32) -> &[u64] {
         let n = self.mask_words();
@@ -319,6 +337,14 @@ impl Plan {
             return Err(bad("inconsistent batch/head groups".into()));
         }
         let n_masks = self.partials.len() as u64;
+        // Every mask is 0 past the tile's own columns (the padding bits of its last word).
+        if let Some(id) = (0..n_masks as u32).find(|&id| !self.partials.zero_outside(id, t.q, t.kv))
+        {
+            return Err(bad(format!(
+                "partial mask {id} has bits past the tile's {} columns",
+                t.kv
+            )));
+        }
         for (k, hp) in self.head_plans.iter().enumerate() {
             let lists = [
                 (&hp.fwd_offsets, &hp.fwd, self.q_tiles, self.kv_tiles),
@@ -364,6 +390,27 @@ impl Plan {
                         full += 1;
                     } else {
                         partial += 1;
+                    }
+                }
+            }
+            // Partial bitmasks of ragged edge tiles must be 0 outside the in-range pairs
+            // (kernels derive the live sub-blocks of a tile from its bits).
+            let ragged_q = s.q_len % t.q != 0;
+            let ragged_kv = s.kv_len % t.kv != 0;
+            for qt in 0..self.q_tiles {
+                let last_q = ragged_q && qt + 1 == self.q_tiles;
+                for e in hp.row(qt) {
+                    let last_kv = ragged_kv && e.tile as usize + 1 == self.kv_tiles;
+                    if e.is_full() || !(last_q || last_kv) {
+                        continue;
+                    }
+                    let rows = if last_q { s.q_len % t.q } else { t.q };
+                    let cols = if last_kv { s.kv_len % t.kv } else { t.kv };
+                    if !self.partials.zero_outside(e.mask, rows, cols) {
+                        return Err(bad(format!(
+                            "head plan {k}: partial mask {} has bits outside tile ({qt}, {})",
+                            e.mask, e.tile
+                        )));
                     }
                 }
             }
