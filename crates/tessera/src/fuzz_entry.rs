@@ -164,7 +164,7 @@ fn seg_ids(rows: usize, len: usize, seed: u64) -> SegmentIds {
         .map(|k| {
             let (r, i) = ((k / len) as u64, (k % len) as u64);
             let x = (i + 3 * r + seed) / (1 + (seed + r) % 7);
-            if (i * 7 + seed + r) % 11 == 0 {
+            if (i * 7 + seed + r).is_multiple_of(11) {
                 -1 // padding
             } else {
                 (x % 4) as i64
@@ -176,9 +176,13 @@ fn seg_ids(rows: usize, len: usize, seed: u64) -> SegmentIds {
 
 impl Resolver for FuzzData {
     fn segments(&self) -> Result<Arc<Segments>> {
-        let rows = if self.seed % 2 == 0 { 1 } else { self.batch };
+        let rows = if self.seed.is_multiple_of(2) {
+            1
+        } else {
+            self.batch
+        };
         let s = self.seed as u64;
-        if self.q_len == self.kv_len && self.seed % 3 == 0 {
+        if self.q_len == self.kv_len && self.seed.is_multiple_of(3) {
             Ok(Segments::shared(seg_ids(rows, self.q_len, s)))
         } else {
             Segments::cross(
@@ -191,7 +195,7 @@ impl Resolver for FuzzData {
         let h = path.bytes().fold(self.seed as u64, |a, b| {
             a.wrapping_mul(31).wrapping_add(b as u64)
         });
-        let heads = if h % 2 == 0 { 1 } else { self.heads };
+        let heads = if h.is_multiple_of(2) { 1 } else { self.heads };
         let shape = [heads, self.q_len, self.kv_len];
         let n = heads * self.q_len * self.kv_len;
         let vals: Vec<bool> = (0..n as u64)
@@ -436,7 +440,7 @@ pub fn cache_entry(data: &[u8]) {
     let reference = reference_plan();
     let key = reference.contract;
     let (mode, rest) = data.split_first().unwrap_or((&0, &[]));
-    if mode % 2 == 0 {
+    if mode.is_multiple_of(2) {
         if let Ok(mut p) = bounded("entry::decode", rest.len(), 2, || entry::decode(rest, &key)) {
             // Equal to a freshly built plan, up to the recorded build time.
             p.stats.build_ms = reference.stats.build_ms;
@@ -501,7 +505,7 @@ fn run_cpu(plan: Arc<Plan>) {
 fn pack_config(b: &mut Bytes<'_>) -> crate::pack::PackConfig {
     crate::pack::PackConfig {
         seq_len: 2 + b.below(40),
-        strategy: if b.u8() % 2 == 0 {
+        strategy: if b.u8().is_multiple_of(2) {
             crate::pack::Strategy::BestFit
         } else {
             crate::pack::Strategy::Greedy
@@ -668,7 +672,7 @@ fn gen_mask(b: &mut Bytes<'_>, res: &FuzzData, depth: usize) -> Mask {
 /// small multiple of the file.
 pub fn export(data: &[u8]) {
     let (mode, rest) = data.split_first().unwrap_or((&0, &[]));
-    if mode % 2 == 1 {
+    if !mode.is_multiple_of(2) {
         let f = temp_file(".npz", rest);
         match bounded("FlexArrays::read_npz", rest.len(), 8, || {
             FlexArrays::read_npz(f.path())
@@ -801,8 +805,11 @@ pub fn telemetry_jsonl(data: &[u8]) {
     }
 }
 
+/// A fuzz entry point.
+pub type Entry = fn(&[u8]);
+
 /// Every entry by its fuzz target name (the corpus directories under `tests/corpus/`).
-pub const TARGETS: &[(&str, fn(&[u8]))] = &[
+pub const TARGETS: &[(&str, Entry)] = &[
     ("mask_plan", mask_plan),
     ("npy", npy),
     ("safetensors", safetensors),
