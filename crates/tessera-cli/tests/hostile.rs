@@ -364,6 +364,11 @@ fn hostile_inputs_exit_2_with_one_line_and_write_nothing() {
         case(&["telemetry", "plot", "--in", "empty.jsonl", "--out", "t.png"], "empty.jsonl"),
         case(&["telemetry", "plot", "--in", "binary.jsonl", "--out", "t.png"], "binary.jsonl"),
         case(&["telemetry", "plot", "--in", "docs.jsonl", "--out", "t.png"], "docs.jsonl"),
+        // Workload flags of bench and demo.
+        case(&["bench", "--masks", "causal", "--lens", "1024", "--dims", "4294967296", "--heads", "1", "--dtypes", "f32", "--passes", "fwd", "--reps", "1", "--no-peak"], "memory budget"),
+        case(&["bench", "--masks", "causal", "--lens", "1099511627776", "--dims", "64", "--dtypes", "f32", "--no-peak"], "tile"),
+        case(&["demo", "--head-dim", "4294967296", "--out-dir", "demo_out"], "memory budget"),
+        case(&["demo", "--seq-len", "1099511627776", "--out-dir", "demo_out"], "--seq-len"),
         // Usage.
         case(&["plan"], "--mask"),
         case(&["frobnicate"], "frobnicate"),
