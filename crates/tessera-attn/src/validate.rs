@@ -9,7 +9,7 @@
 use crate::{AttnInputs, AttnOptions, ForwardOut, GradInputs, GradOut, StridedView};
 use tessera_core::tensor::TensorView;
 use tessera_core::{DType, Error, Result};
-use tessera_plan::{Plan, FULL_TILE};
+use tessera_plan::Plan;
 
 /// Problem dimensions of a validated attention call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -346,10 +346,6 @@ pub fn check_grad_out(out: &GradOut<'_>, d: &Dims, sinks: bool) -> Result<()> {
     }
 }
 
-fn bad_plan(found: impl std::fmt::Display) -> Error {
-    Error::invalid("plan", "an internally consistent plan", found)
-}
-
 /// The plan must be built for exactly this problem and be internally consistent.
 fn check_plan(plan: &Plan, d: &Dims) -> Result<()> {
     let s = plan.shape;
@@ -374,56 +370,8 @@ fn check_plan(plan: &Plan, d: &Dims) -> Result<()> {
 }
 
 /// The plan's internal consistency (tiles, groups, work lists and partial-mask table agree), so
-/// that a corrupt or hand-edited plan is an error, never an out-of-range index in a kernel.
+/// that a corrupt or hand-edited plan is an error, never an out-of-range index in a kernel
+/// (see [`Plan::check_consistent`]).
 pub fn check_plan_consistent(plan: &Plan) -> Result<()> {
-    let s = plan.shape;
-    let t = plan.tile;
-    if t.q == 0 || t.kv == 0 || plan.partials.tile != t {
-        return Err(bad_plan(format!("tile {t}")));
-    }
-    if plan.q_tiles != s.q_len.div_ceil(t.q) || plan.kv_tiles != s.kv_len.div_ceil(t.kv) {
-        return Err(bad_plan(format!(
-            "{}x{} tiles for Lq={} Lkv={} and tile {t}",
-            plan.q_tiles, plan.kv_tiles, s.q_len, s.kv_len
-        )));
-    }
-    if plan.partials.words_per_row != t.kv.div_ceil(64)
-        || !plan
-            .partials
-            .data
-            .len()
-            .is_multiple_of(plan.partials.mask_words().max(1))
-    {
-        return Err(bad_plan("a partial-mask table of the wrong size"));
-    }
-    let groups_ok = (plan.batch_groups == 1 || plan.batch_groups == s.batch)
-        && (plan.head_groups == 1 || plan.head_groups == s.heads)
-        && plan.group_plan.len() == plan.batch_groups * plan.head_groups
-        && plan
-            .group_plan
-            .iter()
-            .all(|&g| (g as usize) < plan.head_plans.len());
-    if !groups_ok {
-        return Err(bad_plan("inconsistent batch/head groups"));
-    }
-    let n_masks = plan.partials.len() as u64;
-    for hp in &plan.head_plans {
-        let lists = [
-            (&hp.fwd_offsets, &hp.fwd, plan.q_tiles, plan.kv_tiles),
-            (&hp.bwd_offsets, &hp.bwd, plan.kv_tiles, plan.q_tiles),
-        ];
-        for (offsets, entries, n, other) in lists {
-            let ok = offsets.len() == n + 1
-                && offsets.first() == Some(&0)
-                && offsets.windows(2).all(|w| w[0] <= w[1])
-                && offsets.last().map(|&x| x as usize) == Some(entries.len())
-                && entries.iter().all(|e| {
-                    (e.tile as usize) < other && (e.mask == FULL_TILE || (e.mask as u64) < n_masks)
-                });
-            if !ok {
-                return Err(bad_plan("a work list out of range"));
-            }
-        }
-    }
-    Ok(())
+    plan.check_consistent()
 }

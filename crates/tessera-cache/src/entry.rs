@@ -19,12 +19,19 @@
 //! building it, where pure postcard was ~2x slower than building.
 //!
 //! Contract: [`decode`] accepts exactly the bytes [`encode`] produced for the requested key and
-//! rejects anything else with a [`RejectReason`] naming the first check that failed.
+//! rejects anything else with a [`RejectReason`] naming the first check that failed. The checksum
+//! guards against corruption, not against a forged entry (BLAKE3 is not keyed), so a decoded plan
+//! is also checked for what a forger could break: its contract key must be the one recomputed
+//! from its own mask, shape and tile, and it must pass [`Plan::check_consistent`], so that no
+//! entry, whatever its bytes, can make a consumer index out of range. Allocations are bounded by
+//! the payload length, which the caller has checked against the file's size.
 
 use std::borrow::Cow;
 use std::fmt;
 use std::io::Read;
-use tessera_plan::{ContractKey, PartialMasks, Plan, PLAN_FORMAT_VERSION};
+use tessera_plan::{
+    contract_key_of_canonical, ContractKey, PartialMasks, Plan, PLAN_FORMAT_VERSION,
+};
 
 /// First bytes of every entry.
 pub const MAGIC: [u8; 8] = *b"TSPLAN\x00\x01";
@@ -75,6 +82,9 @@ pub enum RejectReason {
         /// The decoded plan's contract.
         found: ContractKey,
     },
+    /// The decoded plan's fields do not hash to its contract key, or it is internally
+    /// inconsistent (a forged or hand-edited entry).
+    Inconsistent(String),
     /// The decoded plan carries another format version.
     PlanVersion {
         /// The decoded plan's format version.
@@ -118,6 +128,7 @@ impl fmt::Display for RejectReason {
                 "plan holds contract {}…, not the requested key",
                 short(found)
             ),
+            RejectReason::Inconsistent(e) => write!(f, "inconsistent plan: {e}"),
             RejectReason::PlanVersion { found, expected } => {
                 write!(f, "plan format version {found}, expected {expected}")
             }
@@ -349,6 +360,13 @@ fn finish(words: Vec<u64>, tail: &[u8], expected: &ContractKey) -> Result<Plan, 
             expected: PLAN_FORMAT_VERSION,
         });
     }
+    if contract_key_of_canonical(&plan.mask, plan.shape, plan.tile) != plan.contract {
+        return Err(RejectReason::Inconsistent(
+            "its mask, shape and tile do not hash to its contract key".into(),
+        ));
+    }
+    plan.check_consistent()
+        .map_err(|e| RejectReason::Inconsistent(e.to_string()))?;
     Ok(plan)
 }
 

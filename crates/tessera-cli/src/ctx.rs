@@ -111,3 +111,38 @@ pub fn print_json<T: serde::Serialize>(value: &T) -> Result<()> {
     println!("{s}");
     Ok(())
 }
+
+/// Checks every output a command will write before it does any work, so that a bad output path
+/// (a directory, a missing directory, a wrong extension) fails the whole command with nothing
+/// written, rather than after some outputs were. `exts` lists the accepted extensions.
+pub fn check_outputs(outputs: &[(&str, &std::path::Path, &[&str])]) -> Result<()> {
+    for (flag, path, exts) in outputs {
+        let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("");
+        if !exts.is_empty() && !exts.iter().any(|e| ext.eq_ignore_ascii_case(e)) {
+            return Err(Error::invalid(
+                *flag,
+                format!("a path ending in .{}", exts.join(" or .")),
+                path.display(),
+            ));
+        }
+        if path.is_dir() {
+            return Err(Error::invalid(
+                *flag,
+                "a file path",
+                format!("directory {}", path.display()),
+            ));
+        }
+        let dir = match path.parent() {
+            Some(d) if !d.as_os_str().is_empty() => d,
+            _ => std::path::Path::new("."),
+        };
+        if !dir.is_dir() {
+            return Err(Error::invalid(
+                *flag,
+                "a file in an existing directory",
+                format!("{} (no directory {})", path.display(), dir.display()),
+            ));
+        }
+    }
+    Ok(())
+}

@@ -81,8 +81,21 @@ pub fn named_mask(name: &str, len: usize) -> Result<(String, Mask)> {
 }
 
 /// A tensor of seeded values uniform in [-1, 1) (never all zeros) in `dtype` (f32 or bf16).
+/// Shapes come from flags (`bench --dims`, `demo --seq-len`): the element count is checked for
+/// overflow and the memory budget before anything is allocated.
 pub fn random_tensor(shape: Vec<usize>, dtype: DType, seed: u64) -> Result<Tensor> {
-    let n: usize = shape.iter().product();
+    let n128 = shape
+        .iter()
+        .fold(1u128, |a, &d| a.saturating_mul(d as u128));
+    // The f32 values plus the tensor built from them.
+    tessera_core::budget::check(|| format!("a {shape:?} {dtype} workload tensor"), 8 * n128)?;
+    let n = usize::try_from(n128).map_err(|_| {
+        Error::invalid(
+            "tensor shape",
+            "a size that fits in memory",
+            format!("{shape:?}"),
+        )
+    })?;
     let mut rng = rng(seed);
     let v: Vec<f32> = (0..n).map(|_| rng.gen_range(-1.0f32..1.0)).collect();
     match dtype {

@@ -49,6 +49,19 @@ pub enum Error {
         /// What is wrong with its content.
         msg: String,
     },
+    /// The input declares more memory than the budget allows (see [`crate::budget`]): refused
+    /// before anything is allocated.
+    #[error("{what}: needs {}, more than the memory budget of {} ({source_of_budget})", crate::budget::human_bytes(*.need), crate::budget::human_bytes(*.budget))]
+    OverBudget {
+        /// What would have been allocated (a file, a plan, an output), as the user named it.
+        what: String,
+        /// Bytes it needs.
+        need: u128,
+        /// Bytes the budget allows.
+        budget: u64,
+        /// Where the budget comes from (the variable, or available memory).
+        source_of_budget: String,
+    },
     /// A requested capability is not available on this machine or build.
     #[error("{0}")]
     Unsupported(String),

@@ -15,6 +15,7 @@
 //! # Ok::<(), Error>(())
 //! ```
 
+pub mod budget;
 pub mod error;
 pub mod metrics;
 pub mod tensor;

@@ -90,6 +90,7 @@ pub fn export_packed(plan: &Plan) -> Result<(FlexArrays, Vec<u64>)> {
 }
 
 fn export_impl(plan: &Plan, bools: bool) -> Result<(FlexArrays, Vec<u64>)> {
+    crate::check_budget(plan, "flex export")?;
     let c = Contents::new(plan);
     let (nq, nk) = (plan.q_tiles, plan.kv_tiles);
     let (bg, hg) = (plan.batch_groups, plan.head_groups);

@@ -75,6 +75,16 @@ impl std::fmt::Display for ExportKind {
     }
 }
 
+/// Refuses an export whose dense per-tile arrays (about 32 bytes per tile per head and batch
+/// group, for every engine layout) exceed the memory budget.
+pub(crate) fn check_budget(plan: &Plan, what: &str) -> Result<()> {
+    let cells = plan.batch_groups as u128
+        * plan.shape.heads as u128
+        * plan.q_tiles as u128
+        * plan.kv_tiles as u128;
+    tessera_core::budget::check(|| what.to_string(), 32 * cells)
+}
+
 /// Exports `plan` for `kind` and writes the `.npz` at `path` (atomically: temp file + rename).
 pub fn export_npz(plan: &Plan, kind: ExportKind, path: &Path) -> Result<()> {
     match kind {

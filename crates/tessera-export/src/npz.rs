@@ -28,9 +28,16 @@ pub fn write_npz(path: &Path, arrays: &[(String, NpyArray)]) -> Result<()> {
     })
 }
 
-/// Reads every `NAME.npy` member of an `.npz`, in archive order.
+/// Reads every `NAME.npy` member of an `.npz`, in archive order. Members are stored (not
+/// compressed), so no member holds more bytes than the file: sizes declared in the archive are
+/// never trusted for allocation.
 pub fn read_npz(path: &Path) -> Result<Vec<(String, NpyArray)>> {
     let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+    let file_len = file.metadata().map_err(|e| Error::io(path, e))?.len();
+    tessera_core::budget::check(
+        || format!("reading {}", path.display()),
+        2 * file_len as u128,
+    )?;
     let mut za =
         zip::ZipArchive::new(std::io::BufReader::new(file)).map_err(|e| zip_err(path, e))?;
     let mut out = Vec::with_capacity(za.len());
@@ -41,8 +48,11 @@ pub fn read_npz(path: &Path) -> Result<Vec<(String, NpyArray)>> {
             continue;
         };
         let key = key.to_string();
-        let mut bytes = Vec::with_capacity(member.size() as usize);
-        member
+        // A hostile header can declare any size: reserve no more than the file holds, and read
+        // no more than that either.
+        let mut bytes = Vec::with_capacity(member.size().min(file_len) as usize);
+        (&mut member)
+            .take(file_len)
             .read_to_end(&mut bytes)
             .map_err(|e| Error::io(path, e))?;
         let arr = NpyArray::from_npy(&bytes, path).map_err(|e| match e {

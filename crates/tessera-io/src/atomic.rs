@@ -82,7 +82,22 @@ pub fn atomic_write_with(
         Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
         _ => PathBuf::from("."),
     };
-    let (tmp_path, file) = create_temp(&dir, &file_name)?;
+    // Checked before any work so the error names the output, not a temporary file.
+    if path.is_dir() {
+        return Err(Error::invalid(
+            "output path",
+            "a file path",
+            format!("directory {}", path.display()),
+        ));
+    }
+    if !dir.is_dir() {
+        let why = format!("cannot write here: no directory {}", dir.display());
+        return Err(Error::io(
+            path,
+            std::io::Error::new(std::io::ErrorKind::NotFound, why),
+        ));
+    }
+    let (tmp_path, file) = create_temp(&dir, &file_name, path)?;
     let mut guard = TempGuard {
         path: tmp_path,
         armed: true,
@@ -101,8 +116,9 @@ pub fn atomic_write_with(
     Ok(())
 }
 
-/// Creates a fresh temporary file `.NAME.tmp.PID.N` in `dir`, retrying past stale leftovers.
-fn create_temp(dir: &Path, file_name: &str) -> Result<(PathBuf, File)> {
+/// Creates a fresh temporary file `.NAME.tmp.PID.N` in `dir`, retrying past stale leftovers;
+/// errors name the destination `path`.
+fn create_temp(dir: &Path, file_name: &str, path: &Path) -> Result<(PathBuf, File)> {
     let pid = std::process::id();
     let mut last_err = None;
     for _ in 0..64 {
@@ -111,7 +127,7 @@ fn create_temp(dir: &Path, file_name: &str) -> Result<(PathBuf, File)> {
         match OpenOptions::new().write(true).create_new(true).open(&tmp) {
             Ok(f) => return Ok((tmp, f)),
             Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => last_err = Some(e),
-            Err(e) => return Err(Error::io(tmp, e)),
+            Err(e) => return Err(Error::io(path, e)),
         }
     }
     Err(Error::io(

@@ -8,6 +8,9 @@
 //! - Every writer goes through [`atomic_write`], so a failed write never leaves a partial file
 //!   and never damages an existing one.
 //! - One `.npy` codec ([`NpyArray`] for raw arrays, the same parser and encoder for tensors).
+//! - Readers hold at most the file in memory plus the decoded tensor, and a file that would take
+//!   more than the memory budget ([`tessera_core::budget`]) is refused before it is read; no
+//!   allocation is sized by a header before the header is checked against the file's length.
 //!
 //! ```
 //! use tessera_core::{Tensor, TensorData};
@@ -103,6 +106,43 @@ pub fn read_tensor(spec: &str, dtype: Option<DType>) -> Result<Tensor> {
 /// Reads every tensor of a `.safetensors` file, sorted by name.
 pub fn read_safetensors(path: &Path) -> Result<Vec<(String, Tensor)>> {
     sfts::read_all(path)
+}
+
+/// Decodes `.npy` bytes held in memory as [`read_tensor`] decodes a `.npy` file (same dtype
+/// rules); `path` only names the source in errors.
+pub fn decode_npy(bytes: &[u8], path: &Path, dtype: Option<DType>) -> Result<Tensor> {
+    npy::decode_npy(bytes, path, dtype)
+}
+
+/// Decodes `.safetensors` bytes held in memory as [`read_safetensors`] decodes a file; `path`
+/// only names the source in errors.
+pub fn decode_safetensors(bytes: &[u8], path: &Path) -> Result<Vec<(String, Tensor)>> {
+    sfts::decode_all(bytes, path)
+}
+
+/// The `.safetensors` bytes of named tensors (what [`write_safetensors`] writes). Names must be
+/// unique.
+pub fn encode_safetensors(tensors: &[(&str, &Tensor)]) -> Result<Vec<u8>> {
+    let views: Vec<(&str, TensorView<'_>)> = tensors.iter().map(|(n, t)| (*n, t.view())).collect();
+    sfts::encode_all(&views)
+}
+
+/// Reads a whole input file after checking that it is a regular file and that holding it (and
+/// a decoded copy of about the same size) fits the memory budget.
+pub(crate) fn read_file(path: &Path) -> Result<Vec<u8>> {
+    let meta = std::fs::metadata(path).map_err(|e| Error::io(path, e))?;
+    if meta.is_dir() {
+        return Err(Error::invalid(
+            "input file",
+            "a file",
+            format!("directory {}", path.display()),
+        ));
+    }
+    tessera_core::budget::check(
+        || format!("reading {}", path.display()),
+        2 * meta.len() as u128,
+    )?;
+    std::fs::read(path).map_err(|e| Error::io(path, e))
 }
 
 /// Writes one tensor, format by extension: `.npy` (bf16 as `<u2` raw bits) or `.safetensors`

@@ -239,7 +239,7 @@ impl NpyArray {
 
     /// Reads a `.npy` file into an [`NpyArray`] (see [`NpyArray::from_npy`]).
     pub fn read(path: &Path) -> Result<Self> {
-        let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
+        let bytes = crate::read_file(path)?;
         Self::from_npy(&bytes, path)
     }
 }
@@ -313,6 +313,7 @@ fn parse(bytes: &[u8]) -> std::result::Result<Parsed<'_>, String> {
 /// Parses the header bytes (preamble included, already length-checked): a C-order (or 1-d)
 /// array of a plain dtype.
 fn parse_header(head: &[u8]) -> std::result::Result<(NpyHeader, TypeStr, Vec<usize>), String> {
+    check_nesting(head)?;
     check_shape_text(head)?;
     let mut cursor: &[u8] = head;
     let header =
@@ -344,14 +345,19 @@ fn parse_header(head: &[u8]) -> std::result::Result<(NpyHeader, TypeStr, Vec<usi
 /// as bf16 raw bits only when `want == Some(DType::BF16)` (a `u2` file is otherwise ambiguous).
 /// With `want` set, any other dtype mismatch is an error naming both dtypes.
 pub(crate) fn read_npy(path: &Path, want: Option<DType>) -> Result<Tensor> {
-    let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
+    let bytes = crate::read_file(path)?;
+    decode_npy(&bytes, path, want)
+}
+
+/// [`read_npy`] on file bytes already in memory; `path` names the source in errors.
+pub(crate) fn decode_npy(bytes: &[u8], path: &Path, want: Option<DType>) -> Result<Tensor> {
     let bad = |msg: String| Error::format(path, msg);
     let Parsed {
         header,
         ts,
         shape,
         data,
-    } = parse(&bytes).map_err(bad)?;
+    } = parse(bytes).map_err(bad)?;
     let descr = ts.to_string();
     let file = NpyFile::with_header(header, data);
     let decode_err = |e: std::io::Error| bad(format!("bad data: {e}"));
@@ -415,6 +421,31 @@ fn check_preamble(bytes: &[u8]) -> std::result::Result<usize, &'static str> {
         .filter(|&e| e <= bytes.len())
         .ok_or("truncated .npy header")?;
     Ok(end)
+}
+
+/// Deepest bracket nesting a header may have: a plain-dtype header has a dict holding a shape
+/// tuple (2); anything deeper is a structured dtype, which is refused anyway.
+const MAX_HEADER_NESTING: usize = 4;
+
+/// Rejects headers nested deeper than [`MAX_HEADER_NESTING`] before npyz's literal parser sees
+/// them: its backtracking is exponential in the nesting (18 `{` took 23 s, found by fuzzing).
+fn check_nesting(header: &[u8]) -> std::result::Result<(), String> {
+    let mut depth = 0usize;
+    for &c in header {
+        match c {
+            b'{' | b'[' | b'(' => {
+                depth += 1;
+                if depth > MAX_HEADER_NESTING {
+                    return Err(format!(
+                        "not a valid .npy header: brackets nested deeper than {MAX_HEADER_NESTING}"
+                    ));
+                }
+            }
+            b'}' | b']' | b')' => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+    }
+    Ok(())
 }
 
 /// Rejects shapes whose element count overflows before npyz multiplies them out (which would

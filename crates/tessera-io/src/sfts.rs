@@ -14,8 +14,12 @@ use tessera_core::{DType, Error, Result, Tensor, TensorData};
 
 /// Reads every tensor of a safetensors file, sorted by name.
 pub(crate) fn read_all(path: &Path) -> Result<Vec<(String, Tensor)>> {
-    let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
-    let st = parse(path, &bytes)?;
+    decode_all(&crate::read_file(path)?, path)
+}
+
+/// [`read_all`] on file bytes already in memory; `path` names the source in errors.
+pub(crate) fn decode_all(bytes: &[u8], path: &Path) -> Result<Vec<(String, Tensor)>> {
+    let st = parse(path, bytes)?;
     let mut out = Vec::with_capacity(st.len());
     for (name, view) in st.tensors() {
         let t = convert(path, &name, &view)?;
@@ -27,7 +31,7 @@ pub(crate) fn read_all(path: &Path) -> Result<Vec<(String, Tensor)>> {
 
 /// Reads one tensor: `name`, or the only tensor of the file when `name` is `None`.
 pub(crate) fn read_one(path: &Path, name: Option<&str>, want: Option<DType>) -> Result<Tensor> {
-    let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
+    let bytes = crate::read_file(path)?;
     let st = parse(path, &bytes)?;
     let mut names: Vec<String> = st.names().into_iter().cloned().collect();
     names.sort();
@@ -164,6 +168,12 @@ pub(crate) fn write(
     path: &Path,
     tensors: &[(&str, TensorView<'_>)],
 ) -> Result<()> {
+    let bytes = encode_all(tensors)?;
+    out.write_all(&bytes).map_err(|e| Error::io(path, e))
+}
+
+/// The `.safetensors` bytes of named tensors. Names must be unique.
+pub(crate) fn encode_all(tensors: &[(&str, TensorView<'_>)]) -> Result<Vec<u8>> {
     let mut seen = std::collections::BTreeSet::new();
     for (name, t) in tensors {
         // Views built by hand are not checked at construction; a wrong count would corrupt the file.
@@ -184,7 +194,6 @@ pub(crate) fn write(
         }
     }
     let encoded: Vec<(&str, Encoded)> = tensors.iter().map(|(n, t)| (*n, encode(t))).collect();
-    let bytes = safetensors::serialize(encoded.iter().map(|(n, e)| (*n, e)), &None)
-        .map_err(|e| Error::Internal(format!("safetensors serialization: {e}")))?;
-    out.write_all(&bytes).map_err(|e| Error::io(path, e))
+    safetensors::serialize(encoded.iter().map(|(n, e)| (*n, e)), &None)
+        .map_err(|e| Error::Internal(format!("safetensors serialization: {e}")))
 }

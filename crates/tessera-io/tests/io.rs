@@ -461,3 +461,31 @@ fn raw_npy_arrays_round_trip_and_match_tensor_files() {
         &NpyArray::from_npy(&be, Path::new("b.npy")).unwrap_err()
     ));
 }
+
+/// Found by fuzzing: npyz's header parser backtracks exponentially on nested brackets (18 `{`
+/// took 23 s); such headers are refused before it runs.
+#[test]
+fn deeply_nested_npy_header_is_refused_quickly() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("nested.npy");
+    let mut h = format!(
+        "{{'descr': {}'<f4', 'fortran_order': False, 'shape': (2,), }}",
+        "{".repeat(40)
+    );
+    while (10 + h.len() + 1) % 64 != 0 {
+        h.push(' ');
+    }
+    h.push('\n');
+    let mut b = b"\x93NUMPY\x01\x00".to_vec();
+    b.extend_from_slice(&(h.len() as u16).to_le_bytes());
+    b.extend_from_slice(h.as_bytes());
+    b.extend_from_slice(&[0u8; 8]);
+    std::fs::write(&p, &b).unwrap();
+    let start = std::time::Instant::now();
+    let e = read_tensor(&spec(&p), None).unwrap_err();
+    assert!(is_format(&e) && e.to_string().contains("nested"), "{e}");
+    assert!(is_format(
+        &tessera_io::NpyArray::from_npy(&b, &p).unwrap_err()
+    ));
+    assert!(start.elapsed().as_secs() < 2);
+}

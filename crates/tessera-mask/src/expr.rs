@@ -1,12 +1,25 @@
 //! The typed mask algebra and its token-level semantics.
+//!
+//! Contract on depth: the typed API can build trees of any depth (`!` applied 100,000 times),
+//! deeper than the parser allows. Everything here that a caller can reach without validating
+//! (`Drop`, `Clone`, `PartialEq`, `Debug`, `Display`, [`Mask::canonical`], [`Mask::depth`],
+//! [`Mask::nodes`], [`Mask::dependence`], [`Mask::resolve_heads`], [`Mask::allowed`]) walks the
+//! tree with an explicit stack, so no tree overflows the thread's stack. [`Mask::validate`]
+//! refuses trees deeper than [`MAX_TREE_DEPTH`] before anything recursive (the planner) runs.
 
 use crate::data::{DenseMask, Segments};
+use crate::parse::MAX_DEPTH;
 use std::fmt::Write as _;
 use std::sync::Arc;
 use tessera_core::{Error, Result};
 
+/// Deepest mask tree (a leaf is depth 1) that [`Mask::validate`] accepts, and so the deepest
+/// any recursive algorithm over a mask (the planner) sees. Every tree the parser builds is within
+/// it: each level of `(`, `!` or `heads(` nesting adds at most three nodes (heads, or, and), so a
+/// parsed tree is at most `3 * MAX_DEPTH + 3` deep.
+pub const MAX_TREE_DEPTH: usize = 4 * MAX_DEPTH;
+
 /// A boolean expression over structured mask predicates (SPEC §3).
-#[derive(Debug, Clone, PartialEq)]
 pub enum Mask {
     /// Every pair allowed.
     Full,
@@ -94,30 +107,178 @@ impl Mask {
     }
 
     /// Token-level semantics: may query `i` of batch row `b`, head `h` attend key `j`?
-    /// Callers must pass in-range indices of a mask that passed [`Mask::validate`].
+    /// Callers must pass in-range indices of a mask that passed [`Mask::validate`]; any tree
+    /// depth is safe (past [`MAX_TREE_DEPTH`] levels the evaluation continues on a heap stack).
     pub fn allowed(&self, b: usize, h: usize, i: usize, j: usize) -> bool {
-        let (ii, jj) = (i as i64, j as i64);
+        self.allowed_at(b, h, i, j, 0)
+    }
+
+    /// Recursive evaluation (fast, short-circuiting) up to [`MAX_TREE_DEPTH`] levels, then
+    /// [`Mask::allowed_iterative`] for what lies below.
+    fn allowed_at(&self, b: usize, h: usize, i: usize, j: usize, depth: usize) -> bool {
+        if depth >= MAX_TREE_DEPTH {
+            return self.allowed_iterative(b, h, i, j);
+        }
+        let d = depth + 1;
+        match self {
+            Mask::And(v) => v.iter().all(|m| m.allowed_at(b, h, i, j, d)),
+            Mask::Or(v) => v.iter().any(|m| m.allowed_at(b, h, i, j, d)),
+            Mask::Not(m) => !m.allowed_at(b, h, i, j, d),
+            Mask::Heads(v) => v[h].allowed_at(b, h, i, j, d),
+            leaf => leaf.leaf_allowed(b, h, i, j),
+        }
+    }
+
+    /// The same semantics without recursion: a post-order fold on an explicit stack.
+    fn allowed_iterative(&self, b: usize, h: usize, i: usize, j: usize) -> bool {
+        self.fold(|m, kids: Vec<bool>| match m {
+            Mask::And(_) => kids.iter().all(|&x| x),
+            Mask::Or(_) => kids.iter().any(|&x| x),
+            Mask::Not(_) => !kids.first().copied().unwrap_or(false),
+            Mask::Heads(_) => kids.get(h).copied().unwrap_or(false),
+            leaf => leaf.leaf_allowed(b, h, i, j),
+        })
+        .unwrap_or(false)
+    }
+
+    /// A leaf's predicate, in exact (128-bit) arithmetic so that extreme offsets cannot wrap.
+    fn leaf_allowed(&self, b: usize, h: usize, i: usize, j: usize) -> bool {
+        let (ii, jj) = (i as i128, j as i128);
         match self {
             Mask::Full => true,
-            Mask::Causal { offset } => ii + offset >= jj,
-            Mask::Window { left, right } => ii - left <= jj && jj <= ii + right,
-            Mask::Chunk { size } => i as u64 / size == j as u64 / size,
+            Mask::Causal { offset } => ii + *offset as i128 >= jj,
+            Mask::Window { left, right } => ii - *left as i128 <= jj && jj <= ii + *right as i128,
+            // chunk(0) is refused by `validate`; never allowing keeps this total.
+            Mask::Chunk { size } => *size != 0 && i as u64 / size == j as u64 / size,
             Mask::Prefix { len } => (j as u64) < *len,
             Mask::Document(s) => {
                 let a = s.q.row(b)[i];
                 a >= 0 && a == s.kv.row(b)[j]
             }
             Mask::Dense(d) => d.get(d.slice_index(b, h), i, j),
-            Mask::And(v) => v.iter().all(|m| m.allowed(b, h, i, j)),
-            Mask::Or(v) => v.iter().any(|m| m.allowed(b, h, i, j)),
-            Mask::Not(m) => !m.allowed(b, h, i, j),
-            Mask::Heads(v) => v[h].allowed(b, h, i, j),
+            Mask::And(_) | Mask::Or(_) | Mask::Not(_) | Mask::Heads(_) => false,
         }
     }
 
-    /// Checks the mask against a problem shape: leaf parameters, segment lengths and rows,
-    /// dense shapes, and the number of `heads(...)` entries.
+    /// The operands of an `&`, `|`, `!` or `heads(...)` node, in order; empty for a leaf.
+    pub fn children(&self) -> &[Mask] {
+        match self {
+            Mask::And(v) | Mask::Or(v) | Mask::Heads(v) => v,
+            Mask::Not(m) => std::slice::from_ref(&**m),
+            _ => &[],
+        }
+    }
+
+    /// Every node of the tree in depth-first pre-order (left to right), without recursion.
+    pub fn nodes(&self) -> impl Iterator<Item = &Mask> + '_ {
+        let mut stack = vec![self];
+        std::iter::from_fn(move || {
+            let m = stack.pop()?;
+            stack.extend(m.children().iter().rev());
+            Some(m)
+        })
+    }
+
+    /// Depth of the tree (a leaf is 1), computed without recursion.
+    pub fn depth(&self) -> usize {
+        let mut stack = vec![(self, 1usize)];
+        let mut max = 0;
+        while let Some((m, d)) = stack.pop() {
+            max = max.max(d);
+            stack.extend(m.children().iter().map(|c| (c, d + 1)));
+        }
+        max
+    }
+
+    /// Post-order fold on an explicit stack: `f(node, results of its children)`; `None` never
+    /// happens (the root always yields a result).
+    fn fold<T>(&self, mut f: impl FnMut(&Mask, Vec<T>) -> T) -> Option<T> {
+        let mut stack: Vec<(&Mask, usize)> = vec![(self, 0)];
+        let mut results: Vec<T> = Vec::new();
+        while let Some((node, next)) = stack.pop() {
+            let kids = node.children();
+            if next < kids.len() {
+                stack.push((node, next + 1));
+                stack.push((&kids[next], 0));
+                continue;
+            }
+            let args = results.split_off(results.len() - kids.len());
+            results.push(f(node, args));
+        }
+        results.pop()
+    }
+
+    /// A copy of this node with `kids` as its operands (leaves are copied as they are).
+    fn with_children(&self, kids: Vec<Mask>) -> Mask {
+        match self {
+            Mask::Full => Mask::Full,
+            Mask::Causal { offset } => Mask::Causal { offset: *offset },
+            Mask::Window { left, right } => Mask::Window {
+                left: *left,
+                right: *right,
+            },
+            Mask::Chunk { size } => Mask::Chunk { size: *size },
+            Mask::Prefix { len } => Mask::Prefix { len: *len },
+            Mask::Document(s) => Mask::Document(Arc::clone(s)),
+            Mask::Dense(d) => Mask::Dense(Arc::clone(d)),
+            Mask::And(_) => Mask::And(kids),
+            Mask::Or(_) => Mask::Or(kids),
+            Mask::Heads(_) => Mask::Heads(kids),
+            Mask::Not(_) => Mask::Not(Box::new(kids.into_iter().next().unwrap_or(Mask::Full))),
+        }
+    }
+
+    /// Same node kind and leaf parameters (operands not compared).
+    fn same_node(&self, other: &Mask) -> bool {
+        match (self, other) {
+            (Mask::Full, Mask::Full) => true,
+            (Mask::Causal { offset: a }, Mask::Causal { offset: b }) => a == b,
+            (
+                Mask::Window { left: a, right: b },
+                Mask::Window {
+                    left: c, right: d, ..
+                },
+            ) => a == c && b == d,
+            (Mask::Chunk { size: a }, Mask::Chunk { size: b }) => a == b,
+            (Mask::Prefix { len: a }, Mask::Prefix { len: b }) => a == b,
+            (Mask::Document(a), Mask::Document(b)) => a == b,
+            (Mask::Dense(a), Mask::Dense(b)) => a == b,
+            (Mask::And(a), Mask::And(b))
+            | (Mask::Or(a), Mask::Or(b))
+            | (Mask::Heads(a), Mask::Heads(b)) => a.len() == b.len(),
+            (Mask::Not(_), Mask::Not(_)) => true,
+            _ => false,
+        }
+    }
+
+    /// Refuses trees deeper than [`MAX_TREE_DEPTH`] (they would overflow recursive planning).
+    pub fn check_depth(&self) -> Result<()> {
+        let depth = self.depth();
+        if depth > MAX_TREE_DEPTH {
+            return Err(Error::invalid(
+                "mask",
+                format!("an expression tree at most {MAX_TREE_DEPTH} levels deep"),
+                format!("{depth} levels"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Checks the mask against a problem shape: tree depth ([`MAX_TREE_DEPTH`]), leaf
+    /// parameters, segment lengths and rows, dense shapes, and the number of `heads(...)` entries.
     pub fn validate(&self, batch: usize, heads: usize, q_len: usize, kv_len: usize) -> Result<()> {
+        self.check_depth()?;
+        self.validate_bounded(batch, heads, q_len, kv_len)
+    }
+
+    /// [`Mask::validate`] below the depth check (recursion is bounded by it).
+    fn validate_bounded(
+        &self,
+        batch: usize,
+        heads: usize,
+        q_len: usize,
+        kv_len: usize,
+    ) -> Result<()> {
         match self {
             Mask::Full | Mask::Causal { .. } | Mask::Window { .. } | Mask::Prefix { .. } => Ok(()),
             Mask::Chunk { size } => {
@@ -176,9 +337,9 @@ impl Mask {
                     return Err(Error::invalid("mask", "at least one operand", "none"));
                 }
                 v.iter()
-                    .try_for_each(|m| m.validate(batch, heads, q_len, kv_len))
+                    .try_for_each(|m| m.validate_bounded(batch, heads, q_len, kv_len))
             }
-            Mask::Not(m) => m.validate(batch, heads, q_len, kv_len),
+            Mask::Not(m) => m.validate_bounded(batch, heads, q_len, kv_len),
             Mask::Heads(v) => {
                 if v.len() != heads {
                     return Err(Error::invalid(
@@ -188,40 +349,34 @@ impl Mask {
                     ));
                 }
                 v.iter()
-                    .try_for_each(|m| m.validate(batch, heads, q_len, kv_len))
+                    .try_for_each(|m| m.validate_bounded(batch, heads, q_len, kv_len))
             }
         }
     }
 
     /// Along which of batch and heads the mask can differ.
     pub fn dependence(&self) -> Dependence {
-        match self {
-            Mask::Full
-            | Mask::Causal { .. }
-            | Mask::Window { .. }
-            | Mask::Chunk { .. }
-            | Mask::Prefix { .. } => Dependence::default(),
-            Mask::Document(s) => Dependence {
-                batch: s.rows() > 1,
-                heads: false,
-            },
-            Mask::Dense(d) => Dependence {
-                batch: d.batch() > 1,
-                heads: d.heads() > 1,
-            },
-            Mask::And(v) | Mask::Or(v) => v.iter().fold(Dependence::default(), |a, m| {
-                let d = m.dependence();
-                Dependence {
-                    batch: a.batch || d.batch,
-                    heads: a.heads || d.heads,
-                }
-            }),
-            Mask::Not(m) => m.dependence(),
-            Mask::Heads(v) => Dependence {
-                batch: v.iter().any(|m| m.dependence().batch),
-                heads: true,
-            },
-        }
+        self.nodes().fold(Dependence::default(), |a, m| {
+            let d = match m {
+                Mask::Document(s) => Dependence {
+                    batch: s.rows() > 1,
+                    heads: false,
+                },
+                Mask::Dense(d) => Dependence {
+                    batch: d.batch() > 1,
+                    heads: d.heads() > 1,
+                },
+                Mask::Heads(_) => Dependence {
+                    batch: false,
+                    heads: true,
+                },
+                _ => Dependence::default(),
+            };
+            Dependence {
+                batch: a.batch || d.batch,
+                heads: a.heads || d.heads,
+            }
+        })
     }
 
     /// Stable canonical text: `&`/`|` operands flattened, sorted and deduplicated, double
@@ -264,127 +419,277 @@ impl Mask {
         })
     }
 
-    /// The mask with every `heads(...)` replaced by head `h`'s expression.
+    /// The mask with every `heads(...)` replaced by head `h`'s expression (the last one when
+    /// there are fewer than `h + 1`).
     pub fn resolve_heads(&self, h: usize) -> Mask {
-        match self {
-            Mask::Heads(v) => v[h.min(v.len().saturating_sub(1))].resolve_heads(h),
-            Mask::And(v) => Mask::And(v.iter().map(|m| m.resolve_heads(h)).collect()),
-            Mask::Or(v) => Mask::Or(v.iter().map(|m| m.resolve_heads(h)).collect()),
-            Mask::Not(m) => Mask::Not(Box::new(m.resolve_heads(h))),
-            other => other.clone(),
-        }
+        self.fold(|m, mut kids: Vec<Mask>| match m {
+            Mask::Heads(_) => {
+                let k = h.min(kids.len().saturating_sub(1));
+                if k < kids.len() {
+                    kids.swap_remove(k)
+                } else {
+                    Mask::Heads(Vec::new())
+                }
+            }
+            other => other.with_children(kids),
+        })
+        .unwrap_or(Mask::Full)
     }
 
+    /// Canonical text on an explicit stack: a frame per node being assembled, holding the
+    /// operands still to visit and the texts of those done.
     fn canonical_with(&self, data: &dyn Fn(&Mask, &mut String)) -> String {
-        match self {
-            Mask::Full => "full".into(),
-            Mask::Causal { offset } => format!("causal(offset={offset})"),
-            Mask::Window { left, right } => format!("window({left},{right})"),
-            Mask::Chunk { size } => format!("chunk({size})"),
-            Mask::Prefix { len } => format!("prefix({len})"),
-            Mask::Document(_) | Mask::Dense(_) => {
-                let mut s = String::new();
-                data(self, &mut s);
-                s
-            }
-            Mask::And(_) | Mask::Or(_) => {
-                let is_and = matches!(self, Mask::And(_));
-                let mut parts = Vec::new();
-                self.flatten(is_and, &mut |m| parts.push(m.canonical_with(data)));
-                parts.sort();
-                parts.dedup();
-                if parts.len() == 1 {
-                    return parts.pop().unwrap_or_default();
-                }
-                let sep = if is_and { "&" } else { "|" };
-                format!("{}({})", if is_and { "and" } else { "or" }, parts.join(sep))
-            }
-            Mask::Not(m) => match m.as_ref() {
-                Mask::Not(inner) => inner.canonical_with(data),
-                other => format!("!{}", other.canonical_with(data)),
-            },
-            Mask::Heads(v) => {
-                let parts: Vec<String> = v.iter().map(|m| m.canonical_with(data)).collect();
-                format!("heads({})", parts.join(","))
+        struct Frame<'m> {
+            node: &'m Mask,
+            operands: Vec<&'m Mask>,
+            parts: Vec<String>,
+        }
+        fn frame(m: &Mask) -> Frame<'_> {
+            let node = strip_double_negation(m);
+            let operands = match node {
+                Mask::And(_) | Mask::Or(_) => flatten(node),
+                other => other.children().iter().map(strip_double_negation).collect(),
+            };
+            Frame {
+                node,
+                parts: Vec::with_capacity(operands.len()),
+                operands,
             }
         }
+        let mut stack = vec![frame(self)];
+        let mut root = String::new();
+        while let Some(top) = stack.pop() {
+            if top.parts.len() < top.operands.len() {
+                let next = top.operands[top.parts.len()];
+                stack.push(top);
+                stack.push(frame(next));
+                continue;
+            }
+            let mut parts = top.parts;
+            let text = match top.node {
+                Mask::Full => "full".into(),
+                Mask::Causal { offset } => format!("causal(offset={offset})"),
+                Mask::Window { left, right } => format!("window({left},{right})"),
+                Mask::Chunk { size } => format!("chunk({size})"),
+                Mask::Prefix { len } => format!("prefix({len})"),
+                Mask::Document(_) | Mask::Dense(_) => {
+                    let mut s = String::new();
+                    data(top.node, &mut s);
+                    s
+                }
+                Mask::And(_) | Mask::Or(_) => {
+                    let is_and = matches!(top.node, Mask::And(_));
+                    parts.sort();
+                    parts.dedup();
+                    if parts.len() == 1 {
+                        parts.pop().unwrap_or_default()
+                    } else {
+                        let sep = if is_and { "&" } else { "|" };
+                        format!("{}({})", if is_and { "and" } else { "or" }, parts.join(sep))
+                    }
+                }
+                Mask::Not(_) => format!("!{}", parts.concat()),
+                Mask::Heads(_) => format!("heads({})", parts.join(",")),
+            };
+            match stack.last_mut() {
+                Some(parent) => parent.parts.push(text),
+                None => root = text,
+            }
+        }
+        root
     }
+}
 
-    /// Visits the operands of nested same-kind `&` (or `|`) nodes in order.
-    fn flatten(&self, is_and: bool, f: &mut dyn FnMut(&Mask)) {
-        match self {
-            Mask::And(v) if is_and => v.iter().for_each(|m| m.flatten(is_and, f)),
-            Mask::Or(v) if !is_and => v.iter().for_each(|m| m.flatten(is_and, f)),
-            Mask::Not(m) if matches!(m.as_ref(), Mask::Not(_)) => {
-                if let Mask::Not(inner) = m.as_ref() {
-                    inner.flatten(is_and, f)
-                }
-            }
-            other => f(other),
+/// `m` with any even number of leading `!` removed.
+fn strip_double_negation(mut m: &Mask) -> &Mask {
+    while let Mask::Not(a) = m {
+        match a.as_ref() {
+            Mask::Not(inner) => m = inner,
+            _ => break,
         }
     }
+    m
+}
+
+/// The operands of `node` (an `&` or `|`) with nested same-kind nodes flattened into it, seen
+/// through double negations, in order; without recursion.
+fn flatten(node: &Mask) -> Vec<&Mask> {
+    let is_and = matches!(node, Mask::And(_));
+    let mut out = Vec::new();
+    let mut stack: Vec<&Mask> = node.children().iter().rev().collect();
+    while let Some(m) = stack.pop() {
+        let m = strip_double_negation(m);
+        match m {
+            Mask::And(v) if is_and => stack.extend(v.iter().rev()),
+            Mask::Or(v) if !is_and => stack.extend(v.iter().rev()),
+            other => out.push(other),
+        }
+    }
+    out
 }
 
 fn hex8(d: &[u8; 32]) -> String {
     d[..16].iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// The text form (parseable by [`crate::parse`] given the same data bindings).
+/// The text form (parseable by [`crate::parse`] given the same data bindings), written from an
+/// explicit stack.
 impl std::fmt::Display for Mask {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        fn join(f: &mut std::fmt::Formatter<'_>, v: &[Mask], sep: &str) -> std::fmt::Result {
-            for (k, m) in v.iter().enumerate() {
-                if k > 0 {
-                    f.write_str(sep)?;
-                }
-                match m {
-                    Mask::And(_) | Mask::Or(_) => write!(f, "({m})")?,
-                    _ => write!(f, "{m}")?,
-                }
-            }
-            Ok(())
+        enum Item<'m> {
+            Node(&'m Mask),
+            Text(&'static str),
         }
-        match self {
-            Mask::Full => f.write_str("full"),
-            Mask::Causal { offset: 0 } => f.write_str("causal"),
-            Mask::Causal { offset } => write!(f, "causal(offset={offset})"),
-            Mask::Window { left, right: 0 } => write!(f, "window({left})"),
-            Mask::Window { left, right } => write!(f, "window({left}, {right})"),
-            Mask::Chunk { size } => write!(f, "chunk({size})"),
-            Mask::Prefix { len } => write!(f, "prefix({len})"),
-            Mask::Document(_) => f.write_str("document"),
-            Mask::Dense(d) => write!(f, "dense({})", d.label()),
-            Mask::And(v) => join(f, v, " & "),
-            Mask::Or(v) => join(f, v, " | "),
-            Mask::Not(m) => match m.as_ref() {
-                Mask::And(_) | Mask::Or(_) => write!(f, "!({m})"),
-                _ => write!(f, "!{m}"),
-            },
-            Mask::Heads(v) => {
-                f.write_str("heads(")?;
-                for (k, m) in v.iter().enumerate() {
-                    if k > 0 {
-                        f.write_str(", ")?;
-                    }
-                    write!(f, "{m}")?;
-                }
-                f.write_str(")")
+        // Pushes `m` to be written, in parentheses when it is an `|`, or an `&` inside an `&`
+        // or a `!` (`&` binds tighter than `|`, so `a & b | c` needs none: the printed text
+        // never nests deeper than the parsed one).
+        fn operand<'m>(stack: &mut Vec<Item<'m>>, m: &'m Mask, in_or: bool) {
+            let wrap = match m {
+                Mask::Or(_) => true,
+                Mask::And(_) => !in_or,
+                _ => false,
+            };
+            if wrap {
+                stack.extend([Item::Text(")"), Item::Node(m), Item::Text("(")]);
+            } else {
+                stack.push(Item::Node(m));
             }
+        }
+        // Pushes `v` separated by `sep` (in reverse, so that they pop in order); `heads`
+        // operands are whole expressions and need no parentheses.
+        fn list<'m>(stack: &mut Vec<Item<'m>>, parent: &'m Mask, v: &'m [Mask], sep: &'static str) {
+            for (k, m) in v.iter().enumerate().rev() {
+                match parent {
+                    Mask::Heads(_) => stack.push(Item::Node(m)),
+                    _ => operand(stack, m, matches!(parent, Mask::Or(_))),
+                }
+                if k > 0 {
+                    stack.push(Item::Text(sep));
+                }
+            }
+        }
+        let mut stack = vec![Item::Node(self)];
+        while let Some(item) = stack.pop() {
+            let m = match item {
+                Item::Text(t) => {
+                    f.write_str(t)?;
+                    continue;
+                }
+                Item::Node(m) => m,
+            };
+            match m {
+                Mask::Full => f.write_str("full")?,
+                Mask::Causal { offset: 0 } => f.write_str("causal")?,
+                Mask::Causal { offset } => write!(f, "causal(offset={offset})")?,
+                Mask::Window { left, right: 0 } => write!(f, "window({left})")?,
+                Mask::Window { left, right } => write!(f, "window({left}, {right})")?,
+                Mask::Chunk { size } => write!(f, "chunk({size})")?,
+                Mask::Prefix { len } => write!(f, "prefix({len})")?,
+                Mask::Document(_) => f.write_str("document")?,
+                Mask::Dense(d) => write!(f, "dense({})", d.label())?,
+                Mask::And(v) => list(&mut stack, m, v, " & "),
+                Mask::Or(v) => list(&mut stack, m, v, " | "),
+                Mask::Not(inner) => {
+                    f.write_str("!")?;
+                    operand(&mut stack, inner, false);
+                }
+                Mask::Heads(v) => {
+                    f.write_str("heads(")?;
+                    stack.push(Item::Text(")"));
+                    list(&mut stack, m, v, ", ");
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `Mask(<text form>)`; written without recursion like [`Display`](std::fmt::Display).
+impl std::fmt::Debug for Mask {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Mask({self})")
+    }
+}
+
+impl Clone for Mask {
+    fn clone(&self) -> Mask {
+        self.fold(|m, kids| m.with_children(kids))
+            .unwrap_or(Mask::Full)
+    }
+}
+
+impl PartialEq for Mask {
+    fn eq(&self, other: &Mask) -> bool {
+        let mut stack = vec![(self, other)];
+        while let Some((a, b)) = stack.pop() {
+            if !a.same_node(b) {
+                return false;
+            }
+            stack.extend(a.children().iter().zip(b.children()));
+        }
+        true
+    }
+}
+
+impl Drop for Mask {
+    fn drop(&mut self) {
+        // The default drop glue recurses once per level; a deep tree is taken apart on a heap
+        // stack instead. Nodes whose operands are all leaves need no help.
+        if self.children().iter().all(|c| c.children().is_empty()) {
+            return;
+        }
+        let mut stack = Vec::new();
+        detach_operands(self, &mut stack);
+        while let Some(mut m) = stack.pop() {
+            detach_operands(&mut m, &mut stack);
         }
     }
 }
 
+/// Moves the operands of `m` onto `out`, leaving `m` with none (a `!` keeps a `full`).
+fn detach_operands(m: &mut Mask, out: &mut Vec<Mask>) {
+    match m {
+        Mask::And(v) | Mask::Or(v) | Mask::Heads(v) => out.append(v),
+        Mask::Not(inner) => out.push(std::mem::replace(&mut **inner, Mask::Full)),
+        _ => {}
+    }
+}
+
+/// `a & b`: an `&` on the left absorbs the new operand (an `&` on the right its operands), so
+/// chains built in a loop stay one flat node instead of a tree as deep as the chain.
 impl std::ops::BitAnd for Mask {
     type Output = Mask;
     fn bitand(self, rhs: Mask) -> Mask {
-        Mask::And(vec![self, rhs])
+        join(self, rhs, true)
     }
 }
 
+/// `a | b`, flattened like `&`.
 impl std::ops::BitOr for Mask {
     type Output = Mask;
     fn bitor(self, rhs: Mask) -> Mask {
-        Mask::Or(vec![self, rhs])
+        join(self, rhs, false)
+    }
+}
+
+fn join(lhs: Mask, rhs: Mask, is_and: bool) -> Mask {
+    let mut ops = Vec::new();
+    for mut m in [lhs, rhs] {
+        let same = if is_and {
+            matches!(m, Mask::And(_))
+        } else {
+            matches!(m, Mask::Or(_))
+        };
+        if same {
+            detach_operands(&mut m, &mut ops);
+        } else {
+            ops.push(m);
+        }
+    }
+    if is_and {
+        Mask::And(ops)
+    } else {
+        Mask::Or(ops)
     }
 }
 

@@ -24,5 +24,5 @@ mod expr;
 mod parse;
 
 pub use data::{DenseMask, SegmentIds, Segments};
-pub use expr::{Dependence, Mask};
+pub use expr::{Dependence, Mask, MAX_TREE_DEPTH};
 pub use parse::{parse, NoData, Resolver, MAX_DEPTH, MAX_LEN};

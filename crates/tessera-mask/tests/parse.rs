@@ -38,7 +38,7 @@ fn leaves_parse_to_typed_masks() {
     assert!(matches!(p("document"), Mask::Document(_)));
     assert!(matches!(p("dense(some/file.npy)"), Mask::Dense(_)));
     assert!(matches!(p("dense('a b(1).npy')"), Mask::Dense(_)));
-    assert!(matches!(p("heads(causal, full)"), Mask::Heads(v) if v.len() == 2));
+    assert!(matches!(p("heads(causal, full)"), Mask::Heads(ref v) if v.len() == 2));
 }
 
 #[test]

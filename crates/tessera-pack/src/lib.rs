@@ -373,6 +373,11 @@ fn pack_source(
                 format!("{rows} x {l}"),
             )
         })?;
+    // Three i32 arrays of `slots` each: refused up front when over the memory budget.
+    tessera_core::budget::check(
+        || format!("packed output of {rows} rows x {l} tokens (--seq-len)"),
+        12 * slots as u128,
+    )?;
     let mut out_tokens = vec![PAD_TOKEN; slots];
     let mut out_segments = vec![PAD_SEGMENT; slots];
     let mut out_positions = vec![0i32; slots];

@@ -6,11 +6,19 @@ use crate::plan::{HeadPlan, PartialMasks, Plan, PlanStats, TileEntry, TileState,
 use crate::shape::{PlanShape, TileShape};
 use std::collections::HashMap;
 use std::time::Instant;
-use tessera_core::{metrics, Error, Result};
+use tessera_core::{budget, metrics, Error, Result};
 use tessera_mask::Mask;
+
+/// Bytes of one work-list entry (forward or backward).
+const ENTRY_BYTES: u128 = std::mem::size_of::<TileEntry>() as u128;
 
 /// Builds the plan of `mask` for `shape` and `tile` (SPEC §5). Records one plan build in
 /// [`tessera_core::metrics`].
+///
+/// Refused up front (never an allocation abort): a mask tree deeper than
+/// [`tessera_mask::MAX_TREE_DEPTH`], more than 2^31 tiles per side, and a plan whose work lists
+/// (bounded by stage 1 before they are built) or partial-mask table would exceed the memory
+/// budget ([`tessera_core::budget`]).
 pub fn build_plan(mask: &Mask, shape: PlanShape, tile: TileShape) -> Result<Plan> {
     let start = Instant::now();
     PlanShape::new(shape.batch, shape.heads, shape.q_len, shape.kv_len)?;
@@ -35,12 +43,23 @@ pub fn build_plan(mask: &Mask, shape: PlanShape, tile: TileShape) -> Result<Plan
     let dep = mask.dependence();
     let bg = if dep.batch { shape.batch } else { 1 };
     let hg = if dep.heads { shape.heads } else { 1 };
+    let what = || {
+        format!(
+            "plan for B={} H={} Lq={} Lkv={} tile {tile}",
+            shape.batch, shape.heads, shape.q_len, shape.kv_len
+        )
+    };
+    // The smallest possible plan: one head plan's work-list offsets and the group table.
+    let offsets_bytes = 4 * (g.nq as u128 + g.nk as u128 + 2);
+    budget::check(what, offsets_bytes + 4 * (bg as u128 * hg as u128))?;
 
     let mut partials = PartialMasks::new(tile);
     let mut dedup = PartialDedup::default();
     let mut head_plans: Vec<HeadPlan> = Vec::new();
     let mut by_key: HashMap<String, u32> = HashMap::new();
     let mut group_plan = Vec::with_capacity(bg * hg);
+    // Upper bound of the work lists so far (stage 1 reach of every head plan built).
+    let mut lists_bytes: u128 = 0;
     // How many (b, h) of the full problem each distinct head plan serves.
     let mut uses: Vec<u64> = Vec::new();
     let b_mult = (shape.batch / bg) as u64;
@@ -57,31 +76,37 @@ pub fn build_plan(mask: &Mask, shape: PlanShape, tile: TileShape) -> Result<Plan
                 Some(&i) => i,
                 None => {
                     let node = Node::prepare(mask, &g, b, h);
-                    head_plans.push(plan_head(&node, &g, &mut partials, &mut dedup));
+                    let reach: u128 = (0..g.nq)
+                        .filter_map(|qt| node.reach(&g, qt))
+                        .map(|(lo, hi)| (hi - lo + 1) as u128)
+                        .sum();
+                    lists_bytes += offsets_bytes + 2 * ENTRY_BYTES * reach;
+                    budget::check(what, lists_bytes)?;
+                    head_plans.push(plan_head(&node, &g, &mut partials, &mut dedup, &what)?);
                     uses.push(0);
                     let i = (head_plans.len() - 1) as u32;
                     by_key.insert(key, i);
                     i
                 }
             };
-            uses[idx as usize] += b_mult * h_mult;
+            uses[idx as usize] = uses[idx as usize].saturating_add(b_mult.saturating_mul(h_mult));
             group_plan.push(idx);
         }
     }
 
+    // Counts saturate: B·H·Lq·Lkv can exceed u64 for shapes whose plan is small.
     let groups = group_plan.len() as u64;
-    let tiles = groups * (g.nq * g.nk) as u64;
+    let tiles = groups.saturating_mul((g.nq as u64).saturating_mul(g.nk as u64));
     let (mut full, mut partial) = (0u64, 0u64);
     for &p in &group_plan {
-        full += head_plans[p as usize].full_tiles;
-        partial += head_plans[p as usize].partial_tiles;
+        full = full.saturating_add(head_plans[p as usize].full_tiles);
+        partial = partial.saturating_add(head_plans[p as usize].partial_tiles);
     }
-    let allowed: u64 = head_plans
-        .iter()
-        .zip(&uses)
-        .map(|(hp, &u)| hp.allowed_pairs * u)
-        .sum();
-    let total_pairs = (shape.batch * shape.heads) as f64 * shape.q_len as f64 * shape.kv_len as f64;
+    let allowed: u64 = head_plans.iter().zip(&uses).fold(0u64, |a, (hp, &u)| {
+        a.saturating_add(hp.allowed_pairs.saturating_mul(u))
+    });
+    let total_pairs =
+        shape.batch as f64 * shape.heads as f64 * shape.q_len as f64 * shape.kv_len as f64;
     let mut plan = Plan {
         format_version: PLAN_FORMAT_VERSION,
         contract: contract_key(mask, shape, tile),
@@ -95,7 +120,7 @@ pub fn build_plan(mask: &Mask, shape: PlanShape, tile: TileShape) -> Result<Plan
         group_plan,
         stats: PlanStats {
             tiles,
-            empty_tiles: tiles - full - partial,
+            empty_tiles: tiles.saturating_sub(full).saturating_sub(partial),
             partial_tiles: partial,
             full_tiles: full,
             unique_partial_masks: 0,
@@ -122,10 +147,20 @@ pub fn build_plan(mask: &Mask, shape: PlanShape, tile: TileShape) -> Result<Plan
 #[derive(Default)]
 struct PartialDedup {
     by_hash: HashMap<u64, Vec<u32>>,
+    /// Table size in words at which the memory budget is checked next (doubling).
+    next_check: usize,
 }
 
+/// The partial-mask table is checked against the memory budget from this many words on.
+const FIRST_TABLE_CHECK: usize = 16 << 20;
+
 impl PartialDedup {
-    fn intern(&mut self, table: &mut PartialMasks, bits: &[u64]) -> u32 {
+    fn intern(
+        &mut self,
+        table: &mut PartialMasks,
+        bits: &[u64],
+        what: &dyn Fn() -> String,
+    ) -> Result<u32> {
         // FNV-style mix: cheap, and collisions are resolved by comparing content.
         let h = bits.iter().fold(0xcbf2_9ce4_8422_2325u64, |a, &w| {
             (a ^ w).wrapping_mul(0x0100_0000_01b3).rotate_left(29)
@@ -133,13 +168,19 @@ impl PartialDedup {
         let ids = self.by_hash.entry(h).or_default();
         for &id in ids.iter() {
             if table.get(id) == bits {
-                return id;
+                return Ok(id);
             }
+        }
+        let words = table.data.len() + bits.len();
+        if words >= self.next_check.max(FIRST_TABLE_CHECK) {
+            // Checked at doublings so the growing table never outruns the budget by more than 2x.
+            budget::check(what, 8 * 2 * words as u128)?;
+            self.next_check = 2 * words;
         }
         let id = table.len() as u32;
         table.data.extend_from_slice(bits);
         ids.push(id);
-        id
+        Ok(id)
     }
 }
 
@@ -149,7 +190,8 @@ fn plan_head(
     g: &Geom,
     table: &mut PartialMasks,
     dedup: &mut PartialDedup,
-) -> HeadPlan {
+    what: &dyn Fn() -> String,
+) -> Result<HeadPlan> {
     let mut fwd_offsets = Vec::with_capacity(g.nq + 1);
     let mut fwd = Vec::new();
     let mut bits = vec![0u64; g.tq * g.wpr];
@@ -173,7 +215,7 @@ fn plan_head(
                         } else {
                             allowed += n;
                             partial_tiles += 1;
-                            let id = dedup.intern(table, &bits);
+                            let id = dedup.intern(table, &bits, what)?;
                             fwd.push(TileEntry {
                                 tile: kt as u32,
                                 mask: id,
@@ -215,7 +257,7 @@ fn plan_head(
             *slot += 1;
         }
     }
-    HeadPlan {
+    Ok(HeadPlan {
         fwd_offsets,
         fwd,
         bwd_offsets,
@@ -223,5 +265,5 @@ fn plan_head(
         full_tiles,
         partial_tiles,
         allowed_pairs: allowed,
-    }
+    })
 }

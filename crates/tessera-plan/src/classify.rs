@@ -228,7 +228,7 @@ impl<'a> Node<'a> {
             Mask::Full => Node::Full,
             Mask::Causal { offset } => Node::Causal(*offset),
             Mask::Window { left, right } => Node::Window(*left, *right),
-            Mask::Chunk { size } => Node::Chunk(*size as i64),
+            Mask::Chunk { size } => Node::Chunk((*size).min(i64::MAX as u64) as i64),
             Mask::Prefix { len } => Node::Prefix((*len).min(i64::MAX as u64) as i64),
             Mask::Document(s) => Node::Doc(DocLeaf::new(g, s.q.row(b), s.kv.row(b))),
             Mask::Dense(d) => Node::Dense(DenseLeaf::new(g, d, d.slice_index(b, h))),

@@ -36,15 +36,19 @@ impl std::fmt::Display for ContractKey {
 
 /// The contract key of planning `mask` for `shape` with `tile`.
 pub fn contract_key(mask: &Mask, shape: PlanShape, tile: TileShape) -> ContractKey {
+    contract_key_of_canonical(&mask.canonical(), shape, tile)
+}
+
+/// The contract key of a mask given by its canonical text ([`Mask::canonical`], what a
+/// [`crate::Plan`] records): lets a loaded plan be checked against the key it is stored under.
+pub fn contract_key_of_canonical(
+    canonical: &str,
+    shape: PlanShape,
+    tile: TileShape,
+) -> ContractKey {
     let text = format!(
         "tessera-plan v{PLAN_FORMAT_VERSION}\nmask={}\nB={} H={} Lq={} Lkv={}\ntile={}x{}",
-        mask.canonical(),
-        shape.batch,
-        shape.heads,
-        shape.q_len,
-        shape.kv_len,
-        tile.q,
-        tile.kv
+        canonical, shape.batch, shape.heads, shape.q_len, shape.kv_len, tile.q, tile.kv
     );
     ContractKey(*blake3::hash(text.as_bytes()).as_bytes())
 }

@@ -7,6 +7,7 @@
 
 use crate::contract::ContractKey;
 use crate::shape::{PlanShape, TileShape};
+use tessera_core::{Error, Result};
 
 /// Tile state, with the JAX Splash `block_mask` numbering.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
@@ -131,6 +132,24 @@ impl PartialMasks {
     /// True when there is no partial mask.
     pub fn is_empty(&self) -> bool {
         self.data.is_empty()
+    }
+
+    /// True when mask `id` has no bit set outside its first `rows` rows and `cols` columns.
+    pub fn zero_outside(&self, id: u32, rows: usize, cols: usize) -> bool {
+        let w = self.words_per_row;
+        self.get(id).chunks(w).enumerate().all(|(r, row)| {
+            row.iter().enumerate().all(|(k, &word)| {
+                let lo = k * 64;
+                let keep = if r >= rows || cols <= lo {
+                    0
+                } else if cols >= lo + 64 {
+                    u64::MAX
+                } else {
+                    (1u64 << (cols - lo)) - 1
+                };
+                word & !keep == 0
+            })
+        })
     }
 
     /// All words of mask `id`.
@@ -277,6 +296,132 @@ impl Plan {
     /// dK (2·Dqk) per pair.
     pub fn backward_flops(&self, d_qk: usize, d_v: usize) -> f64 {
         self.stats.allowed_pairs as f64 * (6 * d_qk + 4 * d_v) as f64
+    }
+    /// The plan's internal consistency: valid tile and problem shapes; tile counts, batch/head
+    /// groups, work lists and the partial-mask table agree; every row of a work list is
+    /// strictly ascending; the backward lists are exactly the transpose of the forward ones; the
+    /// per-head tile counts match the lists. Every consumer (kernels, exporters, pictures) can
+    /// index a plan that passes without going out of range; the plan cache refuses a decoded
+    /// entry that fails. Errors name what is inconsistent.
+    pub fn check_consistent(&self) -> Result<()> {
+        let bad = |found: String| Error::invalid("plan", "an internally consistent plan", found);
+        let (s, t) = (self.shape, self.tile);
+        PlanShape::new(s.batch, s.heads, s.q_len, s.kv_len).map_err(|e| bad(e.to_string()))?;
+        TileShape::new(t.q, t.kv).map_err(|e| bad(e.to_string()))?;
+        if self.partials.tile != t {
+            return Err(bad(format!("partial masks of tile {}", self.partials.tile)));
+        }
+        if self.q_tiles != s.q_len.div_ceil(t.q) || self.kv_tiles != s.kv_len.div_ceil(t.kv) {
+            return Err(bad(format!(
+                "{}x{} tiles for Lq={} Lkv={} and tile {t}",
+                self.q_tiles, self.kv_tiles, s.q_len, s.kv_len
+            )));
+        }
+        if self.partials.words_per_row != t.kv.div_ceil(64)
+            || !self
+                .partials
+                .data
+                .len()
+                .is_multiple_of(self.partials.mask_words())
+        {
+            return Err(bad("a partial-mask table of the wrong size".into()));
+        }
+        let groups_ok = (self.batch_groups == 1 || self.batch_groups == s.batch)
+            && (self.head_groups == 1 || self.head_groups == s.heads)
+            && self.batch_groups.checked_mul(self.head_groups) == Some(self.group_plan.len())
+            && self
+                .group_plan
+                .iter()
+                .all(|&g| (g as usize) < self.head_plans.len());
+        if !groups_ok {
+            return Err(bad("inconsistent batch/head groups".into()));
+        }
+        let n_masks = self.partials.len() as u64;
+        // Every mask is 0 past the tile's own columns (the padding bits of its last word).
+        if let Some(id) = (0..n_masks as u32).find(|&id| !self.partials.zero_outside(id, t.q, t.kv))
+        {
+            return Err(bad(format!(
+                "partial mask {id} has bits past the tile's {} columns",
+                t.kv
+            )));
+        }
+        for (k, hp) in self.head_plans.iter().enumerate() {
+            let lists = [
+                (&hp.fwd_offsets, &hp.fwd, self.q_tiles, self.kv_tiles),
+                (&hp.bwd_offsets, &hp.bwd, self.kv_tiles, self.q_tiles),
+            ];
+            for (offsets, entries, n, other) in lists {
+                let ok = offsets.len() == n + 1
+                    && offsets.first() == Some(&0)
+                    && offsets.windows(2).all(|w| w[0] <= w[1])
+                    && offsets.last().map(|&x| x as usize) == Some(entries.len())
+                    && offsets.windows(2).all(|w| {
+                        entries[w[0] as usize..w[1] as usize]
+                            .windows(2)
+                            .all(|p| p[0].tile < p[1].tile)
+                    })
+                    && entries.iter().all(|e| {
+                        (e.tile as usize) < other && (e.is_full() || (e.mask as u64) < n_masks)
+                    });
+                if !ok {
+                    return Err(bad(format!("head plan {k}: a work list out of range")));
+                }
+            }
+            // The backward lists must be the transpose of the forward ones: walking the forward
+            // rows in order visits each backward column's entries in order.
+            let mut fill: Vec<u32> = hp.bwd_offsets[..self.kv_tiles].to_vec();
+            let (mut full, mut partial) = (0u64, 0u64);
+            for qt in 0..self.q_tiles {
+                for e in hp.row(qt) {
+                    let slot = &mut fill[e.tile as usize];
+                    let matches = *slot < hp.bwd_offsets[e.tile as usize + 1]
+                        && hp.bwd[*slot as usize]
+                            == TileEntry {
+                                tile: qt as u32,
+                                mask: e.mask,
+                            };
+                    if !matches {
+                        return Err(bad(format!(
+                            "head plan {k}: backward work list is not the forward one transposed"
+                        )));
+                    }
+                    *slot += 1;
+                    if e.is_full() {
+                        full += 1;
+                    } else {
+                        partial += 1;
+                    }
+                }
+            }
+            // Partial bitmasks of ragged edge tiles must be 0 outside the in-range pairs
+            // (kernels derive the live sub-blocks of a tile from its bits).
+            let ragged_q = s.q_len % t.q != 0;
+            let ragged_kv = s.kv_len % t.kv != 0;
+            for qt in 0..self.q_tiles {
+                let last_q = ragged_q && qt + 1 == self.q_tiles;
+                for e in hp.row(qt) {
+                    let last_kv = ragged_kv && e.tile as usize + 1 == self.kv_tiles;
+                    if e.is_full() || !(last_q || last_kv) {
+                        continue;
+                    }
+                    let rows = if last_q { s.q_len % t.q } else { t.q };
+                    let cols = if last_kv { s.kv_len % t.kv } else { t.kv };
+                    if !self.partials.zero_outside(e.mask, rows, cols) {
+                        return Err(bad(format!(
+                            "head plan {k}: partial mask {} has bits outside tile ({qt}, {})",
+                            e.mask, e.tile
+                        )));
+                    }
+                }
+            }
+            if (full, partial) != (hp.full_tiles, hp.partial_tiles) {
+                return Err(bad(format!(
+                    "head plan {k}: {} full and {} partial tiles recorded, {full} and {partial} listed",
+                    hp.full_tiles, hp.partial_tiles
+                )));
+            }
+        }
+        Ok(())
     }
 
     /// Bytes held by the plan's arrays.

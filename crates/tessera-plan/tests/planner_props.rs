@@ -4,7 +4,7 @@
 
 use proptest::prelude::*;
 use rand::{Rng, SeedableRng};
-use tessera_mask::{DenseMask, Mask, SegmentIds, Segments};
+use tessera_mask::{DenseMask, Mask, SegmentIds, Segments, MAX_TREE_DEPTH};
 use tessera_plan::{build_plan, Plan, PlanShape, TileShape, TileState};
 
 /// Random segment ids for `rows` rows: runs of documents, sometimes padding runs (-1, -3), and
@@ -93,6 +93,29 @@ impl<R: Rng> Gen<'_, R> {
                 Mask::heads(v)
             }
         }
+    }
+}
+
+impl<R: Rng> Gen<'_, R> {
+    /// A tree exactly `depth` levels deep: a random small tree wrapped, one level at a time, in
+    /// `!`, `&` or `|` with a leaf, or `heads(...)` with leaves for the other heads (explicit
+    /// nodes: the operators would flatten same-kind chains).
+    fn deep(&mut self, depth: usize) -> Mask {
+        let mut m = self.tree(2);
+        while m.depth() < depth {
+            m = match self.rng.gen_range(0..4) {
+                0 => Mask::Not(Box::new(m)),
+                1 => Mask::And(vec![self.leaf(), m]),
+                2 => Mask::Or(vec![m, self.leaf()]),
+                _ => {
+                    let at = self.rng.gen_range(0..self.h);
+                    let mut v: Vec<Mask> = (0..self.h - 1).map(|_| self.leaf()).collect();
+                    v.insert(at, m);
+                    Mask::Heads(v)
+                }
+            };
+        }
+        m
     }
 }
 
@@ -192,6 +215,33 @@ proptest! {
         let tile = TileShape::new(1 << tq, 1 << tk).unwrap();
         let plan = build_plan(&mask, shape, tile).unwrap();
         check(&mask, &plan)?;
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+
+    /// Sound and complete on trees near the depth limit; one level more is refused.
+    #[test]
+    fn deep_trees_plan_like_brute_force(
+        seed in any::<u64>(),
+        lq in 1usize..90,
+        lkv in 1usize..90,
+        b in 1usize..3,
+        h in 1usize..3,
+        below in 0usize..8,
+    ) {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        let mut g = Gen { rng: &mut rng, b, h, lq, lkv };
+        let mask = g.deep(MAX_TREE_DEPTH - below);
+        prop_assert!(mask.depth() <= MAX_TREE_DEPTH);
+        let shape = PlanShape::new(b, h, lq, lkv).unwrap();
+        let tile = TileShape::new(16, 32).unwrap();
+        let plan = build_plan(&mask, shape, tile).unwrap();
+        check(&mask, &plan)?;
+        let too_deep = Mask::Not(Box::new(g.deep(MAX_TREE_DEPTH)));
+        let e = build_plan(&too_deep, shape, tile).unwrap_err();
+        prop_assert!(e.to_string().contains(&MAX_TREE_DEPTH.to_string()), "{}", e);
     }
 }
 

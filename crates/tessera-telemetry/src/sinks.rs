@@ -57,10 +57,9 @@ pub fn sink_key_flags(
 /// The kv segment ids of the first `document` leaf of `mask` (depth-first, left to right), the
 /// ids [`sink_key_flags`] should use for a document-masked problem; `None` without one.
 pub fn document_kv_segments(mask: &Mask) -> Option<&SegmentIds> {
-    match mask {
+    // `nodes` walks without recursion: the mask may be any depth here.
+    mask.nodes().find_map(|m| match m {
         Mask::Document(s) => Some(&s.kv),
-        Mask::And(v) | Mask::Or(v) | Mask::Heads(v) => v.iter().find_map(document_kv_segments),
-        Mask::Not(m) => document_kv_segments(m),
         _ => None,
-    }
+    })
 }

@@ -359,3 +359,75 @@ fn runs_bf16_kernel(isa: Isa, dtype: DType) -> bool {
 
 /// A mutable slice of an output in the storage dtype.
 pub(crate) type Out<'a> = OutData<'a>;
+
+#[cfg(test)]
+mod panic_guard_tests {
+    use super::*;
+    use rayon::prelude::*;
+    use tessera_core::Tensor;
+    use tessera_mask::Mask;
+    use tessera_plan::{build_plan, PlanShape, TileShape};
+
+    /// A panic on a pool worker inside a kernel call becomes `Error::Internal` at the API
+    /// boundary, and the same backend, pool and workspace serve the next call correctly (Python
+    /// users call in a loop).
+    #[test]
+    fn a_worker_panic_is_an_error_and_the_next_call_works() {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .unwrap();
+        let mut ws = CpuWorkspace::new();
+        let r: Result<()> = guarded(&mut ws, |_| {
+            pool.install(|| {
+                (0..64).into_par_iter().for_each(|i| {
+                    if i == 37 {
+                        panic!("injected kernel bug");
+                    }
+                })
+            });
+            Ok(())
+        });
+        let e = r.unwrap_err();
+        assert!(matches!(e, Error::Internal(_)) && !e.is_user_error(), "{e}");
+        assert!(e.to_string().contains("injected kernel bug"), "{e}");
+
+        let (b, h, l, d) = (1, 2, 70, 16);
+        let plan = Arc::new(
+            build_plan(
+                &Mask::causal(),
+                PlanShape::new(b, h, l, l).unwrap(),
+                TileShape::new(32, 32).unwrap(),
+            )
+            .unwrap(),
+        );
+        let x = |seed: usize| {
+            let v = (0..b * h * l * d)
+                .map(|k| ((k * 31 + seed) % 17) as f32 / 17.0 - 0.5)
+                .collect();
+            Tensor::from_f32(vec![b, h, l, d], v).unwrap()
+        };
+        let (q, k, v) = (x(1), x(2), x(3));
+        let cpu = CpuBackend::new();
+        let prepared = cpu.prepare(&plan).unwrap();
+        let inputs = AttnInputs::contiguous(q.view(), k.view(), v.view()).unwrap();
+        let want = cpu
+            .forward(&inputs, &plan, &AttnOptions::default())
+            .unwrap();
+        for _ in 0..3 {
+            let dims = crate::validate::check_inputs(&inputs, &AttnOptions::default()).unwrap();
+            let mut bufs = crate::ForwardBufs::new(&dims);
+            cpu.forward_into(
+                &prepared,
+                &inputs,
+                &AttnOptions::default(),
+                bufs.out(),
+                &mut ws,
+                Par::Pool(&pool),
+            )
+            .unwrap();
+            let got = bufs.finish(&dims).unwrap();
+            assert_eq!(got.o, want.o);
+        }
+    }
+}

@@ -7,7 +7,7 @@
 //! record is written to F (and included in the `--json` report). All checking of shapes, dtypes and options is
 //! the library's (SPEC §10); this file only checks how the flags combine.
 
-use crate::ctx::{print_json, Ctx};
+use crate::ctx::{check_outputs, print_json, Ctx};
 use crate::maskload::MaskArgs;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -158,6 +158,25 @@ fn write(path: &Path, t: &Tensor, written: &mut Vec<String>) -> Result<()> {
 
 pub fn run(args: AttendArgs, ctx: &Ctx) -> Result<()> {
     check_flags(&args)?;
+    // Every output path is checked before any work, so a bad one writes nothing.
+    const TENSOR: &[&str] = &["npy", "safetensors"];
+    let mut outputs: Vec<(&str, &Path, &[&str])> = vec![("--out", &args.out, TENSOR)];
+    for (flag, p) in [
+        ("--lse", &args.lse),
+        ("--max-logit", &args.max_logit),
+        ("--dq", &args.dq),
+        ("--dk", &args.dk),
+        ("--dv", &args.dv),
+        ("--dsinks", &args.dsinks),
+    ] {
+        if let Some(p) = p {
+            outputs.push((flag, p, TENSOR));
+        }
+    }
+    if let Some(p) = &args.telemetry {
+        outputs.push(("--telemetry", p, &[]));
+    }
+    check_outputs(&outputs)?;
     let dtype = match args.dtype.as_deref() {
         None => None,
         Some(s) => match s.parse::<DType>()? {
@@ -182,9 +201,25 @@ pub fn run(args: AttendArgs, ctx: &Ctx) -> Result<()> {
                     format!("shape {:?}", t.shape()),
                 ));
             }
-            Some(t.to_f32_vec()?)
+            // Name the flag: the tensor's own error does not know where it came from.
+            Some(t.to_f32_vec().map_err(|_| {
+                Error::invalid(
+                    "--sinks",
+                    "a floating-point array (f32, bf16 or f16)",
+                    format!("{} in {spec}", t.dtype()),
+                )
+            })?)
         }
     };
+    // Outputs are sized by the inputs' shapes (O is [B, Hq, Lq, Dv], gradients like their
+    // inputs): refuse up front what the memory budget cannot hold.
+    let out_elems = b as u128 * hq as u128 * lq as u128 * (dv as u128 + 2)
+        + if args.grad_out.is_some() {
+            (q.numel() + k.numel() + v.numel()) as u128
+        } else {
+            0
+        };
+    tessera::core::budget::check(|| "attention outputs".to_string(), 4 * out_elems)?;
     let (mask, plan) = args.mask.plan(ctx, b, hq, lq, lkv)?;
     let opts = AttnOptions {
         scale: args.scale,

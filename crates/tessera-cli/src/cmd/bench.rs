@@ -144,6 +144,17 @@ pub fn run(mut args: BenchArgs, ctx: &Ctx) -> Result<()> {
                     let tile = fixed_tile.unwrap_or_else(|| backend.recommended_tile(d, dt));
                     // Planning is cheap (< 1 ms at 8K) and goes through the plan cache.
                     let plan = ctx.plan(&mask, shape, tile)?;
+                    // Q, K, V, dO and the outputs and gradients: about eight such tensors.
+                    let elems = args.heads as u128 * len as u128 * d as u128;
+                    tessera::core::budget::check(
+                        || {
+                            format!(
+                                "bench workload --heads {} --lens {len} --dims {d}",
+                                args.heads
+                            )
+                        },
+                        8 * 4 * elems,
+                    )?;
                     let qs = vec![1, args.heads, len, d];
                     let q = random_tensor(qs.clone(), dt, 1)?;
                     let k = random_tensor(qs.clone(), dt, 2)?;

@@ -87,6 +87,25 @@ pub fn run(args: DemoArgs, ctx: &Ctx) -> Result<()> {
             0,
         ));
     }
+    if args.seq_len > i32::MAX as usize {
+        return Err(Error::invalid(
+            "--seq-len",
+            format!("at most {}", i32::MAX),
+            args.seq_len,
+        ));
+    }
+    // The attention run's tensors (Q, K, V, dO, outputs, gradients), checked before any step
+    // writes a file.
+    let elems = args.heads as u128 * args.seq_len as u128 * args.head_dim as u128;
+    tessera::core::budget::check(
+        || {
+            format!(
+                "demo attention --seq-len {} --heads {} --head-dim {}",
+                args.seq_len, args.heads, args.head_dim
+            )
+        },
+        8 * 4 * elems,
+    )?;
     let dir = &args.out_dir;
     std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
     print!(

@@ -97,13 +97,7 @@ pub fn run(args: PackArgs, ctx: &Ctx) -> Result<()> {
     }
     if let Some(out) = &args.out {
         // Fail before the (possibly long) packing rather than after it.
-        if !has_ext(out, "safetensors") {
-            return Err(Error::invalid(
-                "--out",
-                "a path ending in .safetensors",
-                out.display(),
-            ));
-        }
+        crate::ctx::check_outputs(&[("--out", out, &["safetensors"])])?;
     }
     let cfg = PackConfig {
         seq_len,

@@ -1,6 +1,6 @@
 //! `tessera plan`: plan a mask and print its statistics; optionally dump states or a picture.
 
-use crate::ctx::{print_json, Ctx};
+use crate::ctx::{check_outputs, print_json, Ctx};
 use crate::maskload::MaskArgs;
 use std::path::PathBuf;
 use tessera::core::{Error, Result, Tensor, TensorData};
@@ -115,6 +115,9 @@ impl<'a> PlanReport<'a> {
 
 /// Writes the tile states as an int8 `[B', H', nq, nk]` array.
 pub fn dump_states(plan: &Plan, path: &std::path::Path) -> Result<()> {
+    let cells = plan.group_plan.len() as u128 * plan.q_tiles as u128 * plan.kv_tiles as u128;
+    // The array, plus its encoded copy on the way to the file.
+    tessera::core::budget::check(|| format!("--dump-states {}", path.display()), 2 * cells)?;
     let (shape, states) = plan.states();
     let t = Tensor::new(shape.to_vec(), TensorData::I8(states))?;
     tessera::io::write_tensor(path, &t)
@@ -126,19 +129,34 @@ pub fn run(args: PlanArgs, ctx: &Ctx) -> Result<()> {
         return Err(Error::invalid("--head-dim", "a positive value", 0));
     }
     let shape = tessera::plan::PlanShape::new(args.batch, args.heads, args.q_len, kv_len)?;
+    // Every argument and output path is checked before any work, so a bad one writes nothing.
+    let mut exports = Vec::new();
+    for e in args.export.chunks(2) {
+        match e {
+            [k, p] => exports.push((
+                k.parse::<tessera::export::ExportKind>()?,
+                std::path::Path::new(p),
+            )),
+            _ => return Err(Error::invalid("--export", "KIND F.npz", e.join(" "))),
+        }
+    }
+    let mut outputs: Vec<(&str, &std::path::Path, &[&str])> = Vec::new();
+    if let Some(p) = &args.dump_states {
+        outputs.push(("--dump-states", p, &["npy", "safetensors"]));
+    }
+    if let Some(p) = &args.png {
+        outputs.push(("--png", p, &[]));
+    }
+    for (_, p) in &exports {
+        outputs.push(("--export", p, &[]));
+    }
+    check_outputs(&outputs)?;
     let lookup = ctx.lookup(&args.mask.mask()?, shape, args.mask.tile()?)?;
     let (plan, from_cache) = (lookup.plan, lookup.source.is_cached());
     if let Some(p) = &args.dump_states {
         dump_states(&plan, p)?;
     }
-    for e in args.export.chunks(2) {
-        let (kind, path) = match e {
-            [k, p] => (
-                k.parse::<tessera::export::ExportKind>()?,
-                std::path::Path::new(p),
-            ),
-            _ => return Err(Error::invalid("--export", "KIND F.npz", e.join(" "))),
-        };
+    for (kind, path) in exports {
         tessera::export::export_npz(&plan, kind, path)?;
     }
     if let Some(p) = &args.png {

@@ -79,6 +79,7 @@ pub fn run(args: TelemetryArgs, ctx: &Ctx) -> Result<()> {
 }
 
 fn plot(input: &Path, out: &Path, layer: Option<LayerChoice>, ctx: &Ctx) -> Result<()> {
+    crate::ctx::check_outputs(&[("--out", out, &[])])?;
     let records = tessera::telemetry::read_jsonl(input)?;
     if records.is_empty() {
         return Err(Error::format(
