@@ -306,9 +306,9 @@ fn clusters(tc: &TileCosts) -> Vec<(u32, u32)> {
     }
     let mut out = Vec::new();
     let (mut start, mut prefix_hi) = (0usize, 0u32);
-    for t in 1..n {
+    for (t, &lo_from_t) in suffix_lo.iter().enumerate().take(n).skip(1) {
         prefix_hi = prefix_hi.max(tc.hi[t - 1]);
-        if suffix_lo[t] as usize + 1 >= t && prefix_hi as usize <= t {
+        if lo_from_t as usize + 1 >= t && prefix_hi as usize <= t {
             out.push((start as u32, t as u32));
             start = t;
         }
