@@ -58,20 +58,16 @@ impl PyPlan {
 
 /// The largest batch and head counts the mask's data implies (1 when it implies none).
 fn implied_dims(m: &Mask) -> (usize, usize) {
-    match m {
-        Mask::Document(s) => (s.rows(), 1),
-        Mask::Dense(d) => (d.batch(), d.heads()),
-        Mask::Heads(v) => v
-            .iter()
-            .map(implied_dims)
-            .fold((1, v.len()), |a, b| (a.0.max(b.0), a.1.max(b.1))),
-        Mask::And(v) | Mask::Or(v) => v
-            .iter()
-            .map(implied_dims)
-            .fold((1, 1), |a, b| (a.0.max(b.0), a.1.max(b.1))),
-        Mask::Not(x) => implied_dims(x),
-        _ => (1, 1),
-    }
+    // A fold over the nodes (an explicit stack): a mask built through the typed API can be
+    // deeper than the call stack allows.
+    m.nodes()
+        .map(|n| match n {
+            Mask::Document(s) => (s.rows(), 1),
+            Mask::Dense(d) => (d.batch(), d.heads()),
+            Mask::Heads(v) => (1, v.len()),
+            _ => (1, 1),
+        })
+        .fold((1, 1), |a, b| (a.0.max(b.0), a.1.max(b.1)))
 }
 
 fn block_shape(block: &Bound<'_, PyAny>) -> PyResult<TileShape> {

@@ -618,3 +618,47 @@ def test_two_threads_planning_at_once_give_equal_plans():
         assert o[0] == out[0][0] and (o[1] == out[0][1]).all() and o[2] == out[0][2]
     ref = tessera.plan(m, q_len=8192, heads=2, block=64, cache=False)
     assert (ref.states() == out[0][1]).all()
+
+
+def test_masks_deeper_than_the_limit_are_refused_not_crashing():
+    # 5001 nested `~` through the typed API (the text parser stops at 256 levels): printing
+    # (double negations cancel in the canonical form), comparing and dropping work; planning
+    # refuses with an error naming the depth limit.
+    m = tessera.causal()
+    for _ in range(5001):
+        m = ~m
+    assert str(m) == "!" + str(tessera.causal())
+    assert m == m and hash(m) == hash(m)
+    with pytest.raises(ValueError, match="deep|depth|nest"):
+        tessera.plan(m, q_len=64)
+    # within the limit, a deep mask over document data plans with the data's batch size
+    d = tessera.document(np.zeros((3, 64), dtype=np.int64))
+    for _ in range(500):
+        d = ~~d
+    p = tessera.plan(d & tessera.causal(), q_len=64, block=16)
+    assert p.shape == (3, 1, 64, 64)
+    assert p.stats["allowed_pairs"] == 3 * 64 * 65 // 2
+
+
+def test_deep_masks_need_no_deep_native_stack():
+    # The same calls on a thread with a 256 KiB stack, in a child process (a native stack
+    # overflow would kill it): nothing the package does recurses over the mask tree.
+    code = (
+        "import threading, numpy as np, tessera\n"
+        "m = tessera.causal() & tessera.document(np.zeros((2, 64), dtype=np.int64))\n"
+        "for _ in range(4001):\n"
+        "    m = ~m\n"
+        "out = []\n"
+        "def run():\n"
+        "    try:\n"
+        "        tessera.plan(m, q_len=64)\n"
+        "    except ValueError as e:\n"
+        "        out.append(str(e))\n"
+        "    out.append(str(m)[:1] + str(m == m) + str(hash(m) == hash(m)))\n"
+        "threading.stack_size(256 * 1024)\n"
+        "t = threading.Thread(target=run); t.start(); t.join()\n"
+        "print(out)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "levels deep" in r.stdout and "!TrueTrue" in r.stdout, r.stdout
