@@ -61,17 +61,16 @@ const LN2_LO: f32 = -2.121_944_4e-4;
 const EXP_HI: f32 = 88.3;
 const EXP_LO: f32 = -87.3;
 
-/// `e^x` with about 2 ulp relative error; `exp(-inf) = 0`, `exp(NaN) = NaN`, `x > 88.3` gives +inf
-/// and `x < -87.3` gives 0 (no denormals).
+/// The shared core of [`exp`] and [`exp_le88`] for `|x| <= 88.3` (or NaN, or ±inf whose result the
+/// callers select away): `(p, t)` with `e^x = p · 2^n`, `t = MAGIC + n` holding the rounded
+/// `n = round(x·log2 e)` in its low mantissa bits and `p = e^r` by a degree-7 polynomial of the
+/// Cody-Waite reduced `r = x − n·ln 2`.
 #[inline(always)]
-pub(crate) fn exp<S: Simd>(x: f32) -> f32 {
-    // `clamp` keeps NaN, so NaN flows through unchanged.
-    let xc = x.clamp(EXP_LO, EXP_HI);
-    let t = S::madd(xc, LOG2E, MAGIC);
+fn exp_reduce<S: Simd>(x: f32) -> (f32, f32) {
+    let t = S::madd(x, LOG2E, MAGIC);
     let n = t - MAGIC;
-    let ni = (t.to_bits() as i32).wrapping_sub(MAGIC.to_bits() as i32);
     // Cody-Waite reduction: n·LN2_HI is exact (LN2_HI has 9 significant bits, |n| <= 128).
-    let r = S::madd(n, -LN2_HI, xc);
+    let r = S::madd(n, -LN2_HI, x);
     let r = S::madd(n, -LN2_LO, r);
     let z = r * r;
     let mut y = 1.987_569_1e-4_f32;
@@ -80,9 +79,24 @@ pub(crate) fn exp<S: Simd>(x: f32) -> f32 {
     y = S::madd(y, r, 4.166_579_6e-2);
     y = S::madd(y, r, 1.666_666_5e-1);
     y = S::madd(y, r, 5e-1);
-    y = S::madd(y, z, r) + 1.0;
-    let pow2 = f32::from_bits((ni.wrapping_add(127) as u32) << 23);
-    let res = y * pow2;
+    (S::madd(y, z, r) + 1.0, t)
+}
+
+/// `2^n` from `t = MAGIC + n` (`|n| < 2^22`, result in the normal range): bits(t) = bits(MAGIC) + n,
+/// so the exponent field `(n + 127) << 23` equals `(bits(t) << 23) + POW2_BIAS` modulo 2^32.
+#[inline(always)]
+fn pow2_of(t: f32) -> f32 {
+    const POW2_BIAS: u32 = 127u32.wrapping_sub(MAGIC.to_bits()) << 23;
+    f32::from_bits((t.to_bits() << 23).wrapping_add(POW2_BIAS))
+}
+
+/// `e^x` with about 2 ulp relative error; `exp(-inf) = 0`, `exp(NaN) = NaN`, `x > 88.3` gives +inf
+/// and `x < -87.3` gives 0 (no denormals).
+#[inline(always)]
+pub(crate) fn exp<S: Simd>(x: f32) -> f32 {
+    // `clamp` keeps NaN, so NaN flows through unchanged.
+    let (p, t) = exp_reduce::<S>(x.clamp(EXP_LO, EXP_HI));
+    let res = p * pow2_of(t);
     if x < EXP_LO {
         0.0
     } else if x > EXP_HI {
@@ -93,32 +107,17 @@ pub(crate) fn exp<S: Simd>(x: f32) -> f32 {
 }
 
 /// `e^x` for the softmax's arguments, `x <= 88` (a logit minus its row's running max is <= 0):
-/// the same polynomial and accuracy as [`exp`] with fewer operations (no clamps, one select, `2^n`
-/// straight from the rounding constant's bits), since the exponentials dominate the non-product
-/// work of every forward tile. `exp_le88(-inf) = 0` and `x < -87.3` gives 0 (the one select also
-/// catches -inf, whose reduction is NaN); NaN gives NaN. Larger `x` are outside the contract.
+/// the same reduction and polynomial as [`exp`] with fewer operations (no clamps, one select),
+/// since the exponentials dominate the non-product work of every forward tile.
+/// `exp_le88(-inf) = 0` and `x < -87.3` gives 0 (the one select also catches -inf, whose
+/// reduction is NaN); NaN gives NaN. Larger `x` are outside the contract.
 #[inline(always)]
 pub(crate) fn exp_le88<S: Simd>(x: f32) -> f32 {
-    // t = MAGIC + n exactly for |n| < 2^22, so bits(t) = bits(MAGIC) + n and the exponent field
-    // (n + 127) << 23 equals (bits(t) << 23) + POW2_BIAS modulo 2^32.
-    const POW2_BIAS: u32 = 127u32.wrapping_sub(MAGIC.to_bits()) << 23;
-    let t = S::madd(x, LOG2E, MAGIC);
-    let n = t - MAGIC;
-    let r = S::madd(n, -LN2_HI, x);
-    let r = S::madd(n, -LN2_LO, r);
-    let z = r * r;
-    let mut y = 1.987_569_1e-4_f32;
-    y = S::madd(y, r, 1.398_199_9e-3);
-    y = S::madd(y, r, 8.333_452e-3);
-    y = S::madd(y, r, 4.166_579_6e-2);
-    y = S::madd(y, r, 1.666_666_5e-1);
-    y = S::madd(y, r, 5e-1);
-    y = S::madd(y, z, r) + 1.0;
-    let pow2 = f32::from_bits((t.to_bits() << 23).wrapping_add(POW2_BIAS));
+    let (p, t) = exp_reduce::<S>(x);
     if x < EXP_LO {
         0.0
     } else {
-        y * pow2
+        p * pow2_of(t)
     }
 }
 
