@@ -22,7 +22,6 @@ and mask the padded labels.
 
 from __future__ import annotations
 
-import math
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -440,7 +439,7 @@ def attention(
     global _FN
     import torch
 
-    from .torch import _check
+    from .torch import _check, _scale_softcap
 
     if not isinstance(sharding, Sharding):
         raise TypeError(f"sharding: expected a tessera.cp.Sharding, got {type(sharding).__name__}")
@@ -458,15 +457,7 @@ def attention(
     kshape = (k.shape[0], k.shape[1], lp.shape[3], k.shape[3])
     # The shapes the local kernel will see, checked before any message is sent.
     _check(q, k.new_empty(1).expand(kshape), v.new_empty(1).expand(kshape[:3] + (v.shape[3],)), lp, sinks)
-    if scale is None:
-        scale = 1.0 / math.sqrt(q.shape[-1])
-    scale = float(scale)
-    if not (math.isfinite(scale) and scale > 0):
-        raise ValueError(f"scale: expected a finite positive number, got {scale}")
-    if softcap is not None:
-        softcap = float(softcap)
-        if not (math.isfinite(softcap) and softcap > 0):
-            raise ValueError(f"softcap: expected a finite positive number, got {softcap}")
+    scale, softcap = _scale_softcap(q, scale, softcap)
     _verify(sharding, group, q.device)
     if _FN is None:
         _FN = _make_function()

@@ -284,6 +284,20 @@ def _check(q: Tensor, k: Tensor, v: Tensor, plan: Any, sinks: Optional[Tensor]) 
             raise ValueError(f"sinks: tensor on {sinks.device}; expected a CPU tensor")
 
 
+def _scale_softcap(q: Tensor, scale: Any, softcap: Any) -> Tuple[float, Optional[float]]:
+    """The checked scale (default ``1/sqrt(Dqk)``) and softcap: finite and positive."""
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    scale = float(scale)
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale: expected a finite positive number, got {scale}")
+    if softcap is not None:
+        softcap = float(softcap)
+        if not (math.isfinite(softcap) and softcap > 0):
+            raise ValueError(f"softcap: expected a finite positive number, got {softcap}")
+    return scale, softcap
+
+
 def attention(
     q: Tensor,
     k: Tensor,
@@ -312,15 +326,7 @@ def attention(
         from . import _int_arg
 
         layer = _int_arg("attention", "layer", layer, 0, 2**32)
-    if scale is None:
-        scale = 1.0 / math.sqrt(q.shape[-1])
-    scale = float(scale)
-    if not (math.isfinite(scale) and scale > 0):
-        raise ValueError(f"scale: expected a finite positive number, got {scale}")
-    if softcap is not None:
-        softcap = float(softcap)
-        if not (math.isfinite(softcap) and softcap > 0):
-            raise ValueError(f"softcap: expected a finite positive number, got {softcap}")
+    scale, softcap = _scale_softcap(q, scale, softcap)
     h = _handle(plan)
     if telemetry is not None and telemetry.should_log():
         # A logging step runs the hooked kernel instead of the plain one (same outputs, bit for
