@@ -270,61 +270,23 @@ pub fn telemetry_png(records: &[TelemetryRecord], title: &str) -> Result<Vec<u8>
                 .collect()
         })
         .collect();
-    let (mut ylo, mut yhi) = (f64::INFINITY, f64::NEG_INFINITY);
-    for v in series.iter().flatten().flatten() {
-        ylo = ylo.min(*v);
-        yhi = yhi.max(*v);
-    }
-    let have_logits = ylo <= yhi;
-    if !have_logits {
-        (ylo, yhi) = (0.0, 1.0);
-    } else if yhi - ylo < 1e-9 {
-        (ylo, yhi) = (ylo - 0.5, yhi + 0.5);
-    } else {
-        let pad = 0.06 * (yhi - ylo);
-        (ylo, yhi) = (ylo - pad, yhi + pad);
-    }
-    let y_of = |v: f64| {
-        line_y + line_h - 1 - ((v - ylo) / (yhi - ylo) * (line_h - 1) as f64).round() as i32
-    };
-    let yticks = nice_ticks(ylo, yhi, 6);
-    let tick_step = if yticks.len() >= 2 {
-        yticks[1] - yticks[0]
-    } else {
-        1.0
-    };
-    for &t in &yticks {
-        let y = y_of(t);
-        c.line((x0, y), (x0 + plot_w - 1, y), GRID, 1);
-        y_tick(&mut c, y, &tick_label(t, tick_step));
-    }
-    c.frame(x0, line_y, plot_w, line_h, AXIS);
-    if !have_logits {
-        no_data(&mut c, line_y, line_h, "no max_logit data");
-    }
-    let cx = |k: usize| (col_x(k) + col_x(k + 1)) / 2;
     let thick = if heads <= 8 { 2 } else { 1 };
-    for (h, s) in series.iter().enumerate() {
-        let colour = head_colour(h);
-        let mut prev: Option<(i32, i32)> = None;
-        for (k, v) in s.iter().enumerate() {
-            let Some(v) = v else {
-                prev = None;
-                continue;
-            };
-            let p = (cx(k), y_of(*v));
-            if let Some(q) = prev {
-                c.line(q, p, colour, thick);
-            } else if s.get(k + 1).is_none_or(|nv| nv.is_none()) {
-                // An isolated point: a dot, so it is visible without a neighbour.
-                c.rect(p.0 - 1, p.1 - 1, 3, 3, colour);
-            }
-            if ncols <= 40 {
-                c.rect(p.0 - 2, p.1 - 2, 5, 5, colour);
-            }
-            prev = Some(p);
-        }
-    }
+    let cx = |k: usize| (col_x(k) + col_x(k + 1)) / 2;
+    let panel = Panel {
+        x0,
+        y: line_y,
+        w: plot_w,
+        h: line_h,
+    };
+    line_panel(
+        &mut c,
+        panel,
+        &series,
+        cx,
+        thick,
+        ncols <= 40,
+        "no max_logit data",
+    );
     draw_x_axis(&mut c, line_y + line_h);
     // Head legend.
     c.text(legend_x, line_y - 14, "heads", bold, INK, Align::Left);
@@ -342,4 +304,83 @@ pub fn telemetry_png(records: &[TelemetryRecord], title: &str) -> Result<Vec<u8>
         c.text(legend_x, ly + fh, &every, small, AXIS, Align::Left);
     }
     c.png()
+}
+
+/// Where a panel sits on the canvas.
+#[derive(Clone, Copy)]
+pub(crate) struct Panel {
+    pub(crate) x0: i32,
+    pub(crate) y: i32,
+    pub(crate) w: i32,
+    pub(crate) h: i32,
+}
+
+/// A line chart panel: y range from the defined values (padded 6 %), grid and tick labels, the
+/// frame, and one polyline per series in [`head_colour`] order at x `cx(k)` for column `k`
+/// (isolated points as dots, every point marked when `markers`); `empty` is written when no
+/// series has a value.
+pub(crate) fn line_panel(
+    c: &mut Canvas,
+    p: Panel,
+    series: &[Vec<Option<f64>>],
+    cx: impl Fn(usize) -> i32,
+    thick: u32,
+    markers: bool,
+    empty: &str,
+) {
+    let fh = 13i32;
+    let (mut ylo, mut yhi) = (f64::INFINITY, f64::NEG_INFINITY);
+    for v in series.iter().flatten().flatten() {
+        ylo = ylo.min(*v);
+        yhi = yhi.max(*v);
+    }
+    let have = ylo <= yhi;
+    if !have {
+        (ylo, yhi) = (0.0, 1.0);
+    } else if yhi - ylo < 1e-9 {
+        (ylo, yhi) = (ylo - 0.5, yhi + 0.5);
+    } else {
+        let pad = 0.06 * (yhi - ylo);
+        (ylo, yhi) = (ylo - pad, yhi + pad);
+    }
+    let y_of = |v: f64| p.y + p.h - 1 - ((v - ylo) / (yhi - ylo) * (p.h - 1) as f64).round() as i32;
+    let yticks = nice_ticks(ylo, yhi, 6);
+    let tick_step = if yticks.len() >= 2 {
+        yticks[1] - yticks[0]
+    } else {
+        1.0
+    };
+    for &t in &yticks {
+        let y = y_of(t);
+        c.line((p.x0, y), (p.x0 + p.w - 1, y), GRID, 1);
+        c.line((p.x0 - 6, y), (p.x0 - 2, y), AXIS, 1);
+        let label = tick_label(t, tick_step);
+        c.text(p.x0 - 9, y - fh / 2, &label, &FONT_7X13, INK, Align::Right);
+    }
+    c.frame(p.x0, p.y, p.w, p.h, AXIS);
+    if !have {
+        let (x, y) = (p.x0 + p.w / 2, p.y + p.h / 2 - fh / 2);
+        c.text(x, y, empty, &FONT_7X13, INK, Align::Centre);
+    }
+    for (h, s) in series.iter().enumerate() {
+        let colour = head_colour(h);
+        let mut prev: Option<(i32, i32)> = None;
+        for (k, v) in s.iter().enumerate() {
+            let Some(v) = v else {
+                prev = None;
+                continue;
+            };
+            let pt = (cx(k), y_of(*v));
+            if let Some(q) = prev {
+                c.line(q, pt, colour, thick);
+            } else if s.get(k + 1).is_none_or(|nv| nv.is_none()) {
+                // An isolated point: a dot, so it is visible without a neighbour.
+                c.rect(pt.0 - 1, pt.1 - 1, 3, 3, colour);
+            }
+            if markers {
+                c.rect(pt.0 - 2, pt.1 - 2, 5, 5, colour);
+            }
+            prev = Some(pt);
+        }
+    }
 }

@@ -2,8 +2,8 @@
 //! heatmap (a block of head rows per layer, one colour scale for all), and the largest
 //! max_logit of each layer over steps.
 
-use crate::canvas::{colour_map, nice_ticks, number_label, tick_label, Align, Canvas, AXIS, INK};
-use crate::telemetry::{check, head_colour, mean_defined, step_stride, GRID, NO_DATA};
+use crate::canvas::{colour_map, number_label, Align, Canvas, AXIS, INK};
+use crate::telemetry::{check, head_colour, line_panel, mean_defined, step_stride, Panel, NO_DATA};
 use embedded_graphics::mono_font::ascii::{FONT_7X13, FONT_7X13_BOLD};
 use std::collections::BTreeMap;
 use tessera_core::{Error, Result};
@@ -241,70 +241,14 @@ pub fn telemetry_layers_png(records: &[TelemetryRecord], title: &str) -> Result<
                 .collect()
         })
         .collect();
-    let (mut ylo, mut yhi) = (f64::INFINITY, f64::NEG_INFINITY);
-    for v in series.iter().flatten().flatten() {
-        ylo = ylo.min(*v);
-        yhi = yhi.max(*v);
-    }
-    let have_logits = ylo <= yhi;
-    if !have_logits {
-        (ylo, yhi) = (0.0, 1.0);
-    } else if yhi - ylo < 1e-9 {
-        (ylo, yhi) = (ylo - 0.5, yhi + 0.5);
-    } else {
-        let pad = 0.06 * (yhi - ylo);
-        (ylo, yhi) = (ylo - pad, yhi + pad);
-    }
-    let y_of = |v: f64| {
-        line_y + line_h - 1 - ((v - ylo) / (yhi - ylo) * (line_h - 1) as f64).round() as i32
-    };
-    let yticks = nice_ticks(ylo, yhi, 6);
-    let tick_step = if yticks.len() >= 2 {
-        yticks[1] - yticks[0]
-    } else {
-        1.0
-    };
-    for &t in &yticks {
-        let y = y_of(t);
-        c.line((x0, y), (x0 + plot_w - 1, y), GRID, 1);
-        c.line((x0 - 6, y), (x0 - 2, y), AXIS, 1);
-        c.text(
-            x0 - 9,
-            y - fh / 2,
-            &tick_label(t, tick_step),
-            small,
-            INK,
-            Align::Right,
-        );
-    }
-    c.frame(x0, line_y, plot_w, line_h, AXIS);
-    if !have_logits {
-        c.text(
-            x0 + plot_w / 2,
-            line_y + line_h / 2 - fh / 2,
-            "no max_logit data",
-            small,
-            INK,
-            Align::Centre,
-        );
-    }
     let cx = |k: usize| (col_x(k) + col_x(k + 1)) / 2;
-    for (li, s) in series.iter().enumerate() {
-        let colour = head_colour(li);
-        let mut prev: Option<(i32, i32)> = None;
-        for (k, v) in s.iter().enumerate() {
-            let Some(v) = v else {
-                prev = None;
-                continue;
-            };
-            let p = (cx(k), y_of(*v));
-            match prev {
-                Some(q) => c.line(q, p, colour, 2),
-                None => c.rect(p.0 - 1, p.1 - 1, 3, 3, colour),
-            }
-            prev = Some(p);
-        }
-    }
+    let panel = Panel {
+        x0,
+        y: line_y,
+        w: plot_w,
+        h: line_h,
+    };
+    line_panel(&mut c, panel, &series, cx, 2, false, "no max_logit data");
     draw_x_axis(&mut c, line_y + line_h);
     c.text(legend_x, line_y - 14, "layers", bold, INK, Align::Left);
     for (li, &l) in layers.iter().take(legend_rows).enumerate() {
