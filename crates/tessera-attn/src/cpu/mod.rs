@@ -53,7 +53,7 @@ pub(crate) use isa::isa_entry;
 pub use isa::Isa;
 pub(crate) use load_tile::{load_transposed, rows, Src};
 pub(crate) use prepare::{PlanData, Prep};
-pub(crate) use schedule::{f32_pieces, run_items, Geometry};
+pub(crate) use schedule::{f32_pieces, run_items, Geometry, Order};
 pub use workspace::CpuWorkspace;
 pub(crate) use workspace::Rest;
 

@@ -32,7 +32,9 @@ use super::mask_partial_tile::mask_partial_row;
 use super::simd::{self, Simd};
 use super::tile_matmul::{gemm, product, round_up, RB};
 use super::workspace::{grown, Rest};
-use super::{isa_entry, load_transposed, rows, run_items, Geometry, Isa, Out, Prep, Src};
+use super::{
+    isa_entry, load_transposed, rows, run_items, Geometry, Isa, Order, Out, Prep, Src,
+};
 use crate::{AttnOptions, Dims, GradInputs, GradOut};
 use rayon::prelude::*;
 use tessera_core::tensor::ViewData;
@@ -261,7 +263,7 @@ pub(crate) fn run(
             }
             debug_assert_eq!(base, round.slots);
             {
-                let mut items: Vec<(usize, DkvItem<'_>)> = Vec::new();
+                let mut items: Vec<(Order, DkvItem<'_>)> = Vec::new();
                 for (pi, &(p, kt0, kt1)) in round.parts.iter().enumerate() {
                     let (b, gh) = (p / hkv, p % hkv);
                     for kt in kt0..kt1 {
@@ -275,7 +277,10 @@ pub(crate) fn run(
                         }
                         let idx = p * nkt + kt;
                         items.push((
-                            5 * mine.len(),
+                            Order {
+                                group: p,
+                                cost: 5 * mine.len(),
+                            },
                             DkvItem {
                                 b,
                                 g: gh,
@@ -306,7 +311,7 @@ pub(crate) fn run(
             let scr = &scratch[..round.slots * sz];
             let mut carry_p: Vec<Option<&mut [f32]>> =
                 carry.chunks_mut(sz.max(1)).map(Some).collect();
-            let mut items: Vec<(usize, RedItem<'_>)> = Vec::new();
+            let mut items: Vec<(Order, RedItem<'_>)> = Vec::new();
             for (pi, &(p, kt0, kt1)) in round.parts.iter().enumerate() {
                 let (b, gh) = (p / hkv, p % hkv);
                 for (hi, h) in (gh * grp..(gh + 1) * grp).enumerate() {
@@ -328,7 +333,10 @@ pub(crate) fn run(
                             Some(carry_p[t].take().expect("dQ carry piece"))
                         };
                         items.push((
-                            s1 - s0 + 1,
+                            Order {
+                                group: b * d.heads_q + h,
+                                cost: s1 - s0 + 1,
+                            },
                             RedItem {
                                 qt,
                                 slots: &scr[s0 * sz..s1 * sz],

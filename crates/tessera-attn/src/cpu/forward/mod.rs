@@ -19,7 +19,8 @@ use super::simd::{self, Simd};
 use super::tile_matmul::{gemm, gemm_colmax, product, round_up, RB};
 use super::workspace::{grown, Rest, WsPool};
 use super::{
-    f32_pieces, isa_entry, load_transposed, rows, run_items, Geometry, Isa, Out, Prep, Src,
+    f32_pieces, isa_entry, load_transposed, rows, run_items, Geometry, Isa, Order, Out, Prep,
+    Src,
 };
 use crate::{AttnInputs, AttnOptions, Dims, ForwardOut};
 use tessera_core::Result;
@@ -247,7 +248,7 @@ pub(super) fn schedule<W: std::any::Any + Send>(
     {
         let o_pieces = o.pieces(d.q_len * d.d_v, plan.tile.q * d.d_v);
         let l_pieces = f32_pieces(lse, d.q_len, plan.tile.q);
-        let items: Vec<(usize, FwdItem<'_>)> = o_pieces
+        let items: Vec<(Order, FwdItem<'_>)> = o_pieces
             .into_iter()
             .zip(l_pieces)
             .zip(maxes.iter_mut())
@@ -256,7 +257,10 @@ pub(super) fn schedule<W: std::any::Any + Send>(
                 let (b, h, qt) = (idx / (d.heads_q * nqt), (idx / nqt) % d.heads_q, idx % nqt);
                 let cost = plan.head_plan(b, h).row(qt).len();
                 (
-                    cost,
+                    Order {
+                        group: idx / nqt,
+                        cost,
+                    },
                     FwdItem {
                         b,
                         h,
