@@ -185,6 +185,44 @@ pub(crate) fn bf16_to_f32(x: bf16) -> f32 {
     f32::from_bits((x.to_bits() as u32) << 16)
 }
 
+/// Explicit AVX-512 forms of the math above, for the hand-written `vdpbf16ps` kernels.
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod x512 {
+    use super::{EXP_LO, LN2_HI, LN2_LO, LOG2E, MAGIC};
+    use std::arch::x86_64::*;
+
+    /// [`super::exp_le88`] on 16 lanes, bit for bit: the same operations in the same order
+    /// (the scalar version's `mul_add`s are these FMAs).
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512F and FMA.
+    #[inline]
+    #[target_feature(enable = "avx512f,fma")]
+    pub(crate) fn exp_le88(x: __m512) -> __m512 {
+        let c = _mm512_set1_ps;
+        let t = _mm512_fmadd_ps(x, c(LOG2E), c(MAGIC));
+        let n = _mm512_sub_ps(t, c(MAGIC));
+        let r = _mm512_fmadd_ps(n, c(-LN2_HI), x);
+        let r = _mm512_fmadd_ps(n, c(-LN2_LO), r);
+        let z = _mm512_mul_ps(r, r);
+        let mut y = c(1.987_569_1e-4);
+        y = _mm512_fmadd_ps(y, r, c(1.398_199_9e-3));
+        y = _mm512_fmadd_ps(y, r, c(8.333_452e-3));
+        y = _mm512_fmadd_ps(y, r, c(4.166_579_6e-2));
+        y = _mm512_fmadd_ps(y, r, c(1.666_666_5e-1));
+        y = _mm512_fmadd_ps(y, r, c(5e-1));
+        let p = _mm512_add_ps(_mm512_fmadd_ps(y, z, r), c(1.0));
+        const POW2_BIAS: u32 = 127u32.wrapping_sub(MAGIC.to_bits()) << 23;
+        let e = _mm512_add_epi32(
+            _mm512_slli_epi32::<23>(_mm512_castps_si512(t)),
+            _mm512_set1_epi32(POW2_BIAS as i32),
+        );
+        let res = _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+        let under = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, c(EXP_LO));
+        _mm512_mask_mov_ps(res, under, _mm512_setzero_ps())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -259,5 +297,46 @@ mod tests {
         let m = max_row(&v);
         assert_eq!(m, v.iter().cloned().fold(f32::NEG_INFINITY, f32::max));
         assert_eq!(max_row(&[]), f32::NEG_INFINITY);
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn vector_exp_le88_is_the_scalar_one_bit_for_bit() {
+        if !(is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("fma")) {
+            println!("skipped: no AVX-512F on this CPU");
+            return;
+        }
+        use std::arch::x86_64::*;
+        let mut xs: Vec<f32> = (0..40_000).map(|i| -95.0 + i as f32 * 0.002_41).collect();
+        xs.extend([
+            0.0,
+            -0.0,
+            -87.3,
+            -87.31,
+            f32::NEG_INFINITY,
+            f32::NAN,
+            -1e30,
+            f32::MIN,
+        ]);
+        while !xs.len().is_multiple_of(16) {
+            xs.push(-1.0);
+        }
+        for c in xs.chunks_exact(16) {
+            let mut out = [0f32; 16];
+            // SAFETY: AVX-512F and FMA were detected above.
+            unsafe {
+                _mm512_storeu_ps(
+                    out.as_mut_ptr(),
+                    x512::exp_le88(_mm512_loadu_ps(c.as_ptr())),
+                )
+            };
+            for (&x, &y) in c.iter().zip(&out) {
+                if x.is_nan() {
+                    assert!(y.is_nan());
+                } else {
+                    assert_eq!(y.to_bits(), exp_le88::<Avx512>(x).to_bits(), "{x}");
+                }
+            }
+        }
     }
 }

@@ -32,9 +32,7 @@ use super::mask_partial_tile::mask_partial_row;
 use super::simd::{self, Simd};
 use super::tile_matmul::{gemm, product, round_up, RB};
 use super::workspace::{grown, Rest};
-use super::{
-    isa_entry, load_transposed, rows, run_items, Geometry, Isa, Order, Out, Prep, Src,
-};
+use super::{isa_entry, load_transposed, rows, run_items, Geometry, Isa, Order, Out, Prep, Src};
 use crate::{AttnOptions, Dims, GradInputs, GradOut};
 use rayon::prelude::*;
 use tessera_core::tensor::ViewData;

@@ -464,21 +464,16 @@ mod imp {
                 }
                 let (r0, r1) = s.split_at(j1 * tq);
                 let (r0, r1) = (&r0[j0 * tq..j0 * tq + bp], &r1[..bp]);
-                let lanes = prow[a..bp]
-                    .iter_mut()
-                    .zip(col[a..bp].iter_mut())
-                    .zip(r0[a..bp].iter().zip(&r1[a..bp]))
-                    .zip(&m_use[a..bp])
-                    .enumerate();
-                for (k, (((pv, c), (&x0, &x1)), &u)) in lanes {
-                    let live_i = a + k < bb;
-                    let p0 = simd::exp_le88::<Avx512>(Avx512::madd(x0, sc, -u));
-                    let p1 = simd::exp_le88::<Avx512>(Avx512::madd(x1, sc, -u));
-                    let p0 = if live_i { p0 } else { 0.0 };
-                    let p1 = if live_i && has1 { p1 } else { 0.0 };
-                    *c += p0 + p1;
-                    *pv = round_bits(p0) | round_bits(p1) << 16;
-                }
+                p_pairs(
+                    &mut prow[a..bp],
+                    &mut col[a..bp],
+                    &r0[a..],
+                    &r1[a..],
+                    &m_use[a..bp],
+                    bb - a,
+                    has1,
+                    sc,
+                );
             }
             for i in 0..nq {
                 l[i] = l[i] * alpha[i] + col[i];
@@ -549,6 +544,77 @@ mod imp {
         } else {
             simd::max_row(&raw_max[..nq])
         };
+    }
+
+    /// One key pair's bf16 P row and column sums, 16 queries per step: for every lane `i`
+    /// (`prow.len()` a multiple of 16), `p0 = exp(sc·r0[i] − u[i])` and `p1` likewise from `r1`
+    /// (0 when `i >= live` or, for `p1`, without a second key), `col[i] += p0 + p1`, and
+    /// `prow[i]` = the two rounded to bf16 (`p0` in the low half), the same values as
+    /// [`round_bits`] (`vcvtne2ps2bf16` rounds to nearest even; P is never denormal).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,fma")]
+    #[allow(clippy::too_many_arguments)]
+    fn p_pairs(
+        prow: &mut [u32],
+        col: &mut [f32],
+        r0: &[f32],
+        r1: &[f32],
+        u: &[f32],
+        live: usize,
+        has1: bool,
+        sc: f32,
+    ) {
+        use std::arch::x86_64::*;
+        let n = prow.len();
+        assert!(
+            n.is_multiple_of(16)
+                && col.len() >= n
+                && r0.len() >= n
+                && r1.len() >= n
+                && u.len() >= n,
+            "p_pairs: extents"
+        );
+        // Word 2i of the packed vector takes p0's lane i (low half of the conversion), word
+        // 2i + 1 takes p1's (high half).
+        let idx: [u16; 32] = std::array::from_fn(|w| (w / 2 + 16 * (w % 2)) as u16);
+        // SAFETY: the `idx` array is 64 bytes.
+        let idx = unsafe { _mm512_loadu_si512(idx.as_ptr().cast()) };
+        let scv = _mm512_set1_ps(sc);
+        let mut i = 0;
+        while i < n {
+            let left = live.saturating_sub(i);
+            let m0: __mmask16 = if left >= 16 {
+                0xFFFF
+            } else {
+                (1u16 << left) - 1
+            };
+            let m1 = if has1 { m0 } else { 0 };
+            // SAFETY: `i + 16 <= n` and every slice holds `n` lanes (asserted above).
+            unsafe {
+                let uv = _mm512_loadu_ps(u.as_ptr().add(i));
+                let x0 = _mm512_loadu_ps(r0.as_ptr().add(i));
+                let x1 = _mm512_loadu_ps(r1.as_ptr().add(i));
+                let nu = _mm512_castsi512_ps(_mm512_xor_si512(
+                    _mm512_castps_si512(uv),
+                    _mm512_set1_epi32(i32::MIN),
+                ));
+                let p0 = simd::x512::exp_le88(_mm512_fmadd_ps(x0, scv, nu));
+                let p1 = simd::x512::exp_le88(_mm512_fmadd_ps(x1, scv, nu));
+                let p0 = _mm512_maskz_mov_ps(m0, p0);
+                let p1 = _mm512_maskz_mov_ps(m1, p1);
+                let cp = col.as_mut_ptr().add(i);
+                _mm512_storeu_ps(
+                    cp,
+                    _mm512_add_ps(_mm512_loadu_ps(cp), _mm512_add_ps(p0, p1)),
+                );
+                let bh: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(p1, p0));
+                _mm512_storeu_si512(
+                    prow.as_mut_ptr().add(i).cast(),
+                    _mm512_permutexvar_epi16(idx, bh),
+                );
+            }
+            i += 16;
+        }
     }
 
     /// `row[i] = p_i = exp(sc·s_i − m_use_i)` over the live span `a..bb` of one key row (as the

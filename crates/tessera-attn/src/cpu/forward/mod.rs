@@ -19,8 +19,7 @@ use super::simd::{self, Simd};
 use super::tile_matmul::{gemm, gemm_colmax, product, round_up, RB};
 use super::workspace::{grown, Rest, WsPool};
 use super::{
-    f32_pieces, isa_entry, load_transposed, rows, run_items, Geometry, Isa, Order, Out, Prep,
-    Src,
+    f32_pieces, isa_entry, load_transposed, rows, run_items, Geometry, Isa, Order, Out, Prep, Src,
 };
 use crate::{AttnInputs, AttnOptions, Dims, ForwardOut};
 use tessera_core::Result;
