@@ -15,6 +15,8 @@ pub(crate) trait Simd: Copy + Send + Sync + 'static {
     /// Whether 32 wide vector registers are available: the GEMM micro-kernel then uses
     /// 4×64 accumulator blocks (16 zmm), else 4×16 (8 ymm) so nothing spills.
     const WIDE: bool;
+    /// Whether this is the x86-64 AVX2 + FMA copy: the GEMM then runs its explicit ymm block.
+    const YMM: bool = false;
 
     /// `a * b + c`, fused when the target has FMA (a libm call otherwise, so never used then).
     #[inline(always)]
@@ -43,6 +45,7 @@ pub(crate) struct Avx2;
 impl Simd for Avx2 {
     const FMA: bool = true;
     const WIDE: bool = false;
+    const YMM: bool = cfg!(target_arch = "x86_64");
 }
 
 /// Portable copy (baseline target features, no FMA).
