@@ -57,6 +57,12 @@ impl<'a> Src<'a> {
         self.strides[2]
     }
 
+    /// Whether every row starts at an even element offset (all strides even), so rows of a
+    /// 2-byte dtype start on 4-byte words relative to the storage.
+    pub(crate) fn strides_even(&self) -> bool {
+        self.strides[..3].iter().all(|s| s.is_multiple_of(2))
+    }
+
     /// The bf16 storage, if that is the dtype.
     pub(crate) fn bf16(&self) -> Option<&'a [bf16]> {
         match self.data {

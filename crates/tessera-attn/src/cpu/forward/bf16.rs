@@ -81,7 +81,12 @@ mod imp {
         dvp: usize,
         q: Src<'a>,
         qx: &'a [bf16],
+        /// Packed K, when K is not read in place.
         kp: &'a [u32],
+        /// K read in place as its own 32-bit words (pairs along D) and the row stride in
+        /// words, when its layout allows (see `Ctx::new`); then `kp` is empty.
+        k_words: Option<(&'a [u32], usize)>,
+        ks: Src<'a>,
         vp: &'a [u32],
         /// Per kv block, the non-finite V entries (empty when V is finite).
         fix: Vec<Vec<Fixup>>,
@@ -177,11 +182,33 @@ mod imp {
             let dvp = round_up(d.d_v, 16);
             let nkt = plan.kv_tiles;
             let blocks = d.batch * d.heads_kv * nkt;
-            // Pack K and V once: per kv tile, zero padded to tkp keys.
-            let kp = grown(kpack, blocks * tkp * dpair);
+            // K pairs along D are the rows' own 32-bit words: read K in place when every row
+            // starts on a word and every tile's rows fill whole RB-row blocks (no zero padding
+            // rows needed), which saves a copy of K per call.
+            // SAFETY: u16-backed bf16 and u32 are plain integers; `align_to` only yields the
+            // aligned middle part.
+            let (pre, words, _) = unsafe { kx.align_to::<u32>() };
+            let k_words = (pre.is_empty()
+                && d.d_qk.is_multiple_of(2)
+                && ks.strides_even()
+                && plan.tile.kv.is_multiple_of(RB)
+                && d.kv_len.is_multiple_of(RB))
+            .then_some((words, ks.ld() / 2));
+            // Pack V (and K unless read in place) once: per kv tile, zero padded to tkp keys.
+            let kp = grown(
+                kpack,
+                if k_words.is_some() {
+                    0
+                } else {
+                    blocks * tkp * dpair
+                },
+            );
             let vp = grown(vpack, blocks * (tkp / 2) * dvp);
             let (dqk, dv, hkv) = (d.d_qk, d.d_v, d.heads_kv);
-            kp.par_chunks_mut(tkp * dpair)
+            let mut k_chunks: Vec<&mut [u32]> = kp.chunks_mut(tkp * dpair).collect();
+            k_chunks.resize_with(blocks, Default::default);
+            k_chunks
+                .into_par_iter()
                 .zip(vp.par_chunks_mut(tkp / 2 * dvp))
                 .enumerate()
                 .for_each(|(blk, (kd, vd))| {
@@ -191,17 +218,21 @@ mod imp {
                     let nk = k1 - k0;
                     let bits = |x: &bf16| x.to_bits();
                     // Padding keys are zero (the buffer is reused: clear them explicitly).
-                    kd[nk * dpair..].fill(0);
                     vd[nk.div_ceil(2) * dvp..].fill(0);
-                    for j in 0..nk {
-                        let off = ks.row(b, g, k0 + j);
-                        let (src, dst) = (&kx[off..off + dqk], &mut kd[j * dpair..(j + 1) * dpair]);
-                        // Pairs along D are the row's own bytes: a straight (vectorized) copy.
-                        for (o, p) in dst.iter_mut().zip(src.chunks_exact(2)) {
-                            *o = pair(bits(&p[0]), bits(&p[1]));
-                        }
-                        if dqk % 2 == 1 {
-                            dst[dpair - 1] = pair(bits(&src[dqk - 1]), 0);
+                    // An empty chunk: K is read in place.
+                    if !kd.is_empty() {
+                        kd[nk * dpair..].fill(0);
+                        for j in 0..nk {
+                            let off = ks.row(b, g, k0 + j);
+                            let (src, dst) =
+                                (&kx[off..off + dqk], &mut kd[j * dpair..(j + 1) * dpair]);
+                            // Pairs along D are the row's own bytes: a straight (vectorized) copy.
+                            for (o, p) in dst.iter_mut().zip(src.chunks_exact(2)) {
+                                *o = pair(bits(&p[0]), bits(&p[1]));
+                            }
+                            if dqk % 2 == 1 {
+                                dst[dpair - 1] = pair(bits(&src[dqk - 1]), 0);
+                            }
                         }
                     }
                     for jp in 0..nk.div_ceil(2) {
@@ -263,6 +294,8 @@ mod imp {
                 q: qs,
                 qx,
                 kp,
+                k_words,
+                ks,
                 vp,
                 fix,
                 masks_t: &prep.data.masks_t,
@@ -351,7 +384,10 @@ mod imp {
             let nk = k1 - k0;
             let mk = round_up(nk, RB);
             let blk = (b * d.heads_kv + kvh) * nkt + kt;
-            let kp = &cx.kp[blk * tkp * dpair..(blk + 1) * tkp * dpair];
+            let (kp, kld) = match cx.k_words {
+                Some((words, ld)) => (&words[cx.ks.row(b, kvh, k0) / 2..], ld),
+                None => (&cx.kp[blk * tkp * dpair..(blk + 1) * tkp * dpair], dpair),
+            };
             let vp = &cx.vp[blk * (tkp / 2) * dvp..(blk + 1) * (tkp / 2) * dvp];
             let full = e.is_full();
             let span = |j: usize| cx.live.row_span(full, e.mask, j, nq);
@@ -359,9 +395,9 @@ mod imp {
             let fused_max = full && mk == nk;
             col[..nqp].fill(NEG_INF);
             if fused_max {
-                dot_gemm::<false, true>(mk, nqp, dpair, kp, dpair, 1, qp, tq, s, tq, col);
+                dot_gemm::<false, true>(mk, nqp, dpair, kp, kld, 1, qp, tq, s, tq, col);
             } else if full {
-                dot_gemm::<false, false>(mk, nqp, dpair, kp, dpair, 1, qp, tq, s, tq, col);
+                dot_gemm::<false, false>(mk, nqp, dpair, kp, kld, 1, qp, tq, s, tq, col);
             } else {
                 for jb in 0..nk.div_ceil(SB) {
                     let (c0, c1) = cx.live.cols(e.mask, jb);
@@ -371,8 +407,8 @@ mod imp {
                             r1 - r0,
                             c1 - c0,
                             dpair,
-                            &kp[r0 * dpair..],
-                            dpair,
+                            &kp[r0 * kld..],
+                            kld,
                             1,
                             &qp[c0..],
                             tq,
