@@ -181,7 +181,7 @@ impl Backend for CpuBackend {
             self.isa,
             &prepared.plan,
             &d,
-            par_threads(par),
+            par.threads(),
         ))
     }
 
@@ -196,7 +196,7 @@ impl Backend for CpuBackend {
             self.isa,
             &prepared.plan,
             &d,
-            par_threads(par),
+            par.threads(),
         ))
     }
 
@@ -338,16 +338,6 @@ fn dispatch_forward(
         forward::bf16::run(prep, d, inputs, options, out, rest)
     } else {
         forward::run(isa, prep, d, inputs, options, out, rest)
-    }
-}
-
-/// Threads a call on `par` runs on (for workspace sizing).
-fn par_threads(par: Par<'_>) -> usize {
-    match par {
-        Par::Seq => 1,
-        Par::Rayon(0) | Par::Current => rayon::current_num_threads(),
-        Par::Rayon(n) => n,
-        Par::Pool(p) => p.current_num_threads(),
     }
 }
 

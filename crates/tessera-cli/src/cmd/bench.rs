@@ -6,7 +6,8 @@
 
 use crate::ctx::{print_json, Ctx};
 use std::time::{Duration, Instant};
-use tessera::attn::cpu::peak;
+use tessera::attn::cpu::peak::{self, PeakPath};
+use tessera::attn::cpu::Isa;
 use tessera::attn::{
     check_inputs, AttnInputs, AttnOptions, Backend, CpuBackend, CpuWorkspace, ForwardBufs,
     GradBufs, GradInputs, Par,
@@ -79,6 +80,11 @@ struct Report {
     rows: Vec<Row>,
 }
 
+/// Threads of the pool the kernels run on (`Par::Current`): the peak is measured on as many.
+fn rayon_threads() -> usize {
+    tessera::attn::Par::Current.threads()
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
@@ -129,7 +135,7 @@ pub fn run(mut args: BenchArgs, ctx: &Ctx) -> Result<()> {
     let backend = CpuBackend::new();
     let peaks = (!args.no_peak).then(|| {
         eprintln!("measuring machine peak ...");
-        peak::measure(Duration::from_millis(400))
+        peak::measure(Duration::from_millis(1200), rayon_threads())
     });
     let total = args.masks.len() * args.lens.len() * args.dims.len() * dtypes.len();
     let progress = crate::progress::bar(total as u64, "bench");
@@ -160,9 +166,12 @@ pub fn run(mut args: BenchArgs, ctx: &Ctx) -> Result<()> {
                     let k = random_tensor(qs.clone(), dt, 2)?;
                     let v = random_tensor(qs.clone(), dt, 3)?;
                     let d_o = random_tensor(qs, dt, 4)?;
-                    let peak = peaks.map(|p| match dt {
-                        DType::BF16 => p.bf16_gflops.unwrap_or(p.f32_gflops),
-                        _ => p.f32_gflops,
+                    let peak = peaks.and_then(|p| {
+                        p.for_path(match (backend.isa(), dt) {
+                            (Isa::Avx512Bf16, DType::BF16) => PeakPath::Bf16Dot,
+                            (Isa::Avx512 | Isa::Avx512Bf16, _) => PeakPath::Avx512,
+                            _ => PeakPath::Avx2,
+                        })
                     });
                     // The training-loop path: the plan prepared once, caller-owned outputs and
                     // workspace reused by every call.
@@ -255,14 +264,17 @@ pub fn run(mut args: BenchArgs, ctx: &Ctx) -> Result<()> {
     }
     print!("{}", report.manifest.to_text());
     if let Some(p) = peaks {
+        let paths: Vec<String> = PeakPath::ALL
+            .iter()
+            .map(|&path| match p.for_path(path) {
+                Some(g) => format!("{} {g:.0}", path.name()),
+                None => format!("{} n/a", path.name()),
+            })
+            .collect();
         println!(
-            "measured peak: f32 {:.0} GFLOP/s ({}, {} threads), bf16 {}",
-            p.f32_gflops,
-            p.f32_path,
+            "measured peak GFLOP/s ({} threads): {}",
             p.threads,
-            p.bf16_gflops.map_or("n/a".into(), |g| format!(
-                "{g:.0} GFLOP/s (avx512-bf16 dot)"
-            ))
+            paths.join(", ")
         );
     }
     println!("backend: {}", report.backend);
