@@ -17,7 +17,7 @@
 //!      the directory is the one given to [`set_store_dir`] (the CLI's `--cache-dir`), else
 //!      [`tessera_core::cache_dir::resolve`]`(None)` (`TESSERA_CACHE_DIR`, ...).
 //!   4. Measurement: `measured`. Every candidate runs the same small forward (causal, 1 batch,
-//!      2 heads, 1024 tokens, D = 64, 128×128 tiles, one thread; 256 tokens in debug builds):
+//!      2 heads, 1024 tokens, D = 64, 128×128 tiles, one thread; one 64×64 tile in debug builds):
 //!      one warm-up call, then the best of up to five timed calls (at least two, stopping once a
 //!      candidate has spent 25 ms). The fastest wins; ties go to the earlier path of
 //!      [`F32Path::ALL`] / [`Bf16Path::ALL`]. The run records no metrics
@@ -509,7 +509,10 @@ impl Decision {
             .as_ref()
             .map_or("?".to_string(), |f| f.display().to_string());
         let why = match c.reason {
-            Reason::Measured => format!("measured {}", times()),
+            Reason::Measured => match &self.file {
+                Some(f) => format!("measured {}; stored in {}", times(), f.display()),
+                None => format!("measured {}; not stored", times()),
+            },
             Reason::Stored => format!("stored decision from {file}: {}", times()),
             Reason::EnvOverride => format!("{ENV} override"),
             Reason::OnlyCandidate => "only candidate on this CPU".to_string(),
@@ -879,8 +882,13 @@ impl StoredFile {
     }
 }
 
-/// Tokens of the measured forward (smaller in debug builds, which are much slower).
-const MEASURE_LEN: usize = if cfg!(debug_assertions) { 256 } else { 1024 };
+/// Heads, tokens and tile edge of the measured forward. Debug builds run about a thousand times
+/// slower and decide only for themselves (the build profile is in the fingerprint): one tile.
+const MEASURE: (usize, usize, usize) = if cfg!(debug_assertions) {
+    (1, 64, 64)
+} else {
+    (2, 1024, 128)
+};
 /// Timed calls per candidate at most, after one warm-up call.
 const MAX_TIMED: usize = 5;
 /// A candidate stops after this much timed work (and at least two timed calls).
@@ -888,19 +896,16 @@ const CANDIDATE_BUDGET: Duration = Duration::from_millis(25);
 
 /// Times every candidate on the measured forward (see the module contract).
 fn measure(f32c: &[F32Path], bf16c: &[Bf16Path]) -> Timings {
-    let plan = tessera_plan::build_plan(
-        &tessera_mask::Mask::causal(),
-        match tessera_plan::PlanShape::new(1, 2, MEASURE_LEN, MEASURE_LEN) {
-            Ok(s) => s,
-            Err(_) => return failed(f32c, bf16c),
-        },
-        tessera_plan::TileShape::default(),
-    );
+    let (heads, len, tile) = MEASURE;
+    let plan = tessera_plan::PlanShape::new(1, heads, len, len).and_then(|shape| {
+        let tile = tessera_plan::TileShape::new(tile, tile)?;
+        tessera_plan::build_plan(&tessera_mask::Mask::causal(), shape, tile)
+    });
     let Ok(plan) = plan.map(Arc::new) else {
         return failed(f32c, bf16c);
     };
     // Any fixed, finite inputs (NaN or inf would select the slower non-finite products).
-    let n = 2 * MEASURE_LEN * 64;
+    let n = heads * len * 64;
     let mut s = 0x9e37_79b9_7f4a_7c15u64;
     let mut values = |_| {
         s = s
@@ -910,7 +915,7 @@ fn measure(f32c: &[F32Path], bf16c: &[Bf16Path]) -> Timings {
     };
     let qkv: Vec<Vec<f32>> = (0..3).map(|_| (0..n).map(&mut values).collect()).collect();
     let tensors = |dtype: DType| -> Option<Vec<Tensor>> {
-        let shape = vec![1, 2, MEASURE_LEN, 64];
+        let shape = vec![1, heads, len, 64];
         qkv.iter()
             .map(|v| match dtype {
                 DType::BF16 => Tensor::from_bf16(
