@@ -351,8 +351,14 @@ pub struct PathOverride {
 impl PathOverride {
     /// Parses `f32=PATH,bf16=PATH` (either part optional, each at most once, spaces allowed).
     pub fn parse(text: &str) -> Result<PathOverride> {
-        let bad =
-            |what: &str| Error::invalid(ENV, OVERRIDE_SYNTAX, format!("{what:?} in {text:?}"));
+        let bad = |what: &str| {
+            let found = if what == text.trim() {
+                format!("{what:?}")
+            } else {
+                format!("{what:?} in {text:?}")
+            };
+            Error::invalid(ENV, OVERRIDE_SYNTAX, found)
+        };
         let mut o = PathOverride::default();
         for part in text.split(',').map(str::trim).filter(|p| !p.is_empty()) {
             let (dtype, path) = part.split_once('=').ok_or_else(|| bad(part))?;
@@ -513,7 +519,10 @@ impl Decision {
                 Some(f) => format!("measured {}; stored in {}", times(), f.display()),
                 None => format!("measured {}; not stored", times()),
             },
-            Reason::Stored => format!("stored decision from {file}: {}", times()),
+            Reason::Stored => match times() {
+                t if t.is_empty() => format!("stored decision from {file}"),
+                t => format!("stored decision from {file}: {t}"),
+            },
             Reason::EnvOverride => format!("{ENV} override"),
             Reason::OnlyCandidate => "only candidate on this CPU".to_string(),
         };

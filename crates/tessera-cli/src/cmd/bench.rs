@@ -254,7 +254,10 @@ pub fn run(mut args: BenchArgs, ctx: &Ctx) -> Result<()> {
     }
     progress.finish_and_clear();
     let report = Report {
-        manifest: crate::manifest::collect(ctx.cache_dir().as_deref()),
+        manifest: crate::manifest::collect(
+            ctx.cache_dir().as_deref(),
+            Some(ctx.kernel_decision()?),
+        ),
         peaks,
         backend: format!("{} ({})", backend.name(), backend.isa().name()),
         rows,
