@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 
 /// An instruction path with its own peak.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
-#[serde(rename_all = "kebab-case")]
+#[serde(rename_all = "snake_case")] // as the fields of `Peaks`
 pub enum PeakPath {
     /// f32 FMA on 256-bit registers (AVX2 + FMA): the `avx2` kernels and bf16 widened on them.
     Avx2,
