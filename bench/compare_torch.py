@@ -10,9 +10,15 @@ forward, 10·D backward), the same count `tessera bench` uses.
 - SDPA: `scaled_dot_product_attention` with `is_causal=True` for causal, a dense boolean
   `attn_mask` otherwise.
 - Flex: `torch.compile(flex_attention)` with the equivalent `create_block_mask` (BLOCK_SIZE 128).
-- Tessera: `<--tessera> bench --quick --no-cache --no-peak --passes fwd --json` (its documents
-  mask draws its own ~1K-token documents from the same length distribution; GFLOP/s are over
-  each system's own allowed pairs).
+- Tessera: `<--tessera> bench --quick --no-cache --passes fwd --json` (its documents mask draws
+  its own ~1K-token documents from the same length distribution; GFLOP/s are over each system's
+  own allowed pairs). Its peak probe runs too, so each Tessera row carries its kernel path and
+  the percentage of that path's measured peak.
+
+Prints the side-by-side table of every system, then a markdown table headed by the CPU model
+(from the bench manifest), one row per case: Tessera's kernel path, GFLOP/s and % of that path's
+peak, the best PyTorch system (SDPA or compiled Flex) and its GFLOP/s, and Tessera / PyTorch.
+Paste it into BENCHMARKS.md as that CPU model's table.
 
 Usage: python bench/compare_torch.py --tessera target/release/tessera [--reps 3] [--skip-sdpa-masked]
        [--bwd]
@@ -131,15 +137,17 @@ def main():
                               args.reps)
                     rows.append((system, name, DT[dt], "bwd", t * 1e3, 10.0 * D * allowed * H / t / 1e9))
     out = subprocess.run(
-        [args.tessera, "bench", "--quick", "--no-cache", "--no-peak", "--passes", ",".join(passes),
+        [args.tessera, "bench", "--quick", "--no-cache", "--passes", ",".join(passes),
          "--reps", str(args.reps), "--json"],
         check=True, capture_output=True, text=True).stdout
     rep = json.loads(out)
     label = {"causal": "causal", "causal & document (~1K docs)": "documents",
              "window(1024) & causal": "window"}
+    tessera_rows = {}  # (mask, dtype, pass) -> bench row
     for r in rep["rows"]:
-        rows.append((f"tessera {rep['backend']}", label.get(r["mask"], r["mask"]), r["dtype"],
-                     r["pass"], r["median_ms"], r["gflops"]))
+        case = (label.get(r["mask"], r["mask"]), r["dtype"], r["pass"])
+        tessera_rows[case] = r
+        rows.append(("tessera", *case, r["median_ms"], r["gflops"]))
     print(f"L={L} H={H} D={D} B=1, torch {torch.__version__}, {torch.get_num_threads()} threads; "
           "median ms / effective GFLOP/s over allowed pairs")
     systems = []
@@ -162,6 +170,47 @@ def main():
                     else:
                         cols.append(f"{v[0]:.1f} ms / {v[1]:.0f}")
                 print(f"| {m} | {d} | {p} | " + " | ".join(cols) + " |")
+    print()
+    print(per_cpu_table(rep, tessera_rows, cell, systems, passes))
+
+
+def per_cpu_table(rep, tessera_rows, cell, systems, passes):
+    """The markdown table of one CPU model: per case, Tessera's path, GFLOP/s and % of that
+    path's peak beside the best PyTorch system."""
+    man = rep["manifest"]
+    peaks = rep.get("peaks") or {}
+    names = {"avx512": "avx512 f32 FMA", "avx2": "avx2 f32 FMA", "bf16_dot": "vdpbf16ps"}
+    measured = ", ".join(f"{names[k]} {peaks[k]:.0f}" for k in names if peaks.get(k) is not None)
+    raised = peaks.get("raised") or []
+    lines = [
+        f"### {man['cpu_model']}",
+        "",
+        f"{man['threads']} threads, torch {torch.__version__}, tessera {man['version']} "
+        f"({man['git_revision']}), L={L} H={H} D={D} B=1; effective GFLOP/s over allowed pairs. "
+        f"Peaks (GFLOP/s): {measured or 'not measured'}"
+        + (f"; raised to an observed rate: {', '.join(raised)}" if raised else "")
+        + ".",
+        "",
+        "| case | dtype | pass | Tessera path | Tessera GFLOP/s | % of path peak "
+        "| PyTorch best | PyTorch GFLOP/s | Tessera / PyTorch |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for m in MASKS:
+        for d in ("f32", "bf16"):
+            for p in passes:
+                t = tessera_rows.get((m, d, p))
+                torch_best = max(
+                    ((s, cell[(s, m, d, p)][1]) for s in systems
+                     if s != "tessera" and cell.get((s, m, d, p), (None, None))[1] is not None),
+                    key=lambda x: x[1], default=None)
+                if t is None:
+                    continue
+                pct = "-" if t["pct_peak"] is None else f"{t['pct_peak']:.1f}"
+                best = ("-", "-", "-") if torch_best is None else (
+                    torch_best[0], f"{torch_best[1]:.0f}", f"{t['gflops'] / torch_best[1]:.2f}x")
+                lines.append(f"| {m} | {d} | {p} | {t['path']} | {t['gflops']:.0f} | {pct} | "
+                             f"{best[0]} | {best[1]} | {best[2]} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

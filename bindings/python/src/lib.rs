@@ -41,6 +41,6 @@ fn _tessera(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(attention::telemetry_records, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("TELEMETRY_COLUMNS", attention::STAT_COLUMNS)?;
-    m.add("isa", tessera::CpuBackend::new().isa().name())?;
+    m.add("isa", tessera::CpuBackend::new().paths().to_string())?;
     Ok(())
 }

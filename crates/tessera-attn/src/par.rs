@@ -30,6 +30,16 @@ pub struct PoolCache {
 }
 
 impl Par<'_> {
+    /// The number of threads a call on this `Par` runs on, from where it is called.
+    pub fn threads(self) -> usize {
+        match self {
+            Par::Seq => 1,
+            Par::Rayon(0) | Par::Current => rayon::current_num_threads(),
+            Par::Rayon(n) => n,
+            Par::Pool(p) => p.current_num_threads(),
+        }
+    }
+
     /// Runs `f` on the threads this `Par` names (see the module contract).
     pub fn run<R: Send>(self, cache: &mut PoolCache, f: impl FnOnce() -> R + Send) -> Result<R> {
         let n = match self {

@@ -1,5 +1,6 @@
 //! Options shared by every subcommand and the per-run context built from them.
 
+use tessera::attn::cpu::dispatch;
 use tessera::core::{metrics, Error, Result};
 
 #[derive(clap::Args, Debug, Clone)]
@@ -13,7 +14,9 @@ pub struct GlobalArgs {
     /// Plan cache directory (default: $TESSERA_CACHE_DIR, $XDG_CACHE_HOME/tessera, ~/.cache/tessera).
     #[arg(long, global = true, value_name = "DIR")]
     pub cache_dir: Option<std::path::PathBuf>,
-    /// Disable the persistent plan cache.
+    /// Disable the persistent cache directory: no plans are read or written, and the CPU
+    /// kernel-path decision is measured by this process and not stored (pin it with
+    /// TESSERA_CPU_PATHS).
     #[arg(long, global = true)]
     pub no_cache: bool,
     /// Size bound of the disk cache in bytes (least recently used entries are evicted).
@@ -25,14 +28,46 @@ pub struct GlobalArgs {
 pub struct Ctx {
     pub global: GlobalArgs,
     cache: std::sync::OnceLock<tessera::cache::PlanCache>,
+    /// Whether the kernel-path decision's warnings were printed.
+    dispatch_warned: std::sync::atomic::AtomicBool,
 }
 
 impl Ctx {
     pub fn new(global: GlobalArgs) -> Self {
+        // The kernel-path decision lives in the same directory as the plan cache (and nowhere
+        // with --no-cache); set before anything can make it.
+        let store = (!global.no_cache)
+            .then(|| tessera::cache::resolve_dir(global.cache_dir.as_deref()))
+            .flatten();
+        dispatch::set_store_dir(store);
         Ctx {
             global,
             cache: std::sync::OnceLock::new(),
+            dispatch_warned: std::sync::atomic::AtomicBool::new(false),
         }
+    }
+
+    /// The CPU kernel-path decision of this process; a malformed or unsupported
+    /// TESSERA_CPU_PATHS is an error (exit 2) rather than ignored, and the decision's warnings
+    /// are printed once.
+    pub fn kernel_decision(&self) -> Result<&'static dispatch::Decision> {
+        dispatch::check_env_override()?;
+        let d = dispatch::decision();
+        if !self
+            .dispatch_warned
+            .swap(true, std::sync::atomic::Ordering::Relaxed)
+        {
+            for w in &d.warnings {
+                eprintln!("tessera: warning: {w}");
+            }
+        }
+        Ok(d)
+    }
+
+    /// The CPU backend on this process's kernel paths ([`Ctx::kernel_decision`]).
+    pub fn cpu_backend(&self) -> Result<tessera::attn::CpuBackend> {
+        self.kernel_decision()?;
+        Ok(tessera::attn::CpuBackend::new())
     }
 
     /// The plan of `mask` for `shape` and `tile`.

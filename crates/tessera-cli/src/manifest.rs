@@ -2,12 +2,15 @@
 //!
 //! Contract: [`collect`] never fails; anything it cannot find reads "unknown" (or `None`, or an
 //! empty list). The git revision and rustc version are captured at build time by `build.rs`;
-//! everything else is read at run time.
+//! everything else is read at run time. The CPU kernel paths are the caller's decision (so
+//! collecting a manifest never measures anything itself).
 
 use std::path::Path;
+use tessera::attn::cpu::dispatch::Decision;
+use tessera::core::DType;
 
 /// Build and machine facts of this run.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct Manifest {
     /// Version of the `tessera` crate.
     pub version: String,
@@ -32,10 +35,13 @@ pub struct Manifest {
     pub cache_dir: Option<String>,
     /// GPU and driver, filled by a GPU backend when one is present.
     pub gpu: Option<String>,
+    /// The CPU kernel path of each dtype, why, and the candidates' measured times (`None` where
+    /// the command runs no CPU kernels).
+    pub kernel_paths: Option<Decision>,
 }
 
-/// Collects the manifest of this process.
-pub fn collect(cache_dir: Option<&Path>) -> Manifest {
+/// Collects the manifest of this process, with the kernel-path decision when given.
+pub fn collect(cache_dir: Option<&Path>, kernels: Option<&Decision>) -> Manifest {
     let rayon_num_threads = std::env::var("RAYON_NUM_THREADS").ok();
     let available = std::thread::available_parallelism()
         .map(|n| n.get())
@@ -55,12 +61,13 @@ pub fn collect(cache_dir: Option<&Path>) -> Manifest {
             .to_string(),
         os: os_description(),
         arch: std::env::consts::ARCH.to_string(),
-        cpu_model: cpu_model(),
+        cpu_model: tessera::attn::cpu::dispatch::cpu_model(),
         cpu_features: cpu_features(),
         threads,
         rayon_num_threads,
         cache_dir: cache_dir.map(|p| p.display().to_string()),
         gpu: None,
+        kernel_paths: kernels.cloned(),
     }
 }
 
@@ -77,7 +84,7 @@ impl Manifest {
             Some(v) => format!("{} (RAYON_NUM_THREADS={v})", self.threads),
             None => self.threads.to_string(),
         };
-        let rows = [
+        let mut rows = vec![
             ("tessera", self.version.clone()),
             ("git revision", self.git_revision.clone()),
             ("rustc", self.rustc_version.clone()),
@@ -89,8 +96,15 @@ impl Manifest {
             ("cache dir", or_none(&self.cache_dir)),
             ("gpu", or_none(&self.gpu)),
         ];
+        if let Some(d) = &self.kernel_paths {
+            rows.push(("kernels", format!("f32 {}", d.describe(DType::F32))));
+            rows.push(("", format!("bf16 {}", d.describe(DType::BF16))));
+        }
         rows.iter()
-            .map(|(k, v)| format!("{:<13} {v}\n", format!("{k}:")))
+            .map(|(k, v)| match k {
+                &"" => format!("{:<13} {v}\n", ""),
+                k => format!("{:<13} {v}\n", format!("{k}:")),
+            })
             .collect()
     }
 }
@@ -101,21 +115,6 @@ fn os_description() -> String {
         Ok(r) if !r.trim().is_empty() => format!("{os} {}", r.trim()),
         _ => os.to_string(),
     }
-}
-
-fn cpu_model() -> String {
-    if cfg!(target_os = "linux") {
-        if let Ok(info) = std::fs::read_to_string("/proc/cpuinfo") {
-            for line in info.lines() {
-                if let Some((k, v)) = line.split_once(':') {
-                    if k.trim() == "model name" && !v.trim().is_empty() {
-                        return v.trim().to_string();
-                    }
-                }
-            }
-        }
-    }
-    "unknown".to_string()
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -177,7 +176,7 @@ mod tests {
 
     #[test]
     fn collect_fills_every_field() {
-        let m = collect(Some(Path::new("/tmp/tc")));
+        let m = collect(Some(Path::new("/tmp/tc")), None);
         assert_eq!(m.version, env!("CARGO_PKG_VERSION"));
         assert!(!m.git_revision.is_empty());
         assert!(m.rustc_version.starts_with("rustc ") || m.rustc_version == "unknown");
@@ -200,5 +199,33 @@ mod tests {
         if std::arch::is_x86_feature_detected!("avx2") {
             assert!(m.cpu_features.contains(&"avx2".to_string()));
         }
+    }
+
+    #[test]
+    fn kernel_paths_are_printed_with_why() {
+        use tessera::attn::cpu::dispatch::{Choice, Reason, Timing};
+        use tessera::attn::cpu::{Bf16Path, F32Path};
+        let timing = |path, ms| Timing { path, ms: Some(ms) };
+        let d = Decision {
+            f32: Choice {
+                path: F32Path::Avx512,
+                reason: Reason::Measured,
+                candidates: vec![timing(F32Path::Avx512, 1.92), timing(F32Path::Avx2, 2.71)],
+            },
+            bf16: Choice {
+                path: Bf16Path::Dot,
+                reason: Reason::Stored,
+                candidates: vec![],
+            },
+            fingerprint: "0123".into(),
+            file: Some("/c/dispatch-0123.json".into()),
+            warnings: vec![],
+        };
+        let text = collect(None, Some(&d)).to_text();
+        let want = "kernels:      f32 avx512 (measured 1.92 ms vs avx2 2.71 ms; stored in \
+                    /c/dispatch-0123.json)\n              bf16 dot (stored decision from \
+                    /c/dispatch-0123.json)\n";
+        assert!(text.ends_with(want), "{text}");
+        assert!(!collect(None, None).to_text().contains("kernels:"));
     }
 }

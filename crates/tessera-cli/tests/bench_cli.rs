@@ -1,6 +1,7 @@
 //! End-to-end test of `tessera bench` through the built binary: the suite subset, the JSON report
-//! (manifest, measured peaks, rows with effective GFLOP/s and the backward/forward ratio) and the
-//! bad-input contract.
+//! (manifest, measured per-path peaks, rows with their kernel path, effective GFLOP/s, % of that
+//! path's peak, the backward/forward ratio and the per-tile ratio to `full`), forced paths and
+//! the bad-input contract.
 
 use std::process::Command;
 
@@ -42,7 +43,9 @@ fn bench_json_reports_every_case_with_its_ratio() {
     assert!(v["manifest"].is_object(), "manifest missing: {v}");
     let peaks = &v["peaks"];
     assert!(
-        peaks["f32_gflops"].as_f64().is_some_and(|g| g > 0.0),
+        ["avx2", "avx512"]
+            .iter()
+            .any(|p| peaks[p].as_f64().is_some_and(|g| g > 0.0)),
         "f32 peak: {peaks}"
     );
     let rows = v["rows"].as_array().expect("rows");
@@ -63,7 +66,7 @@ fn bench_json_reports_every_case_with_its_ratio() {
         for r in [f, b] {
             assert!(r["median_ms"].as_f64().is_some_and(|x| x > 0.0), "{r}");
             assert!(r["gflops"].as_f64().is_some_and(|x| x > 0.0), "{r}");
-            assert!(r["pct_peak"].as_f64().is_some_and(|x| x > 0.0), "{r}");
+            check_pct_peak(r, peaks);
         }
         assert!(f["bwd_over_fwd"].is_null(), "{f}");
         let ratio = b["bwd_over_fwd"]
@@ -78,6 +81,119 @@ fn bench_json_reports_every_case_with_its_ratio() {
     // Documents of 512–1536 tokens leave fewer active tiles than causal at the same length.
     let tiles = |i: usize| rows[i]["active_tiles"].as_f64().unwrap_or(f64::NAN);
     assert!(tiles(4) < tiles(0), "documents vs causal tile density: {v}");
+}
+
+/// A row's `% peak` is its GFLOP/s over the peak of its own path (never above 100), and its
+/// path is the run's path for its dtype.
+fn check_pct_peak(r: &serde_json::Value, peaks: &serde_json::Value) {
+    let Some(path) = r["peak_path"].as_str() else {
+        assert_eq!(
+            r["path"], "portable",
+            "only the portable copy has no peak: {r}"
+        );
+        assert!(r["pct_peak"].is_null(), "{r}");
+        return;
+    };
+    let want = match r["path"].as_str().unwrap_or_default() {
+        "bf16-dot" => "bf16_dot",
+        "avx512" | "widen-avx512" => "avx512",
+        "avx2" | "widen-avx2" => "avx2",
+        other => panic!("unexpected path {other}: {r}"),
+    };
+    assert_eq!(path, want, "{r}");
+    let peak = peaks[path].as_f64().expect("the path's peak");
+    let pct = r["pct_peak"].as_f64().expect("pct_peak");
+    let gflops = r["gflops"].as_f64().unwrap_or(f64::NAN);
+    assert!(pct > 0.0 && pct <= 100.0, "{r}");
+    assert!(
+        (pct - 100.0 * gflops / peak).abs() <= 1e-9 * pct,
+        "{r} vs {peaks}"
+    );
+}
+
+/// A tiny bench with the peak probe: every `% peak` is at most 100 and taken against its row's
+/// path; `--tile-ratio` adds the full mask and fills the sparse rows' per-tile ratio; `--isa`
+/// and `--bf16-path` force the paths the rows report.
+#[test]
+fn bench_reports_paths_peaks_and_tile_ratios() {
+    let base = [
+        "--masks",
+        "causal",
+        "--lens",
+        "256",
+        "--tile",
+        "64x64",
+        "--dims",
+        "16",
+        "--heads",
+        "1",
+        "--dtypes",
+        "f32,bf16",
+        "--passes",
+        "fwd,bwd",
+        "--reps",
+        "1",
+        "--no-cache",
+        "--tile-ratio",
+    ];
+    let v = bench_json(&base);
+    let peaks = &v["peaks"];
+    assert!(peaks["raised"].is_array(), "{peaks}");
+    let rows = v["rows"].as_array().expect("rows");
+    // full (added) and causal × f32, bf16 × fwd, bwd.
+    assert_eq!(rows.len(), 8, "{v}");
+    let paths = &v["manifest"]["kernel_paths"];
+    for r in rows {
+        check_pct_peak(r, peaks);
+        let dt = r["dtype"].as_str().unwrap_or_default();
+        let decided = paths[dt]["path"].as_str().unwrap_or_default();
+        let want = if decided == "dot" {
+            "bf16-dot"
+        } else {
+            decided
+        };
+        assert_eq!(r["path"], want, "{r}");
+        let ratio = r["tile_time_ratio"].as_f64();
+        if r["mask"] == "full" {
+            assert!(ratio.is_none(), "{r}");
+        } else {
+            let full = rows
+                .iter()
+                .find(|f| f["mask"] == "full" && f["dtype"] == r["dtype"] && f["pass"] == r["pass"])
+                .expect("the full row of the same case");
+            let per_tile = |x: &serde_json::Value| {
+                x["median_ms"].as_f64().unwrap_or(f64::NAN)
+                    / x["active_tile_count"].as_f64().unwrap_or(f64::NAN)
+            };
+            let want = per_tile(r) / per_tile(full);
+            assert!(
+                ratio.is_some_and(|x| (x - want).abs() <= 1e-9 * want),
+                "{r} {full}"
+            );
+        }
+    }
+    // 256 tokens in 64-token tiles: 16 tiles, 10 of them active under causal.
+    assert_eq!(rows[4]["active_tile_count"].as_f64(), Some(10.0), "{v}");
+
+    let forced = bench_json(
+        &[
+            &base[..],
+            &["--isa", "portable", "--bf16-path", "widen", "--no-peak"],
+        ]
+        .concat(),
+    );
+    assert_eq!(forced["forced"], true);
+    assert_eq!(forced["paths"]["f32"], "portable");
+    assert_eq!(forced["paths"]["bf16"], "widen-portable");
+    for r in forced["rows"].as_array().expect("rows") {
+        let want = if r["dtype"] == "bf16" {
+            "widen-portable"
+        } else {
+            "portable"
+        };
+        assert_eq!(r["path"], want, "{r}");
+        assert!(r["pct_peak"].is_null(), "{r}");
+    }
 }
 
 /// `--tile auto` (the default) takes the backend's recommended tile per head dim and dtype.
@@ -126,10 +242,39 @@ fn bench_rejects_bad_options_with_one_line() {
         &["bench", "--passes", "sideways", "--no-peak"][..],
         &["bench", "--dtypes", "f64", "--no-peak"][..],
         &["bench", "--tile", "100x7", "--no-peak"][..],
+        &["bench", "--isa", "avx9", "--no-peak"][..],
+        &["bench", "--bf16-path", "fast", "--no-peak"][..],
     ] {
         let out = tessera(args);
         let err = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
         assert_eq!(err.trim_end().lines().count(), 1, "{args:?}: {err}");
+    }
+}
+
+/// Forcing a path this CPU cannot run is refused with one line (exit 2) before any work.
+#[test]
+fn bench_refuses_a_forced_path_the_cpu_lacks() {
+    #[cfg(target_arch = "x86_64")]
+    let lacks: Vec<&[&str]> = [
+        (!std::arch::is_x86_feature_detected!("avx512bf16")).then_some(&["--bf16-path", "dot"][..]),
+        (!std::arch::is_x86_feature_detected!("avx512f")).then_some(&["--isa", "avx512"][..]),
+        (!std::arch::is_x86_feature_detected!("avx2")).then_some(&["--isa", "avx2"][..]),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
+    #[cfg(not(target_arch = "x86_64"))]
+    let lacks: Vec<&[&str]> = vec![&["--isa", "avx2"][..]];
+    if lacks.is_empty() {
+        eprintln!("skipping: this CPU runs every path");
+        return;
+    }
+    for flags in lacks {
+        let out = tessera(&[&["bench", "--no-peak", "--quick"], flags].concat());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{flags:?}: {err}");
+        assert_eq!(err.trim_end().lines().count(), 1, "{flags:?}: {err}");
+        assert!(err.contains("lacks"), "{flags:?}: {err}");
     }
 }

@@ -391,3 +391,78 @@ fn env_prints_manifest() {
     let text = String::from_utf8_lossy(&o.stdout);
     assert!(text.contains("git revision:") && text.contains(d), "{text}");
 }
+
+/// `tessera env` names each dtype's kernel path and why: measured and stored by the first
+/// process, read back by the next, forced by TESSERA_CPU_PATHS (which must be valid), and
+/// never stored with --no-cache.
+#[test]
+fn env_reports_kernel_paths_and_why() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().to_str().unwrap();
+    let kernels = |o: &Output| -> Value {
+        assert!(o.status.success(), "{}", stderr(o));
+        let m: Value = serde_json::from_slice(&o.stdout).unwrap();
+        m["kernel_paths"].clone()
+    };
+    let reasons = |k: &Value| {
+        (
+            k["f32"]["reason"].as_str().unwrap_or("").to_string(),
+            k["bf16"]["reason"].as_str().unwrap_or("").to_string(),
+        )
+    };
+    let first = kernels(&run(&["env", "--json", "--cache-dir", d]));
+    let file = first["file"].as_str().map(PathBuf::from);
+    if reasons(&first) == ("only_candidate".into(), "only_candidate".into()) {
+        return; // a CPU with only the portable copy: nothing to measure or store
+    }
+    assert_eq!(
+        reasons(&first),
+        ("measured".into(), "measured".into()),
+        "{first}"
+    );
+    let file = file.expect("the decision is stored");
+    assert!(file.starts_with(dir.path()) && file.is_file(), "{first}");
+    let again = kernels(&run(&["env", "--json", "--cache-dir", d]));
+    assert_eq!(
+        reasons(&again),
+        ("stored".into(), "stored".into()),
+        "{again}"
+    );
+    for dt in ["f32", "bf16"] {
+        assert_eq!(again[dt]["path"], first[dt]["path"], "{again}");
+        assert_eq!(again[dt]["candidates"], first[dt]["candidates"], "{again}");
+    }
+    let text = String::from_utf8_lossy(&run(&["env", "--cache-dir", d]).stdout).into_owned();
+    assert!(
+        text.contains("kernels:      f32 ") && text.contains("(stored decision from "),
+        "{text}"
+    );
+
+    let forced = tessera(&["env", "--json", "--cache-dir", d])
+        .env("TESSERA_CPU_PATHS", "bf16=widen-portable")
+        .output()
+        .unwrap();
+    let forced = kernels(&forced);
+    assert_eq!(forced["bf16"]["path"], "widen-portable");
+    assert_eq!(reasons(&forced).1, "env_override");
+    for bad in ["bf16=fast", "f64=avx2", "f32=avx2,f32=avx2"] {
+        let o = tessera(&["env", "--cache-dir", d])
+            .env("TESSERA_CPU_PATHS", bad)
+            .output()
+            .unwrap();
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(2), "{bad}: {err}");
+        assert_eq!(err.trim_end().lines().count(), 1, "{bad}: {err}");
+        assert!(err.contains("TESSERA_CPU_PATHS"), "{bad}: {err}");
+    }
+
+    let none = tempfile::tempdir().unwrap();
+    let n = none.path().to_str().unwrap();
+    let k = kernels(&run(&["env", "--json", "--cache-dir", n, "--no-cache"]));
+    assert!(k["file"].is_null(), "{k}");
+    assert_eq!(
+        fs::read_dir(none.path()).unwrap().count(),
+        0,
+        "nothing stored"
+    );
+}

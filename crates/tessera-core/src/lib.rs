@@ -1,7 +1,8 @@
 //! Shared vocabulary of Tessera.
 //!
 //! Contract: every other crate reports failures through [`Error`], stores tensors as [`Tensor`]
-//! (row-major, contiguous, f32 or bf16 or integer storage) and records counters in [`metrics`].
+//! (row-major, contiguous, f32 or bf16 or integer storage), records counters in [`metrics`] and
+//! finds its per-user cache directory with [`cache_dir`].
 //! Nothing here knows about masks, plans or kernels.
 //!
 //! ```
@@ -16,6 +17,7 @@
 //! ```
 
 pub mod budget;
+pub mod cache_dir;
 pub mod error;
 pub mod metrics;
 pub mod tensor;

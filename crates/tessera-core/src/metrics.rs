@@ -2,7 +2,9 @@
 //!
 //! Contract: counters only ever increase during a process; [`snapshot`] reads them all at once
 //! into a plain serializable [`MetricsReport`]. Recording is cheap (relaxed atomics, one short
-//! lock per kernel call) so it can stay on in production.
+//! lock per kernel call) so it can stay on in production. Work run inside [`unrecorded`] (a
+//! library's own calibration, such as the CPU kernel-path measurement) records nothing from
+//! that thread, so the report counts the caller's work only.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
@@ -19,6 +21,28 @@ static BYTES_READ: AtomicU64 = AtomicU64::new(0);
 static BYTES_WRITTEN: AtomicU64 = AtomicU64::new(0);
 static KERNELS: Mutex<BTreeMap<String, KernelStat>> = Mutex::new(BTreeMap::new());
 static COUNTERS: Mutex<BTreeMap<String, u64>> = Mutex::new(BTreeMap::new());
+
+thread_local! {
+    /// Whether this thread is inside [`unrecorded`].
+    static MUTED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs `f` with recording off on this thread (restored afterwards, also if `f` panics).
+pub fn unrecorded<R>(f: impl FnOnce() -> R) -> R {
+    struct Restore(bool);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            MUTED.with(|m| m.set(self.0));
+        }
+    }
+    let _restore = Restore(MUTED.with(|m| m.replace(true)));
+    f()
+}
+
+/// Whether recording is on for this thread.
+fn on() -> bool {
+    !MUTED.with(|m| m.get())
+}
 
 /// Calls and total wall time of one kernel variant.
 #[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -56,42 +80,66 @@ pub struct MetricsReport {
 
 /// Records one plan build and how long it took.
 pub fn record_plan_built(elapsed: Duration) {
+    if !on() {
+        return;
+    }
     PLANS_BUILT.fetch_add(1, Relaxed);
     PLAN_BUILD_NS.fetch_add(elapsed.as_nanos() as u64, Relaxed);
 }
 
 /// Counts one plan-cache memory hit.
 pub fn record_memory_hit() {
+    if !on() {
+        return;
+    }
     MEMORY_HITS.fetch_add(1, Relaxed);
 }
 
 /// Counts one plan-cache disk hit.
 pub fn record_disk_hit() {
+    if !on() {
+        return;
+    }
     DISK_HITS.fetch_add(1, Relaxed);
 }
 
 /// Counts one plan-cache miss.
 pub fn record_miss() {
+    if !on() {
+        return;
+    }
     MISSES.fetch_add(1, Relaxed);
 }
 
 /// Counts one rejected disk entry.
 pub fn record_reject() {
+    if !on() {
+        return;
+    }
     REJECTS.fetch_add(1, Relaxed);
 }
 
 /// Adds `n` bytes read from the disk cache.
 pub fn record_bytes_read(n: u64) {
+    if !on() {
+        return;
+    }
     BYTES_READ.fetch_add(n, Relaxed);
 }
 
 /// Adds `n` bytes written to the disk cache.
 pub fn record_bytes_written(n: u64) {
+    if !on() {
+        return;
+    }
     BYTES_WRITTEN.fetch_add(n, Relaxed);
 }
 
 /// Records one call of a kernel variant and its wall time.
 pub fn record_kernel(variant: &str, elapsed: Duration) {
+    if !on() {
+        return;
+    }
     if let Ok(mut map) = KERNELS.lock() {
         let stat = map.entry(variant.to_string()).or_default();
         stat.calls += 1;
@@ -101,6 +149,9 @@ pub fn record_kernel(variant: &str, elapsed: Duration) {
 
 /// Adds `n` to a named counter.
 pub fn add_counter(name: &str, n: u64) {
+    if !on() {
+        return;
+    }
     if let Ok(mut map) = COUNTERS.lock() {
         *map.entry(name.to_string()).or_default() += n;
     }
@@ -146,5 +197,24 @@ impl MetricsReport {
             s.push_str(&format!("{name}: {n}\n"));
         }
         s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unrecorded_work_is_not_counted_and_recording_resumes() {
+        let name = "test.unrecorded";
+        let calls = || snapshot().kernels.get(name).map_or(0, |k| k.calls);
+        unrecorded(|| record_kernel(name, Duration::from_millis(1)));
+        assert_eq!(calls(), 0);
+        record_kernel(name, Duration::from_millis(1));
+        assert_eq!(calls(), 1);
+        let r = std::panic::catch_unwind(|| unrecorded(|| panic!("inside unrecorded")));
+        assert!(r.is_err());
+        record_kernel(name, Duration::from_millis(1));
+        assert_eq!(calls(), 2, "recording is back on after a panic");
     }
 }

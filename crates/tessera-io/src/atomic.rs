@@ -7,6 +7,9 @@
 //! [`atomic_write_with`]`(.., Durability::Unsynced, ..)` skips the sync, for files that are
 //! checked on every read and cheap to rebuild (the plan cache's entries): a power failure may
 //! then leave a renamed but incomplete file, never a partly overwritten one.
+//! [`atomic_create_bytes`] publishes the synced temporary file with a hard link instead of a
+//! rename, so it never replaces an existing file: of several processes racing to create one
+//! file exactly one wins, and the others can read the winner's complete file.
 
 use std::fs::{File, OpenOptions};
 use std::io::{BufWriter, Write};
@@ -73,6 +76,37 @@ pub fn atomic_write_with(
     durability: Durability,
     write: impl FnOnce(&mut BufWriter<File>) -> Result<()>,
 ) -> Result<()> {
+    write_then_publish(path, durability, Publish::Replace, write).map(|_| ())
+}
+
+/// Creates `path` holding `bytes` unless it already exists, atomically (synced temporary file,
+/// then a hard link to `path`, which fails when `path` exists). `Ok(true)` when this call
+/// created it; `Ok(false)` when `path` already existed, untouched. On a file system without
+/// hard links it falls back to checking for `path` and renaming, which a racing writer can
+/// still beat.
+pub fn atomic_create_bytes(path: &Path, bytes: &[u8]) -> Result<bool> {
+    write_then_publish(path, Durability::Synced, Publish::CreateNew, |w| {
+        w.write_all(bytes).map_err(|e| Error::io(path, e))
+    })
+}
+
+/// How a finished temporary file becomes the destination.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Publish {
+    /// `rename` over whatever is there.
+    Replace,
+    /// Hard link: only when nothing is there.
+    CreateNew,
+}
+
+/// The shared writer: fills and (optionally) syncs a temporary file next to `path`, then
+/// publishes it; `Ok(false)` only for [`Publish::CreateNew`] onto an existing file.
+fn write_then_publish(
+    path: &Path,
+    durability: Durability,
+    publish: Publish,
+    write: impl FnOnce(&mut BufWriter<File>) -> Result<()>,
+) -> Result<bool> {
     let file_name = path
         .file_name()
         .ok_or_else(|| Error::invalid("output path", "a path naming a file", path.display()))?
@@ -111,9 +145,18 @@ pub fn atomic_write_with(
         file.sync_all().map_err(|e| Error::io(&guard.path, e))?;
     }
     drop(file);
+    if publish == Publish::CreateNew {
+        // The guard still removes the temporary name: the link keeps the data.
+        match std::fs::hard_link(&guard.path, path) {
+            Ok(()) => return Ok(true),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => return Ok(false),
+            Err(_) if path.exists() => return Ok(false),
+            Err(_) => {} // no hard links here: rename below
+        }
+    }
     std::fs::rename(&guard.path, path).map_err(|e| Error::io(path, e))?;
     guard.armed = false;
-    Ok(())
+    Ok(true)
 }
 
 /// Creates a fresh temporary file `.NAME.tmp.PID.N` in `dir`, retrying past stale leftovers;

@@ -29,7 +29,9 @@ mod atomic;
 mod npy;
 mod sfts;
 
-pub use atomic::{atomic_write, atomic_write_bytes, atomic_write_with, Durability};
+pub use atomic::{
+    atomic_create_bytes, atomic_write, atomic_write_bytes, atomic_write_with, Durability,
+};
 pub use npy::{open_npy_ints, NpyArray, NpyDType, NpyInts};
 
 use std::path::Path;

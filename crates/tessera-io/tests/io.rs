@@ -4,7 +4,10 @@ use half::{bf16, f16};
 use rand::{Rng, SeedableRng};
 use std::path::{Path, PathBuf};
 use tessera_core::{DType, Error, Tensor, TensorData};
-use tessera_io::{atomic_write, read_safetensors, read_tensor, write_safetensors, write_tensor};
+use tessera_io::{
+    atomic_create_bytes, atomic_write, read_safetensors, read_tensor, write_safetensors,
+    write_tensor,
+};
 
 fn sample(dtype: DType, shape: &[usize], seed: u64) -> Tensor {
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
@@ -332,6 +335,44 @@ fn atomic_write_is_all_or_nothing() {
     // A destination in a missing directory is an I/O error, not a panic.
     let e = atomic_write(&dir.path().join("no/such/dir/f"), |_| Ok(())).unwrap_err();
     assert!(matches!(e, Error::Io { .. }), "{e}");
+}
+
+#[test]
+fn atomic_create_never_replaces() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("decision.json");
+    assert!(atomic_create_bytes(&p, b"first").unwrap(), "created");
+    assert!(
+        !atomic_create_bytes(&p, b"second").unwrap(),
+        "already there"
+    );
+    assert_eq!(
+        std::fs::read(&p).unwrap(),
+        b"first",
+        "the first writer wins"
+    );
+    assert_eq!(
+        leftovers(dir.path()),
+        vec![p.clone()],
+        "no temporary file left"
+    );
+    let e = atomic_create_bytes(&dir.path().join("no/such/f"), b"x").unwrap_err();
+    assert!(matches!(e, Error::Io { .. }), "{e}");
+
+    // Racing creators: exactly one wins and every file read back is a whole one.
+    let q = dir.path().join("raced.json");
+    let wins: usize = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..8u8)
+            .map(|i| {
+                let q = &q;
+                s.spawn(move || atomic_create_bytes(q, &[i; 4096]).unwrap() as usize)
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).sum()
+    });
+    assert_eq!(wins, 1);
+    let got = std::fs::read(&q).unwrap();
+    assert!(got.len() == 4096 && got.iter().all(|&b| b == got[0]));
 }
 
 #[test]

@@ -1,9 +1,10 @@
 //! The instruction sets the CPU kernels are compiled for ([`Isa`]) and the macro that declares
 //! one `#[target_feature]` copy of an item kernel per instruction set ([`isa_entry!`]).
 //!
-//! Contract: [`Isa::detect`] returns the best copy this CPU runs; a copy is only ever called on
-//! a CPU that has its features ([`Isa::supported`]), which is what makes the `unsafe` calls of
-//! the `#[target_feature]` copies sound.
+//! Contract: [`Isa::detect`] returns the widest copy this CPU runs (by feature flags; which copy
+//! each dtype actually runs is chosen by measured speed in [`dispatch`](super::dispatch)); a
+//! copy is only ever called on a CPU that has its features ([`Isa::supported`]), which is what
+//! makes the `unsafe` calls of the `#[target_feature]` copies sound.
 
 /// Instruction set of the kernel copy a [`CpuBackend`](super::CpuBackend) runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -21,7 +22,7 @@ pub enum Isa {
 }
 
 impl Isa {
-    /// The best copy this CPU supports.
+    /// The widest copy this CPU supports.
     pub fn detect() -> Isa {
         #[cfg(target_arch = "x86_64")]
         {
@@ -84,8 +85,8 @@ macro_rules! isa_entry {
                 $body::<crate::cpu::simd::Avx2>($($arg),*)
             }
             match isa {
-                // SAFETY: `Isa::detect`/`CpuBackend::with_isa` only hand out copies whose
-                // features this CPU has.
+                // SAFETY: `Isa::detect`, `CpuBackend::with_isa`/`with_paths` and the dispatch
+                // decision only hand out copies whose features this CPU has.
                 #[cfg(target_arch = "x86_64")]
                 crate::cpu::Isa::Avx512 | crate::cpu::Isa::Avx512Bf16 => unsafe { avx512($($arg),*) },
                 #[cfg(target_arch = "x86_64")]

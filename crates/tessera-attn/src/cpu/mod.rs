@@ -13,15 +13,23 @@
 //!   sorted queue), each worker with a workspace from the caller's [`CpuWorkspace`].
 //! - Per-worker workspace is bounded by the tile sizes and head dims; nothing of size Lq·Lkv.
 //! - Hot loops are generic code compiled three times (AVX-512F/BW/VL+FMA, AVX2+FMA, portable)
-//!   and selected at run time; [`Isa`] names the copy in use. With AVX512-BF16
-//!   ([`Isa::Avx512Bf16`]) bf16 calls run dedicated `vdpbf16ps` kernels (bf16 operands
-//!   including P and dS, f32 softmax and accumulation).
+//!   and selected at run time; [`Isa`] names a copy. With AVX512-BF16 ([`Isa::Avx512Bf16`])
+//!   bf16 calls can also run dedicated `vdpbf16ps` kernels (bf16 operands including P and dS,
+//!   f32 softmax and accumulation); otherwise bf16 is widened to f32 in an f32 copy.
+//! - A [`CpuBackend`] holds one copy per storage dtype ([`KernelPaths`]: f32 `avx512` / `avx2` /
+//!   `portable`; bf16 `dot` / `widen-avx512` / `widen-avx2` / `widen-portable`) and routes each
+//!   call (forward, backward, telemetry forward, workspace sizes) by the call's dtype.
+//!   [`CpuBackend::new`] takes the paths of [`dispatch::decision`]: measured speed on this
+//!   machine, stored per machine so that results stay bit-identical across processes, or
+//!   `TESSERA_CPU_PATHS`. [`CpuBackend::with_isa`] runs both dtypes on one copy and
+//!   [`CpuBackend::with_paths`] on any two paths this CPU runs.
 //! - Partial tiles only compute their live 16 × 16 sub-blocks, precomputed once per plan by
 //!   `prepare`; masked pairs inside are still excluded exactly.
 //!
 //! Code map (one concept per file):
-//! - `isa`: the instruction sets and the per-ISA kernel copies; [`peak`]: their measured
-//!   compute peaks (the yardstick of `% of peak`); `prepare`: what a plan is turned
+//! - `isa`: the instruction sets and the per-ISA kernel copies; [`dispatch`]: which path each
+//!   dtype runs; [`peak`]: the measured compute peak of each instruction path (the yardstick
+//!   of `% of peak`); `prepare`: what a plan is turned
 //!   into once (`live_blocks`, `mask_partial_tile`'s transposed masks); `workspace`: the
 //!   caller-owned scratch; `schedule`: work items on the pool; `load_tile`: strided inputs into
 //!   tiles.
@@ -33,6 +41,7 @@
 //!   (Δ, rounds, slots, reduce, the f32 item, `backward::bf16`).
 
 mod backward;
+pub mod dispatch;
 mod forward;
 mod isa;
 mod live_blocks;
@@ -49,6 +58,7 @@ mod tile_matmul_bf16;
 
 mod workspace;
 
+pub use dispatch::{Bf16Path, F32Path, KernelPaths};
 pub(crate) use isa::isa_entry;
 pub use isa::Isa;
 pub(crate) use load_tile::{load_transposed, rows, Src};
@@ -67,10 +77,15 @@ use std::time::Instant;
 use tessera_core::{metrics, DType, Error, Result};
 use tessera_plan::{Plan, TileShape};
 
-/// Flash attention on the CPU (rayon's global pool).
+/// Flash attention on the CPU (rayon's global pool), with one kernel copy for f32 calls and
+/// one for bf16 calls ([`KernelPaths`]).
 #[derive(Debug, Clone, Copy)]
 pub struct CpuBackend {
-    isa: Isa,
+    /// Copy of f32 calls (`Avx512Bf16` runs them as `Avx512`).
+    f32_isa: Isa,
+    /// Copy of bf16 calls: `Avx512Bf16` is the `vdpbf16ps` (`dot`) kernels, any other copy
+    /// widens bf16 to f32 in its f32 kernels.
+    bf16_isa: Isa,
 }
 
 impl Default for CpuBackend {
@@ -80,12 +95,25 @@ impl Default for CpuBackend {
 }
 
 impl CpuBackend {
-    /// The backend using the best kernel copy for this CPU.
+    /// The backend on this machine's kernel paths: the process-wide [`dispatch::decision`]
+    /// (measured speed, stored per machine, or `TESSERA_CPU_PATHS`).
     pub fn new() -> Self {
-        CpuBackend { isa: Isa::detect() }
+        let paths = dispatch::decision().paths();
+        // The decision only names paths this CPU runs; checked again because the kernel
+        // copies' `unsafe` calls rely on it.
+        let paths = if dispatch::Caps::detect().runs(paths) {
+            paths
+        } else {
+            KernelPaths::of_isa(Isa::detect())
+        };
+        CpuBackend {
+            f32_isa: paths.f32.isa(),
+            bf16_isa: paths.bf16.isa(),
+        }
     }
 
-    /// The backend forced to one kernel copy (for testing the fallbacks).
+    /// The backend running both dtypes on one kernel copy (for testing the fallbacks): f32 on
+    /// its f32 kernels, bf16 on `vdpbf16ps` for [`Isa::Avx512Bf16`], else widened to f32.
     pub fn with_isa(isa: Isa) -> Result<Self> {
         if !isa.supported() {
             return Err(Error::Unsupported(format!(
@@ -93,12 +121,65 @@ impl CpuBackend {
                 isa.name()
             )));
         }
-        Ok(CpuBackend { isa })
+        Ok(CpuBackend {
+            f32_isa: isa,
+            bf16_isa: isa,
+        })
     }
 
-    /// The kernel copy this backend runs.
+    /// The backend on the given path of each dtype; an error names a path this CPU cannot run.
+    pub fn with_paths(paths: KernelPaths) -> Result<Self> {
+        let caps = dispatch::Caps::detect();
+        if !caps.runs_f32(paths.f32) {
+            let f = paths.f32;
+            return Err(dispatch::unsupported(
+                &format!("kernel path f32 {}", f.name()),
+                f.isa().name(),
+            ));
+        }
+        if !caps.runs_bf16(paths.bf16) {
+            let b = paths.bf16;
+            return Err(dispatch::unsupported(
+                &format!("kernel path bf16 {}", b.name()),
+                b.isa().name(),
+            ));
+        }
+        Ok(CpuBackend {
+            f32_isa: paths.f32.isa(),
+            bf16_isa: paths.bf16.isa(),
+        })
+    }
+
+    /// The kernel copy of f32 calls (the one copy of a [`with_isa`](Self::with_isa) backend);
+    /// [`isa_for`](Self::isa_for) gives any dtype's.
     pub fn isa(&self) -> Isa {
-        self.isa
+        self.f32_isa
+    }
+
+    /// The kernel copy calls of `dtype` run on.
+    pub fn isa_for(&self, dtype: DType) -> Isa {
+        match dtype {
+            DType::BF16 => self.bf16_isa,
+            _ => self.f32_isa,
+        }
+    }
+
+    /// The kernel path of each dtype.
+    pub fn paths(&self) -> KernelPaths {
+        KernelPaths {
+            f32: F32Path::of_isa(self.f32_isa),
+            bf16: Bf16Path::of_isa(self.bf16_isa),
+        }
+    }
+
+    /// This backend reduced to the one copy calls of `dtype` run on (for the kernels that
+    /// take the backend itself).
+    fn on(&self, dtype: DType) -> CpuBackend {
+        let isa = self.isa_for(dtype);
+        CpuBackend {
+            f32_isa: isa,
+            bf16_isa: isa,
+        }
     }
 
     /// The tile shape these kernels run fastest with for a head dimension and storage dtype
@@ -178,10 +259,10 @@ impl Backend for CpuBackend {
     ) -> Result<usize> {
         let d = check_forward(inputs, &prepared.plan, &AttnOptions::default())?;
         Ok(workspace::forward_bytes(
-            self.isa,
+            self.isa_for(d.dtype),
             &prepared.plan,
             &d,
-            par_threads(par),
+            par.threads(),
         ))
     }
 
@@ -193,10 +274,10 @@ impl Backend for CpuBackend {
     ) -> Result<usize> {
         let d = check_backward(inputs, &prepared.plan, &AttnOptions::default())?;
         Ok(workspace::backward_bytes(
-            self.isa,
+            self.isa_for(d.dtype),
             &prepared.plan,
             &d,
-            par_threads(par),
+            par.threads(),
         ))
     }
 
@@ -229,7 +310,16 @@ impl Backend for CpuBackend {
         guarded(ws, |ws| {
             let (pools, rest) = ws.split(&prep, &d);
             par.run(pools, || {
-                forward::telemetry::forward(self, prep, &d, inputs, options, tel, out, rest)
+                forward::telemetry::forward(
+                    &self.on(d.dtype),
+                    prep,
+                    &d,
+                    inputs,
+                    options,
+                    tel,
+                    out,
+                    rest,
+                )
             })?
         })
     }
@@ -293,7 +383,7 @@ impl CpuBackend {
         guarded(ws, |ws| {
             let (pools, rest) = ws.split(&prep, &d);
             par.run(pools, || {
-                dispatch_forward(self.isa, prep, &d, inputs, options, out, rest)
+                dispatch_forward(self.isa_for(d.dtype), prep, &d, inputs, options, out, rest)
             })?
         })?;
         metrics::record_kernel(&format!("cpu.forward.{}", d.dtype), start.elapsed());
@@ -315,7 +405,7 @@ impl CpuBackend {
         guarded(ws, |ws| {
             let (pools, rest) = ws.split(&prep, &d);
             par.run(pools, || {
-                backward::run(self.isa, prep, &d, inputs, options, out, rest)
+                backward::run(self.isa_for(d.dtype), prep, &d, inputs, options, out, rest)
             })?
         })?;
         metrics::record_kernel(&format!("cpu.backward.{}", d.dtype), start.elapsed());
@@ -338,16 +428,6 @@ fn dispatch_forward(
         forward::bf16::run(prep, d, inputs, options, out, rest)
     } else {
         forward::run(isa, prep, d, inputs, options, out, rest)
-    }
-}
-
-/// Threads a call on `par` runs on (for workspace sizing).
-fn par_threads(par: Par<'_>) -> usize {
-    match par {
-        Par::Seq => 1,
-        Par::Rayon(0) | Par::Current => rayon::current_num_threads(),
-        Par::Rayon(n) => n,
-        Par::Pool(p) => p.current_num_threads(),
     }
 }
 

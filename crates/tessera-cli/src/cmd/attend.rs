@@ -12,8 +12,7 @@ use crate::maskload::MaskArgs;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 use tessera::attn::{
-    effective_gflops, forward_logged, AttnInputs, AttnOptions, Backend, CpuBackend, GradInputs,
-    LogContext,
+    effective_gflops, forward_logged, AttnInputs, AttnOptions, Backend, GradInputs, LogContext,
 };
 use tessera::core::{DType, Error, Result, Tensor};
 use tessera::telemetry::{
@@ -226,7 +225,7 @@ pub fn run(args: AttendArgs, ctx: &Ctx) -> Result<()> {
         softcap: args.softcap,
         sinks,
     };
-    let backend = CpuBackend::new();
+    let backend = ctx.cpu_backend()?;
 
     // One step (0) that logs when --telemetry is given, else a plain forward.
     let config = TelemetryConfig {
@@ -293,7 +292,7 @@ pub fn run(args: AttendArgs, ctx: &Ctx) -> Result<()> {
         dtype: q.dtype().to_string(),
         mask: args.mask.mask.clone(),
         tile: plan.tile.to_string(),
-        backend: format!("{} ({})", backend.name(), backend.isa().name()),
+        backend: format!("{} ({})", backend.name(), backend.paths().label(q.dtype())),
         allowed_pairs: plan.stats.allowed_pairs,
         density: plan.stats.density,
         forward_ms: forward_s * 1e3,

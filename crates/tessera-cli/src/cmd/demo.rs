@@ -108,9 +108,10 @@ pub fn run(args: DemoArgs, ctx: &Ctx) -> Result<()> {
     )?;
     let dir = &args.out_dir;
     std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+    let kernels = ctx.kernel_decision()?;
     print!(
         "{}",
-        crate::manifest::collect(ctx.cache_dir().as_deref()).to_text()
+        crate::manifest::collect(ctx.cache_dir().as_deref(), Some(kernels)).to_text()
     );
 
     // 1. Pack the corpus.
