@@ -9,8 +9,9 @@
 //!   contribution to its own scratch slot, then dQ items (batch, query head, q-tile) summing
 //!   their slots in q-major list order. No atomics; each output element is produced by exactly
 //!   one item in a fixed order, so results are bit-identical run to run (for any thread count).
-//! - Items run on the call's threads ([`Par`]), longest work list first (dynamic pull from a
-//!   sorted queue), each worker with a workspace from the caller's [`CpuWorkspace`].
+//! - Items run on the call's threads ([`Par`]) from one sorted queue (dynamic pull): (batch,
+//!   head) group by group, longest work list first within a group, each worker with a workspace
+//!   from the caller's [`CpuWorkspace`].
 //! - Per-worker workspace is bounded by the tile sizes and head dims; nothing of size Lq·Lkv.
 //! - Hot loops are generic code compiled three times (AVX-512F/BW/VL+FMA, AVX2+FMA, portable)
 //!   and selected at run time; [`Isa`] names a copy. With AVX512-BF16 ([`Isa::Avx512Bf16`])

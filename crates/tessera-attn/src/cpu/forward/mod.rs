@@ -205,8 +205,8 @@ impl<'a> FwdCtx<'a> {
 }
 
 /// Splits O, LSE and the per-item max logits into work items (batch, query head, q-tile) and runs
-/// `work` on every item on the rayon pool (longest first), each worker with its own workspace
-/// from `make_ws`; assembles the outputs.
+/// `work` on every item on the rayon pool (per head, longest first), each worker with its own
+/// workspace from `make_ws`; assembles the outputs.
 pub(super) fn run_with<W: std::any::Any + Send>(
     cx: &FwdCtx<'_>,
     out: ForwardOut<'_>,
@@ -226,7 +226,8 @@ pub(super) fn run_with<W: std::any::Any + Send>(
 }
 
 /// The scheduling shared by every forward kernel: the caller's outputs split into one item per
-/// (batch, query head, q tile), run longest first on the current pool with per-worker workspaces
+/// (batch, query head, q tile), run head by head, longest first within a head, on the current
+/// pool with per-worker workspaces
 /// from `pool`, max logits (per item in `maxes`) reduced per (batch, head) with NaN propagated.
 pub(super) fn schedule<W: std::any::Any + Send>(
     plan: &Plan,
