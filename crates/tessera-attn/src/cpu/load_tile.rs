@@ -223,8 +223,7 @@ pub(crate) fn load_transposed<S: simd::Simd>(
 }
 
 /// `dst[x * ld + r] = src[r * sl + x] * scale` for `r, x < 16`: a 16 × 16 transpose in
-/// registers (unpack pairs, then pairs of pairs, then 128-bit lanes twice) instead of 256 strided
-/// scalar stores.
+/// registers ([`transpose16_regs`]) instead of 256 strided scalar stores.
 ///
 /// # Safety
 /// AVX-512F must be available; `src` readable at `r * sl + x` and `dst` writable at
@@ -234,11 +233,41 @@ pub(crate) fn load_transposed<S: simd::Simd>(
 unsafe fn transpose16(src: *const f32, sl: usize, scale: f32, dst: *mut f32, ld: usize) {
     use std::arch::x86_64::*;
     let s = _mm512_set1_ps(scale);
-    let row = |r: usize| _mm512_mul_ps(_mm512_loadu_ps(src.add(r * sl)), s);
+    let rows: [__m512; 16] =
+        std::array::from_fn(|r| _mm512_mul_ps(_mm512_loadu_ps(src.add(r * sl)), s));
+    for (x, c) in transpose16_regs(rows).into_iter().enumerate() {
+        _mm512_storeu_ps(dst.add(x * ld), c);
+    }
+}
+
+/// `dst[x * ld + r] = src[r * sl + x]` for `r, x < 16`, moving 32-bit words unchanged (the bf16
+/// kernels' packed pairs).
+///
+/// # Safety
+/// AVX-512F must be available; `src` readable at `r * sl + x` and `dst` writable at
+/// `x * ld + r` for `r, x < 16` (no alignment needed).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+pub(crate) unsafe fn transpose16_words(src: *const u32, sl: usize, dst: *mut u32, ld: usize) {
+    use std::arch::x86_64::*;
+    // Shuffles and unaligned moves only: every bit pattern (NaN payloads too) is kept.
+    let rows: [__m512; 16] = std::array::from_fn(|r| _mm512_loadu_ps(src.add(r * sl).cast()));
+    for (x, c) in transpose16_regs(rows).into_iter().enumerate() {
+        _mm512_storeu_ps(dst.add(x * ld).cast(), c);
+    }
+}
+
+/// The 16 × 16 transpose of 32-bit lanes held in 16 registers (unpack pairs, then pairs of
+/// pairs, then 128-bit lanes twice): column `x` of the rows comes back as register `x`.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn transpose16_regs(rows: [std::arch::x86_64::__m512; 16]) -> [std::arch::x86_64::__m512; 16] {
+    use std::arch::x86_64::*;
     // t[2k], t[2k + 1]: rows 2k and 2k + 1 interleaved (elements 0,1 | 2,3 of each 128-bit lane).
     let mut t = [_mm512_setzero_ps(); 16];
     for k in 0..8 {
-        let (a, b) = (row(2 * k), row(2 * k + 1));
+        let (a, b) = (rows[2 * k], rows[2 * k + 1]);
         t[2 * k] = _mm512_unpacklo_ps(a, b);
         t[2 * k + 1] = _mm512_unpackhi_ps(a, b);
     }
@@ -266,11 +295,13 @@ unsafe fn transpose16(src: *const f32, sl: usize, scale: f32, dst: *mut f32, ld:
         }
     }
     // Columns e and e + 8, rows 0..16.
+    let mut out = [_mm512_setzero_ps(); 16];
     for e in 0..8 {
         let (a, b) = (v[e], v[8 + e]);
-        _mm512_storeu_ps(dst.add(e * ld), _mm512_shuffle_f32x4::<0x88>(a, b));
-        _mm512_storeu_ps(dst.add((e + 8) * ld), _mm512_shuffle_f32x4::<0xdd>(a, b));
+        out[e] = _mm512_shuffle_f32x4::<0x88>(a, b);
+        out[e + 8] = _mm512_shuffle_f32x4::<0xdd>(a, b);
     }
+    out
 }
 
 #[cfg(test)]
@@ -310,6 +341,27 @@ mod tests {
                 .zip(&got)
                 .all(|(a, b)| a.to_bits() == b.to_bits());
             assert!(same, "b={bb} h={hh} r0={r0} n={n}");
+        }
+    }
+
+    /// The 32-bit word transpose moves every word (NaN bit patterns included) to its place.
+    #[test]
+    fn word_transpose_moves_words_unchanged() {
+        if !(is_x86_feature_detected!("avx512f")) {
+            eprintln!("skipped: no AVX-512F on this CPU");
+            return;
+        }
+        let (sl, ld) = (37, 21);
+        let src: Vec<u32> = (0..16 * sl as u32)
+            .map(|i| i.wrapping_mul(0x9E37_79B9) | 0x7F80_0001)
+            .collect();
+        let mut dst = vec![0u32; 16 * ld];
+        // SAFETY: AVX-512F was detected; 16 rows of `sl` and 16 columns of `ld` fit the buffers.
+        unsafe { transpose16_words(src.as_ptr().add(3), sl, dst.as_mut_ptr().add(2), ld) };
+        for r in 0..16 {
+            for x in 0..16 {
+                assert_eq!(dst[2 + x * ld + r], src[3 + r * sl + x], "r={r} x={x}");
+            }
         }
     }
 }

@@ -56,6 +56,7 @@ pub(crate) fn pack_words(plan: &tessera_plan::Plan, d: &crate::Dims) -> usize {
 mod imp {
     use crate::cpu::forward::{self, NoTelemetry, TileObserver};
     use crate::cpu::live_blocks::{LiveBlocks, SB};
+    use crate::cpu::load_tile::transpose16_words;
     use crate::cpu::mask_partial_tile::{mask_partial_row, MasksT};
     use crate::cpu::online_softmax::{self, column_max, finish_row};
     use crate::cpu::simd::{self, Avx512, Simd};
@@ -360,9 +361,39 @@ mod imp {
         } = ws;
         // Q pairs along D, queries contiguous; padding queries zero.
         let (q_off, qld) = (cx.q.row(b, h, q0), cx.q.ld());
+        // Whole 16-query × 16-pair blocks: the pairs are the rows' own 32-bit words, so when
+        // rows start on a word (even offset and stride) a register transpose moves them.
+        let mut done = 0;
+        let blocks = nq / 16 * 16;
+        if blocks > 0
+            && dpair.is_multiple_of(16)
+            && dqk == 2 * dpair
+            && q_off.is_multiple_of(2)
+            && qld.is_multiple_of(2)
+            && q_off + (blocks - 1) * qld + dqk <= cx.qx.len()
+            && qp.len() >= (dpair - 1) * tq + blocks
+        {
+            let (src, dst) = (cx.qx.as_ptr().cast::<u32>(), qp.as_mut_ptr());
+            for i0 in (0..blocks).step_by(16) {
+                for dp0 in (0..dpair).step_by(16) {
+                    // SAFETY: rows i0..i0 + 16 <= nq of words dp0..dp0 + 16 <= dpair lie inside
+                    // `qx` and their transposed places inside `qp` (checked above); AVX-512F is
+                    // part of this kernel's features.
+                    unsafe {
+                        transpose16_words(
+                            src.add((q_off + i0 * qld) / 2 + dp0),
+                            qld / 2,
+                            dst.add(dp0 * tq + i0),
+                            tq,
+                        )
+                    }
+                }
+            }
+            done = blocks;
+        }
         for dp in 0..dpair {
             let row = &mut qp[dp * tq..(dp + 1) * tq];
-            for (i, x) in row[..nq].iter_mut().enumerate() {
+            for (i, x) in row[..nq].iter_mut().enumerate().skip(done) {
                 let off = q_off + i * qld + 2 * dp;
                 let hi = if 2 * dp + 1 < dqk {
                     cx.qx[off + 1].to_bits()
