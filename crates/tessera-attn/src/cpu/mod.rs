@@ -36,12 +36,15 @@
 //!   tiles.
 //! - Phases of a tile: `tile_matmul` (f32 `S = K·Qᵀ`, `P·V` and the backward products) and
 //!   `tile_matmul_bf16` (`vdpbf16ps`); `mask_partial_tile` (where a pair of a partial tile is
-//!   excluded, forward and backward); `online_softmax` (running max, rescale, finish); `simd`
-//!   (exp, tanh, row helpers).
+//!   excluded, forward and backward); `online_softmax` (running max, rescale, finish);
+//!   `column_softmax` (the forward's max and exponential passes 16 queries at a time, AVX-512);
+//!   `simd` (exp, tanh, row helpers).
 //! - Passes: `forward` (the f32 item, `forward::bf16`, `forward::telemetry`), `backward`
 //!   (Δ, rounds, slots, reduce, the f32 item, `backward::bf16`).
 
 mod backward;
+#[cfg(target_arch = "x86_64")]
+mod column_softmax;
 pub mod dispatch;
 mod forward;
 mod isa;

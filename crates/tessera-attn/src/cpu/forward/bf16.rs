@@ -19,7 +19,8 @@
 //!
 //! Accuracy: products of bf16 inputs are exact in f32, so S matches the f32 kernel up to
 //! summation order; rounding P to bf16 adds ≤ 2⁻⁹ relative error per weight (FlashAttention does
-//! the same); O stays well inside the 1e-2 bf16 tolerance. Deterministic: fixed loop order, no
+//! the same), so P's exponential is the cheaper `exp_le88_coarse` (≤ 1.2e-5 relative, in the
+//! weights and in the sums `l` alike); O stays well inside the 1e-2 bf16 tolerance. Deterministic: fixed loop order, no
 //! atomics, each output written by one item.
 
 #[cfg(target_arch = "x86_64")]
@@ -54,6 +55,7 @@ pub(crate) fn pack_words(plan: &tessera_plan::Plan, d: &crate::Dims) -> usize {
 
 #[cfg(target_arch = "x86_64")]
 mod imp {
+    use crate::cpu::column_softmax::{self, TileLive};
     use crate::cpu::forward::{self, NoTelemetry, TileObserver};
     use crate::cpu::live_blocks::{LiveBlocks, SB};
     use crate::cpu::load_tile::transpose16_words;
@@ -424,6 +426,13 @@ mod imp {
             let span = |j: usize| cx.live.row_span(full, e.mask, j, nq);
             // Full tiles without padding key rows get the raw column max fused into the product.
             let fused_max = full && mk == nk;
+            // Without per-key hooks or softcap, 16 queries at a time (`column_softmax`).
+            let by_column = !T::OBSERVES && cx.softcap.is_none();
+            let tile = if full {
+                TileLive::full(nq, nk)
+            } else {
+                TileLive::partial(nq, nk, cx.masks_t, cx.live, e.mask)
+            };
             col[..nqp].fill(NEG_INF);
             if fused_max {
                 dot_gemm::<false, true>(mk, nqp, dpair, kp, kld, 1, qp, tq, s, tq, col);
@@ -449,7 +458,7 @@ mod imp {
                         );
                     }
                 }
-                for j in 0..nk {
+                for j in (0..nk).filter(|_| !by_column) {
                     let (a, bb) = span(j);
                     mask_partial_row(
                         &mut s[j * tq..j * tq + bb],
@@ -468,7 +477,10 @@ mod imp {
                 }
                 sc = 1.0;
             }
-            if !fused_max {
+            if !fused_max && by_column {
+                // SAFETY: this kernel runs only where the CPU has AVX-512F.
+                unsafe { column_softmax::column_max(s, tq, tile, col) };
+            } else if !fused_max {
                 for j in 0..nk {
                     let (a, bb) = span(j);
                     column_max(&s[j * tq..j * tq + bb], &mut col[..bb], a);
@@ -497,8 +509,12 @@ mod imp {
             );
             col[..nqp].fill(0.0);
             m_use[nq..nqp].fill(0.0);
+            if by_column {
+                // SAFETY: this kernel runs only where the CPU has AVX-512F/BW, AVX512-BF16 and FMA.
+                unsafe { column_softmax::exp_pairs(s, tq, tile, m_use, sc, col, pp) };
+            }
             // P = exp(sc·s − m) in f32 for the sums, rounded to bf16 pairs of keys for P·V.
-            for jp in 0..nk.div_ceil(2) {
+            for jp in (0..nk.div_ceil(2)).filter(|_| !by_column) {
                 let (j0, j1) = (2 * jp, 2 * jp + 1);
                 let (a, bb) = span(j0);
                 let has1 = j1 < nk;
@@ -665,8 +681,8 @@ mod imp {
                     _mm512_castps_si512(uv),
                     _mm512_set1_epi32(i32::MIN),
                 ));
-                let p0 = simd::x512::exp_le88(_mm512_fmadd_ps(x0, scv, nu));
-                let p1 = simd::x512::exp_le88(_mm512_fmadd_ps(x1, scv, nu));
+                let p0 = simd::x512::exp_le88_coarse(_mm512_fmadd_ps(x0, scv, nu));
+                let p1 = simd::x512::exp_le88_coarse(_mm512_fmadd_ps(x1, scv, nu));
                 let p0 = _mm512_maskz_mov_ps(m0, p0);
                 let p1 = _mm512_maskz_mov_ps(m1, p1);
                 let cp = col.as_mut_ptr().add(i);
@@ -701,13 +717,13 @@ mod imp {
         if let Some(acc) = obs.entropy_terms(a, bb) {
             for ((x, &u), e) in live.iter_mut().zip(mu).zip(acc.iter_mut()) {
                 let d = Avx512::madd(*x, sc, -u);
-                let p = simd::exp_le88::<Avx512>(d);
+                let p = simd::exp_le88_coarse::<Avx512>(d);
                 *x = p;
                 *e += p * if d > -88.0 { d } else { -88.0 };
             }
         } else {
             for (x, &u) in live.iter_mut().zip(mu) {
-                *x = simd::exp_le88::<Avx512>(Avx512::madd(*x, sc, -u));
+                *x = simd::exp_le88_coarse::<Avx512>(Avx512::madd(*x, sc, -u));
             }
         }
         row[bb..].fill(0.0);

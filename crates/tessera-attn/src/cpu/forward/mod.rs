@@ -12,6 +12,8 @@
 //! contiguous over Dv. The item finishes with the sink, the normalisation, LSE and the item's
 //! pre-softcap max logit.
 
+#[cfg(target_arch = "x86_64")]
+use super::column_softmax;
 use super::live_blocks::{LiveBlocks, SB};
 use super::mask_partial_tile::{mask_partial_row, MasksT};
 use super::online_softmax::{self, column_max, finish_row};
@@ -339,6 +341,10 @@ pub(super) fn item_with<S: Simd, T: TileObserver>(
         let span = |j: usize| cx.live.row_span(full, e.mask, j, nq);
         // Full tiles without padding key rows get the column max fused into the product.
         let fused_max = full && mk == nk;
+        // The AVX-512 copy without per-key hooks or softcap masks, maximises and exponentiates
+        // 16 queries at a time (`column_softmax`); the others walk the tile key row by key row.
+        let by_column =
+            cfg!(target_arch = "x86_64") && S::WIDE && !T::OBSERVES && cx.softcap.is_none();
         col[..nqp].fill(NEG_INF);
         if fused_max {
             gemm_colmax::<S>(mk, nqp, dqk, ka, lda, qt, tq, s, tq, &mut col[..nqp]);
@@ -362,7 +368,7 @@ pub(super) fn item_with<S: Simd, T: TileObserver>(
                     );
                 }
             }
-            for j in 0..nk {
+            for j in (0..nk).filter(|_| !by_column) {
                 let (a, b) = span(j);
                 mask_partial_row(
                     &mut s[j * tq..j * tq + b],
@@ -372,18 +378,28 @@ pub(super) fn item_with<S: Simd, T: TileObserver>(
                 );
             }
         }
-        let col = &mut col[..nq];
-        if !fused_max {
+        #[cfg(target_arch = "x86_64")]
+        let tile = if full {
+            column_softmax::TileLive::full(nq, nk)
+        } else {
+            column_softmax::TileLive::partial(nq, nk, cx.masks_t, cx.live, e.mask)
+        };
+        #[cfg(target_arch = "x86_64")]
+        if by_column && !fused_max {
+            // SAFETY: `S::WIDE` is only the AVX-512 copy, run only where the CPU has AVX-512F.
+            unsafe { column_softmax::column_max(s, tq, tile, col) };
+        }
+        if !fused_max && !by_column {
             for j in 0..nk {
                 let (a, b) = span(j);
                 column_max(&s[j * tq..j * tq + b], &mut col[..b], a);
             }
         }
-        for (r, &c) in raw_max[..nq].iter_mut().zip(col.iter()) {
+        for (r, &c) in raw_max[..nq].iter_mut().zip(col[..nq].iter()) {
             *r = if c > *r { c } else { *r };
         }
         if let Some(cap) = cx.softcap {
-            col.fill(NEG_INF);
+            col[..nq].fill(NEG_INF);
             for j in 0..nk {
                 let (a, b) = span(j);
                 simd::softcap_row::<S>(&mut s[j * tq + a..j * tq + b], cap);
@@ -396,9 +412,16 @@ pub(super) fn item_with<S: Simd, T: TileObserver>(
             &mut m_use[..nq],
             &mut alpha[..nq],
         );
-        col.fill(0.0);
-        let mu = &m_use[..nq];
-        for j in 0..nk {
+        #[cfg(target_arch = "x86_64")]
+        if by_column {
+            // SAFETY: as above (the AVX-512 copy also has FMA).
+            unsafe { column_softmax::exp_columns(s, tq, tile, m_use, 1.0, col) };
+        }
+        let (mu, col) = (&m_use[..nq], &mut col[..nq]);
+        if !by_column {
+            col.fill(0.0);
+        }
+        for j in (0..nk).filter(|_| !by_column) {
             let (a, b) = span(j);
             let row = &mut s[j * tq..j * tq + nq];
             // Outside the live span every pair is masked: P is exactly 0 there.
