@@ -20,6 +20,7 @@
 //! bf16 adds ≤ 2⁻⁹ relative error per term (FlashAttention rounds them the same way), well inside
 //! the 1e-2 bf16 tolerance. Deterministic: fixed loop order, no atomics.
 
+use super::super::simd::x512::exp_le88_coarse;
 use super::super::simd::Avx512;
 use super::super::tile_matmul::{round_up, RB};
 use super::super::tile_matmul_bf16::{dot_gemm, pair};
@@ -330,6 +331,94 @@ unsafe fn round_pairs(
     }
 }
 
+/// A full tile without softcap in one pass: `P` and `dS` of rows `0..mq` over keys `0..nkp`
+/// (`nkp = ⌈nk/16⌉·16`), exactly as `p_ds_row::<Avx512, false, true>` computes them for rows `< nq`
+/// and keys `< nk` (0 elsewhere), straight from `S`, `dP` into the bf16 pairs [`round_pairs`]
+/// makes, without writing them back to `S`, `dP` first.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,fma")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn p_ds_pairs(
+    s: &[f32],
+    dp: &[f32],
+    tk: usize,
+    nq: usize,
+    nk: usize,
+    mq: usize,
+    sc: f32,
+    lse: &[f32],
+    delta: &[f32],
+    pq: &mut [u32],
+    dsq: &mut [u32],
+    dsk: &mut [u32],
+) {
+    let nkp = round_up(nk, 16);
+    assert!(mq.is_multiple_of(2) && nq <= mq && nkp <= tk && lse.len() >= nq);
+    assert!(delta.len() >= nq && mq * tk <= s.len() && mq * tk <= dp.len());
+    assert!(mq / 2 * tk <= pq.len() && mq / 2 * tk <= dsq.len() && mq * tk / 2 <= dsk.len());
+    // 16-bit lane 2x takes lane x (row i), lane 2x+1 takes lane 16+x (row i+1).
+    let idx: [u16; 32] = std::array::from_fn(|w| (w / 2 + 16 * (w % 2)) as u16);
+    // SAFETY: the asserts above bound every access; `idx` is 64 bytes.
+    unsafe {
+        let perm = _mm512_loadu_si512(idx.as_ptr().cast());
+        let (scv, cap) = (_mm512_set1_ps(sc), _mm512_set1_ps(88.0));
+        // P and dS of row `r`, keys `j..j + 16`.
+        let p_ds = |r: usize, j: usize| -> (__m512, __m512) {
+            let left = nk.saturating_sub(j);
+            let m: __mmask16 = match (r < nq, left >= 16) {
+                (false, _) => 0,
+                (true, true) => 0xFFFF,
+                (true, false) => (1u16 << left) - 1,
+            };
+            if m == 0 {
+                return (_mm512_setzero_ps(), _mm512_setzero_ps());
+            }
+            let x = _mm512_maskz_loadu_ps(m, s.as_ptr().add(r * tk + j));
+            let a = _mm512_sub_ps(_mm512_mul_ps(x, scv), _mm512_set1_ps(lse[r]));
+            // min(88, a) returns a NaN `a` (the second operand), as `bf16_p`'s compare.
+            let p = _mm512_maskz_mov_ps(m, exp_le88_coarse(_mm512_min_ps(cap, a)));
+            let g = _mm512_maskz_loadu_ps(m, dp.as_ptr().add(r * tk + j));
+            let ds = _mm512_mul_ps(p, _mm512_sub_ps(g, _mm512_set1_ps(delta[r])));
+            let live = _mm512_cmp_ps_mask::<_CMP_NEQ_UQ>(p, _mm512_setzero_ps());
+            (p, _mm512_maskz_mov_ps(live, ds))
+        };
+        let pairs = |lo: __m512, hi: __m512| -> __m512i {
+            _mm512_permutexvar_epi16(
+                perm,
+                std::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(hi, lo)),
+            )
+        };
+        for i in (0..mq).step_by(2) {
+            let o = i / 2 * tk;
+            let mut j = 0;
+            while j < nkp {
+                let (p0, d0) = p_ds(i, j);
+                let (p1, d1) = p_ds(i + 1, j);
+                _mm512_storeu_si512(pq.as_mut_ptr().add(o + j).cast(), pairs(p0, p1));
+                _mm512_storeu_si512(dsq.as_mut_ptr().add(o + j).cast(), pairs(d0, d1));
+                if j + 32 <= nkp {
+                    let (p2, d2) = p_ds(i, j + 16);
+                    let (p3, d3) = p_ds(i + 1, j + 16);
+                    _mm512_storeu_si512(pq.as_mut_ptr().add(o + j + 16).cast(), pairs(p2, p3));
+                    _mm512_storeu_si512(dsq.as_mut_ptr().add(o + j + 16).cast(), pairs(d2, d3));
+                    // Pairs of consecutive keys: the conversion's own order.
+                    for (r, lo, hi) in [(i, d0, d2), (i + 1, d1, d3)] {
+                        let w: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(hi, lo));
+                        _mm512_storeu_si512(dsk.as_mut_ptr().add(r * tk / 2 + j / 2).cast(), w);
+                    }
+                    j += 32;
+                } else {
+                    for (r, lo) in [(i, d0), (i + 1, d1)] {
+                        let w: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(lo));
+                        _mm256_storeu_si256(dsk.as_mut_ptr().add(r * tk / 2 + j / 2).cast(), w);
+                    }
+                    j += 16;
+                }
+            }
+        }
+    }
+}
+
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,fma")]
 unsafe fn item(cx: &BwdCtx<'_>, inp: &Inputs<'_>, ws: &mut Ws, it: DkvItem<'_>) {
     let DkvItem {
@@ -396,8 +485,12 @@ unsafe fn item(cx: &BwdCtx<'_>, inp: &Inputs<'_>, ws: &mut Ws, it: DkvItem<'_>) 
             if e.is_full() {
                 dot_gemm::<false, false>(mq, nkp, qh, qd, qh, 1, ktp, tk, s, tk, &mut []);
                 dot_gemm::<false, false>(mq, nkp, vh, dod, vh, 1, vt, tk, dp, tk, &mut []);
-                p_ds_full::<Avx512>(cx, cx.scale, s, dp, tk, nq, nk, lse, delta);
-                round_pairs(s, dp, tk, 0, mq, nkp, pq, dsq, dsk);
+                if cx.softcap.is_none() {
+                    p_ds_pairs(s, dp, tk, nq, nk, mq, cx.scale, lse, delta, pq, dsq, dsk);
+                } else {
+                    p_ds_full::<Avx512, true>(cx, cx.scale, s, dp, tk, nq, nk, lse, delta);
+                    round_pairs(s, dp, tk, 0, mq, nkp, pq, dsq, dsk);
+                }
                 let mp = mq / 2;
                 dot_gemm::<true, false>(mk, dvp, mp, pq, 1, tk, doq, dvp, dva, dvp, &mut []);
                 dot_gemm::<true, false>(mk, dqkp, mp, dsq, 1, tk, qq, dqkp, dk, dqkp, &mut []);
@@ -433,7 +526,8 @@ unsafe fn item(cx: &BwdCtx<'_>, inp: &Inputs<'_>, ws: &mut Ws, it: DkvItem<'_>) 
                     &mut [],
                 );
                 dot_gemm::<false, false>(m, n1 - n0, vh, da, vh, 1, &vt[n0..], tk, db, tk, &mut []);
-                p_ds_block::<Avx512>(cx, e.mask, cx.scale, s, dp, tk, nkp, &qb, nq, lse, delta);
+                let (sc, d) = (cx.scale, delta);
+                p_ds_block::<Avx512, true>(cx, e.mask, sc, s, dp, tk, nkp, &qb, nq, lse, d);
                 round_pairs(s, dp, tk, i0, m, nkp, pq, dsq, dsk);
                 let (jp0, jp1) = (span.r0 / 2, span.r1.div_ceil(2));
                 dot_gemm::<false, false>(
@@ -464,4 +558,87 @@ unsafe fn item(cx: &BwdCtx<'_>, inp: &Inputs<'_>, ws: &mut Ws, it: DkvItem<'_>) 
         }
     }
     store_dkv(cx, nk, dk, dva, &mut dk_out, &mut dv_out);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The one-pass full tile equals the two passes it replaces (`p_ds_row` in place, then
+    /// `round_pairs`) bit for bit: ragged rows and keys (a 16-key tail), logits whose exponent
+    /// underflows (dS forced to 0) and an LSE below the logits (the cap at 88).
+    #[test]
+    fn one_pass_full_tile_equals_the_two_passes() {
+        if !(is_x86_feature_detected!("avx512bf16") && is_x86_feature_detected!("avx512bw")) {
+            println!("skipped: no AVX512-BF16 on this CPU");
+            return;
+        }
+        let (tk, nq, nk, mq, sc) = (64, 13, 37, 16, 0.125f32);
+        let v = |i: usize, k: u32| ((i as u32).wrapping_mul(2_654_435_761) ^ k) % 4001;
+        let s: Vec<f32> = (0..mq * tk)
+            .map(|i| v(i, 7) as f32 * 0.37 - 740.0)
+            .collect();
+        let dp: Vec<f32> = (0..mq * tk).map(|i| v(i, 3) as f32 * 1e-3 - 2.0).collect();
+        let mut lse: Vec<f32> = (0..nq).map(|i| v(i, 5) as f32 * 0.01).collect();
+        lse[2] = -200.0;
+        let delta: Vec<f32> = (0..nq).map(|i| v(i, 9) as f32 * 1e-4).collect();
+        let words = mq / 2 * tk;
+        let (mut pq, mut dsq, mut dsk) = (vec![7u32; words], vec![7u32; words], vec![7u32; words]);
+        // SAFETY: AVX512-BF16 and AVX512-BW were detected above (AVX-512F/VL with them).
+        unsafe {
+            p_ds_pairs(
+                &s, &dp, tk, nq, nk, mq, sc, &lse, &delta, &mut pq, &mut dsq, &mut dsk,
+            )
+        };
+        let (mut s2, mut dp2) = (s.clone(), dp.clone());
+        for i in 0..mq {
+            let (sr, dr) = (
+                &mut s2[i * tk..(i + 1) * tk],
+                &mut dp2[i * tk..(i + 1) * tk],
+            );
+            if i < nq {
+                super::super::p_ds::<Avx512, true>(
+                    None,
+                    sc,
+                    &mut sr[..nk],
+                    &mut dr[..nk],
+                    lse[i],
+                    delta[i],
+                );
+                sr[nk..].fill(0.0);
+                dr[nk..].fill(0.0);
+            } else {
+                sr.fill(0.0);
+                dr.fill(0.0);
+            }
+        }
+        let (mut pq2, mut dsq2, mut dsk2) =
+            (vec![7u32; words], vec![7u32; words], vec![7u32; words]);
+        let nkp = round_up(nk, 16);
+        // SAFETY: as above.
+        unsafe { round_pairs(&s2, &dp2, tk, 0, mq, nkp, &mut pq2, &mut dsq2, &mut dsk2) };
+        assert!(s2.iter().any(|&p| p > 1e30), "no capped logit");
+        let live = |i: usize| &s2[i * tk..i * tk + nk];
+        assert!((0..nq).any(|i| live(i).contains(&0.0)), "no underflow");
+        for i in 0..mq / 2 {
+            assert_eq!(
+                pq[i * tk..i * tk + nkp],
+                pq2[i * tk..i * tk + nkp],
+                "P pairs {i}"
+            );
+            assert_eq!(
+                dsq[i * tk..i * tk + nkp],
+                dsq2[i * tk..i * tk + nkp],
+                "dS pairs {i}"
+            );
+        }
+        for r in 0..mq {
+            let w = r * tk / 2;
+            assert_eq!(
+                dsk[w..w + nkp / 2],
+                dsk2[w..w + nkp / 2],
+                "dS key pairs {r}"
+            );
+        }
+    }
 }

@@ -544,9 +544,10 @@ impl SlotLayout {
 /// Elementwise over a strip of one query row of `S` (varying key): with `x = sc·s` (`sc` the
 /// scale not yet applied to `s`) and `t = tanh(x/c)` under a softcap, `p = exp(c·t - lse)`
 /// (`exp(x - lse)` without), `ds = p·(dp - Δ)·(1 - t²)`; `s` becomes `p`, `dp` becomes `ds`
-/// (exactly 0 where `p` is 0, so `0·NaN` never appears).
+/// (exactly 0 where `p` is 0, so `0·NaN` never appears). `BF16`: `P` and `dS` are rounded to bf16
+/// next, so `p` is [`bf16_p`].
 #[inline(always)]
-fn p_ds_row<S: Simd, const SOFTCAP: bool>(
+fn p_ds_row<S: Simd, const SOFTCAP: bool, const BF16: bool>(
     sc: f32,
     s: &mut [f32],
     dp: &mut [f32],
@@ -563,17 +564,29 @@ fn p_ds_row<S: Simd, const SOFTCAP: bool>(
         } else {
             (xs, 1.0)
         };
-        let p = simd::exp::<S>(v - lse);
+        let p = if BF16 {
+            bf16_p::<S>(v - lse)
+        } else {
+            simd::exp::<S>(v - lse)
+        };
         let ds = p * (*g - delta) * dc;
         *x = p;
         *g = if p == 0.0 { 0.0 } else { ds };
     }
 }
 
+/// `P = e^a` of the bf16 kernel: [`simd::exp_le88_coarse`] (1.2e-5 relative; P and dS are
+/// rounded to bf16, 2⁻⁹, next) of `a` capped at 88 (a NaN stays NaN); `a <= 0` unless the given
+/// LSE is below the row's logits.
+#[inline(always)]
+fn bf16_p<S: Simd>(a: f32) -> f32 {
+    simd::exp_le88_coarse::<S>(if a > 88.0 { 88.0 } else { a })
+}
+
 /// [`p_ds_row`] with or without the softcap (not a closure: closures do not inherit the caller's
 /// target features).
 #[inline(always)]
-fn p_ds<S: Simd>(
+fn p_ds<S: Simd, const BF16: bool>(
     softcap: Option<f32>,
     sc: f32,
     s: &mut [f32],
@@ -582,8 +595,8 @@ fn p_ds<S: Simd>(
     delta: f32,
 ) {
     match softcap {
-        Some(cap) => p_ds_row::<S, true>(sc, s, dp, lse, delta, cap),
-        None => p_ds_row::<S, false>(sc, s, dp, lse, delta, 1.0),
+        Some(cap) => p_ds_row::<S, true, BF16>(sc, s, dp, lse, delta, cap),
+        None => p_ds_row::<S, false, BF16>(sc, s, dp, lse, delta, 1.0),
     }
 }
 
@@ -591,7 +604,7 @@ fn p_ds<S: Simd>(
 /// apply to `s`).
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-fn p_ds_full<S: Simd>(
+fn p_ds_full<S: Simd, const BF16: bool>(
     cx: &BwdCtx<'_>,
     sc: f32,
     s: &mut [f32],
@@ -604,7 +617,7 @@ fn p_ds_full<S: Simd>(
 ) {
     for i in 0..nq {
         let (sr, dr) = (&mut s[i * tk..i * tk + nk], &mut dp[i * tk..i * tk + nk]);
-        p_ds::<S>(cx.softcap, sc, sr, dr, lse[i], delta[i]);
+        p_ds::<S, BF16>(cx.softcap, sc, sr, dr, lse[i], delta[i]);
     }
 }
 
@@ -669,7 +682,7 @@ fn key_blocks<'a>(
 /// (their logits are already 0 and stay unexponentiated).
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-fn p_ds_block<S: Simd>(
+fn p_ds_block<S: Simd, const BF16: bool>(
     cx: &BwdCtx<'_>,
     mask: u32,
     sc: f32,
@@ -692,7 +705,7 @@ fn p_ds_block<S: Simd>(
         sr[n1..].fill(0.0);
         dr[n1..].fill(0.0);
         if i < nq {
-            p_ds::<S>(
+            p_ds::<S, BF16>(
                 cx.softcap,
                 sc,
                 &mut sr[n0..r1],
@@ -758,7 +771,7 @@ fn dkv_item<S: Simd>(cx: &BwdCtx<'_>, ws: &mut BwdWs, it: DkvItem<'_>) {
             if e.is_full() {
                 gemm::<S, false, false>(mq, nkp, dqk, qa, ldq, kst, tk, s, tk);
                 gemm::<S, false, false>(mq, nkp, dv, da, ldd, vt, tk, dp, tk);
-                p_ds_full::<S>(cx, 1.0, s, dp, tk, nq, nk, lse, delta);
+                p_ds_full::<S, false>(cx, 1.0, s, dp, tk, nq, nk, lse, delta);
                 product::<S, true, true>(cx.exact, mk, dvp, nq, s, tk, da, ldd, dva, dvp);
                 product::<S, true, true>(cx.exact, mk, dqkp, nq, dp, tk, qa, ldq, dk, dqkp);
                 product::<S, false, false>(cx.exact, mq, dqkp, nk, dp, tk, ka, ldk, slot, dqkp);
@@ -797,7 +810,7 @@ fn dkv_item<S: Simd>(cx: &BwdCtx<'_>, ws: &mut BwdWs, it: DkvItem<'_>) {
                     &mut dp[i0 * tk + n0..],
                     tk,
                 );
-                p_ds_block::<S>(cx, e.mask, 1.0, s, dp, tk, nkp, &qb, nq, lse, delta);
+                p_ds_block::<S, false>(cx, e.mask, 1.0, s, dp, tk, nkp, &qb, nq, lse, delta);
                 product::<S, false, false>(
                     cx.exact,
                     m,
