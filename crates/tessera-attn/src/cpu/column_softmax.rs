@@ -1,5 +1,5 @@
 //! The online-softmax passes over one forward score tile `Sᵀ` (one row per key, queries
-//! contiguous) in explicit AVX-512, one register of 16 queries at a time: the column maxima
+//! contiguous) in explicit AVX-512 or AVX2, one block of 16 queries (a zmm, two ymm) at a time: the column maxima
 //! ([`column_max`]), then the exponentials and column sums ([`exp_columns`] for the f32 `P`,
 //! [`exp_pairs`] for the bf16 pairs of keys of the `vdpbf16ps` kernel).
 //!
@@ -14,7 +14,9 @@
 
 use super::live_blocks::{LiveBlocks, SB};
 use super::mask_partial_tile::MasksT;
+use super::simd::x256;
 use super::simd::x512::{exp_le88, exp_le88_coarse};
+use super::simd::Simd;
 use std::arch::x86_64::*;
 
 /// Which pairs of a tile are live: all of `nq × nk` (full tile) or those of a partial mask.
@@ -87,41 +89,266 @@ impl<'a> TileLive<'a> {
     }
 }
 
+/// 16 f32 lanes (one block of queries) on one instruction set, with its lane mask.
+trait Lanes: Copy {
+    type Mask: Copy;
+    /// Keys per step of the exponential loop (4 or 1): independent exponential chains in flight
+    /// (one zmm chain is latency-bound) without spilling registers (16 ymm hold two chains; 2
+    /// keys there measured slower).
+    const KEYS: usize;
+    /// The mask of lanes whose bit is set.
+    unsafe fn mask(bits: u16) -> Self::Mask;
+    unsafe fn load(p: *const f32) -> Self;
+    unsafe fn store(self, p: *mut f32);
+    unsafe fn splat(x: f32) -> Self;
+    unsafe fn add(self, o: Self) -> Self;
+    /// `self · b + c`, fused.
+    unsafe fn fma(self, b: Self, c: Self) -> Self;
+    /// `simd::exp_le88` per lane, bit for bit.
+    unsafe fn exp(self) -> Self;
+    /// `max(x, self)` (NaN `x` keeps `self`) in the lanes of `m`, `self` elsewhere.
+    unsafe fn max_in(self, m: Self::Mask, x: Self) -> Self;
+    /// `self` in the lanes of `m`, `+0` elsewhere.
+    unsafe fn keep(self, m: Self::Mask) -> Self;
+}
+
+/// One zmm register.
+#[derive(Clone, Copy)]
+struct Zmm(__m512);
+
+impl Lanes for Zmm {
+    type Mask = __mmask16;
+    const KEYS: usize = 4;
+    #[inline(always)]
+    unsafe fn mask(bits: u16) -> __mmask16 {
+        bits
+    }
+    #[inline(always)]
+    unsafe fn load(p: *const f32) -> Self {
+        Zmm(unsafe { _mm512_loadu_ps(p) })
+    }
+    #[inline(always)]
+    unsafe fn store(self, p: *mut f32) {
+        unsafe { _mm512_storeu_ps(p, self.0) }
+    }
+    #[inline(always)]
+    unsafe fn splat(x: f32) -> Self {
+        Zmm(unsafe { _mm512_set1_ps(x) })
+    }
+    #[inline(always)]
+    unsafe fn add(self, o: Self) -> Self {
+        Zmm(unsafe { _mm512_add_ps(self.0, o.0) })
+    }
+    #[inline(always)]
+    unsafe fn fma(self, b: Self, c: Self) -> Self {
+        Zmm(unsafe { _mm512_fmadd_ps(self.0, b.0, c.0) })
+    }
+    #[inline(always)]
+    unsafe fn exp(self) -> Self {
+        Zmm(unsafe { exp_le88(self.0) })
+    }
+    #[inline(always)]
+    unsafe fn max_in(self, m: __mmask16, x: Self) -> Self {
+        Zmm(unsafe { _mm512_mask_max_ps(self.0, m, x.0, self.0) })
+    }
+    #[inline(always)]
+    unsafe fn keep(self, m: __mmask16) -> Self {
+        Zmm(unsafe { _mm512_maskz_mov_ps(m, self.0) })
+    }
+}
+
+/// Two ymm registers (queries 0..8, 8..16 of the block).
+#[derive(Clone, Copy)]
+struct Ymm2([__m256; 2]);
+
+/// The ymm mask of the 8 lanes whose bit is set (no closures in this file: a closure does not
+/// inherit its caller's target features, so the intrinsics in it would not inline).
+///
+/// # Safety
+/// The CPU must have AVX2.
+#[inline(always)]
+unsafe fn ymm_mask(bits: u16) -> __m256 {
+    // SAFETY: the caller's contract.
+    unsafe {
+        let sel = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+        let v = _mm256_and_si256(_mm256_set1_epi32(bits as i32), sel);
+        _mm256_castsi256_ps(_mm256_cmpeq_epi32(v, sel))
+    }
+}
+
+impl Lanes for Ymm2 {
+    type Mask = [__m256; 2];
+    const KEYS: usize = 1;
+    #[inline(always)]
+    unsafe fn mask(bits: u16) -> [__m256; 2] {
+        // SAFETY (all methods): the callers run with AVX2 and FMA.
+        unsafe { [ymm_mask(bits & 0xFF), ymm_mask(bits >> 8)] }
+    }
+    #[inline(always)]
+    unsafe fn load(p: *const f32) -> Self {
+        unsafe { Ymm2([_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8))]) }
+    }
+    #[inline(always)]
+    unsafe fn store(self, p: *mut f32) {
+        unsafe {
+            _mm256_storeu_ps(p, self.0[0]);
+            _mm256_storeu_ps(p.add(8), self.0[1]);
+        }
+    }
+    #[inline(always)]
+    unsafe fn splat(x: f32) -> Self {
+        unsafe { Ymm2([_mm256_set1_ps(x); 2]) }
+    }
+    #[inline(always)]
+    unsafe fn add(self, o: Self) -> Self {
+        unsafe {
+            Ymm2([
+                _mm256_add_ps(self.0[0], o.0[0]),
+                _mm256_add_ps(self.0[1], o.0[1]),
+            ])
+        }
+    }
+    #[inline(always)]
+    unsafe fn fma(self, b: Self, c: Self) -> Self {
+        unsafe {
+            Ymm2([
+                _mm256_fmadd_ps(self.0[0], b.0[0], c.0[0]),
+                _mm256_fmadd_ps(self.0[1], b.0[1], c.0[1]),
+            ])
+        }
+    }
+    #[inline(always)]
+    unsafe fn exp(self) -> Self {
+        unsafe { Ymm2([x256::exp_le88(self.0[0]), x256::exp_le88(self.0[1])]) }
+    }
+    #[inline(always)]
+    unsafe fn max_in(self, m: [__m256; 2], x: Self) -> Self {
+        unsafe {
+            let mx = [
+                _mm256_max_ps(x.0[0], self.0[0]),
+                _mm256_max_ps(x.0[1], self.0[1]),
+            ];
+            Ymm2([
+                _mm256_blendv_ps(self.0[0], mx[0], m[0]),
+                _mm256_blendv_ps(self.0[1], mx[1], m[1]),
+            ])
+        }
+    }
+    #[inline(always)]
+    unsafe fn keep(self, m: [__m256; 2]) -> Self {
+        unsafe {
+            Ymm2([
+                _mm256_and_ps(self.0[0], m[0]),
+                _mm256_and_ps(self.0[1], m[1]),
+            ])
+        }
+    }
+}
+
 /// `col[i] = max(col[i], max_j s[j·tq + i])` over the live keys `j` of every query `i < nq` (NaN
 /// ignored, like `online_softmax::column_max`); lanes `nq..` of the last block are left alone.
 ///
 /// # Safety
-/// The CPU must have AVX-512F.
-#[target_feature(enable = "avx512f")]
-pub(crate) unsafe fn column_max(s: &[f32], tq: usize, live: TileLive<'_>, col: &mut [f32]) {
+/// `S` must be the AVX-512 copy (`S::WIDE`) or the AVX2 copy (`S::YMM`), run only on a CPU with
+/// its features.
+#[inline(always)]
+pub(crate) unsafe fn column_max<S: Simd>(
+    s: &[f32],
+    tq: usize,
+    live: TileLive<'_>,
+    col: &mut [f32],
+) {
+    #[target_feature(enable = "avx512f")]
+    fn zmm(s: &[f32], tq: usize, live: TileLive<'_>, col: &mut [f32]) {
+        // SAFETY: this copy has AVX-512F.
+        unsafe { column_max_with::<Zmm>(s, tq, live, col) }
+    }
+    #[target_feature(enable = "avx2,fma")]
+    fn ymm(s: &[f32], tq: usize, live: TileLive<'_>, col: &mut [f32]) {
+        // SAFETY: this copy has AVX2 and FMA.
+        unsafe { column_max_with::<Ymm2>(s, tq, live, col) }
+    }
+    // SAFETY: the caller's contract.
+    unsafe {
+        if S::WIDE {
+            zmm(s, tq, live, col)
+        } else {
+            ymm(s, tq, live, col)
+        }
+    }
+}
+
+/// # Safety
+/// The CPU must have `L`'s instruction set.
+#[inline(always)]
+unsafe fn column_max_with<L: Lanes>(s: &[f32], tq: usize, live: TileLive<'_>, col: &mut [f32]) {
     live.check(tq, live.nk, s.len());
     assert!(col.len() >= live.nq.div_ceil(SB) * SB, "column max: col");
+    let mut tail = [f32::NEG_INFINITY; SB];
     for i0 in (0..live.nq).step_by(SB) {
         let exists = live.lanes(i0);
         let (r0, r1) = live.keys(i0 / SB);
         // SAFETY: rows `r0..r1 < nk` of 16 lanes from `i0 < tq` lie in `s` (checked above), and
-        // `col` holds the block.
+        // `col` holds the block; the ISA is the caller's.
         unsafe {
+            // Lanes `nq..` keep their value: through a copy, so the block is always 16 wide.
             let cp = col.as_mut_ptr().add(i0);
-            let mut mx = _mm512_maskz_loadu_ps(exists, cp);
+            let mut mx = L::load(cp);
             for j in r0..r1 {
-                let x = _mm512_loadu_ps(s.as_ptr().add(j * tq + i0));
-                // max(x, mx) keeps mx when x is NaN, as the scalar `if x > c`.
-                mx = _mm512_mask_max_ps(mx, live.live(exists, j, i0), x, mx);
+                let x = L::load(s.as_ptr().add(j * tq + i0));
+                mx = mx.max_in(L::mask(live.live(exists, j, i0)), x);
             }
-            _mm512_mask_storeu_ps(cp, exists, mx);
+            if exists == 0xFFFF {
+                mx.store(cp);
+            } else {
+                mx.store(tail.as_mut_ptr());
+                let n = live.nq - i0;
+                col[i0..i0 + n].copy_from_slice(&tail[..n]);
+            }
         }
     }
 }
 
 /// `s[j·tq + i] = p = exp(sc·s[j·tq + i] − u[i])` for the live pairs, `0` for the masked ones
 /// (rows `r0..r1` of each 16-query block, see [`TileLive`]; the rows outside are not written and
-/// every pair there is masked), and `col[i] = Σ_j p` in ascending `j` from 0.
+/// every pair there is masked), and `col[i] = Σ_j p` in ascending `j` from 0 (`u`: lanes up to
+/// the 16-query padding, finite).
 ///
 /// # Safety
-/// The CPU must have AVX-512F and FMA.
-#[target_feature(enable = "avx512f,fma")]
-pub(crate) unsafe fn exp_columns(
+/// As [`column_max`].
+#[inline(always)]
+pub(crate) unsafe fn exp_columns<S: Simd>(
+    s: &mut [f32],
+    tq: usize,
+    live: TileLive<'_>,
+    u: &[f32],
+    sc: f32,
+    col: &mut [f32],
+) {
+    #[target_feature(enable = "avx512f,fma")]
+    fn zmm(s: &mut [f32], tq: usize, live: TileLive<'_>, u: &[f32], sc: f32, col: &mut [f32]) {
+        // SAFETY: this copy has AVX-512F and FMA.
+        unsafe { exp_columns_with::<Zmm>(s, tq, live, u, sc, col) }
+    }
+    #[target_feature(enable = "avx2,fma")]
+    fn ymm(s: &mut [f32], tq: usize, live: TileLive<'_>, u: &[f32], sc: f32, col: &mut [f32]) {
+        // SAFETY: this copy has AVX2 and FMA.
+        unsafe { exp_columns_with::<Ymm2>(s, tq, live, u, sc, col) }
+    }
+    // SAFETY: the caller's contract.
+    unsafe {
+        if S::WIDE {
+            zmm(s, tq, live, u, sc, col)
+        } else {
+            ymm(s, tq, live, u, sc, col)
+        }
+    }
+}
+
+/// # Safety
+/// The CPU must have `L`'s instruction set.
+#[inline(always)]
+unsafe fn exp_columns_with<L: Lanes>(
     s: &mut [f32],
     tq: usize,
     live: TileLive<'_>,
@@ -132,37 +359,63 @@ pub(crate) unsafe fn exp_columns(
     live.check(tq, live.nk, s.len());
     let nqp = live.nq.div_ceil(SB) * SB;
     assert!(col.len() >= nqp && u.len() >= nqp, "exp columns: extents");
-    let scv = _mm512_set1_ps(sc);
     for i0 in (0..live.nq).step_by(SB) {
         let exists = live.lanes(i0);
         let (r0, r1) = live.keys(i0 / SB);
-        // SAFETY: as in `column_max`; `u` and `col` hold the block.
+        // SAFETY: as in `column_max_with`; `u` and `col` hold the block.
         unsafe {
-            let nu = neg(_mm512_maskz_loadu_ps(exists, u.as_ptr().add(i0)));
-            let mut acc = _mm512_setzero_ps();
-            let mut p_of = |j: usize| {
-                let sp = s.as_mut_ptr().add(j * tq + i0);
-                let p = exp_le88(_mm512_fmadd_ps(_mm512_loadu_ps(sp), scv, nu));
-                let p = _mm512_maskz_mov_ps(live.live(exists, j, i0), p);
-                _mm512_storeu_ps(sp, p);
-                p
-            };
-            // Four keys per step: four independent exponential chains in flight (one chain
-            // is latency-bound), the sum still in ascending key order.
+            let scv = L::splat(sc);
+            // −u; lanes `nq..` exponentiate against a zero base and are masked anyway (a zero
+            // base gives +0 here, -0 in the row loops: the same exponentials).
+            let nu = L::load(u.as_ptr().add(i0))
+                .keep(L::mask(exists))
+                .fma(L::splat(-1.0), L::splat(0.0));
+            let mut acc = L::splat(0.0);
+            let sp = s.as_mut_ptr().add(i0);
+            // `L::KEYS` keys per step, the sum still in ascending key order.
             let mut j = r0;
-            while j + 4 <= r1 {
-                let (p0, p1, p2, p3) = (p_of(j), p_of(j + 1), p_of(j + 2), p_of(j + 3));
-                acc = _mm512_add_ps(
-                    _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(acc, p0), p1), p2),
-                    p3,
-                );
+            while L::KEYS == 4 && j + 4 <= r1 {
+                let p0 = exp_key(sp, tq, j, scv, nu, &live, exists, i0);
+                let p1 = exp_key(sp, tq, j + 1, scv, nu, &live, exists, i0);
+                let p2 = exp_key(sp, tq, j + 2, scv, nu, &live, exists, i0);
+                let p3 = exp_key(sp, tq, j + 3, scv, nu, &live, exists, i0);
+                acc = acc.add(p0).add(p1).add(p2).add(p3);
                 j += 4;
             }
             for j in j..r1 {
-                acc = _mm512_add_ps(acc, p_of(j));
+                acc = acc.add(exp_key(sp, tq, j, scv, nu, &live, exists, i0));
             }
-            _mm512_storeu_ps(col.as_mut_ptr().add(i0), acc);
+            acc.store(col.as_mut_ptr().add(i0));
         }
+    }
+}
+
+/// `p = exp(sc·x − u)` of key `j` (row `sp + j·tq`) on the block's live lanes, 0 elsewhere,
+/// stored over `x` and returned.
+///
+/// # Safety
+/// The row must hold 16 lanes; the CPU must have `L`'s instruction set.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn exp_key<L: Lanes>(
+    sp: *mut f32,
+    tq: usize,
+    j: usize,
+    sc: L,
+    nu: L,
+    live: &TileLive<'_>,
+    exists: u16,
+    i0: usize,
+) -> L {
+    // SAFETY: the caller's contract.
+    unsafe {
+        let x = sp.add(j * tq);
+        let p = L::load(x)
+            .fma(sc, nu)
+            .exp()
+            .keep(L::mask(live.live(exists, j, i0)));
+        p.store(x);
+        p
     }
 }
 

@@ -280,6 +280,43 @@ pub(crate) mod x512 {
     }
 }
 
+/// Explicit AVX2 forms of the math above, for the column softmax of the AVX2 copy.
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod x256 {
+    use super::{EXP_LO, LN2_HI, LN2_LO, LOG2E, MAGIC};
+    use std::arch::x86_64::*;
+
+    /// [`super::exp_le88`] on 8 lanes, bit for bit (the operations of `super::x512::exp_le88`).
+    ///
+    /// # Safety
+    /// The CPU must have AVX2 and FMA.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    pub(crate) fn exp_le88(x: __m256) -> __m256 {
+        let c = _mm256_set1_ps;
+        let t = _mm256_fmadd_ps(x, c(LOG2E), c(MAGIC));
+        let n = _mm256_sub_ps(t, c(MAGIC));
+        let r = _mm256_fmadd_ps(n, c(-LN2_HI), x);
+        let r = _mm256_fmadd_ps(n, c(-LN2_LO), r);
+        let z = _mm256_mul_ps(r, r);
+        let mut y = c(1.987_569_1e-4);
+        y = _mm256_fmadd_ps(y, r, c(1.398_199_9e-3));
+        y = _mm256_fmadd_ps(y, r, c(8.333_452e-3));
+        y = _mm256_fmadd_ps(y, r, c(4.166_579_6e-2));
+        y = _mm256_fmadd_ps(y, r, c(1.666_666_5e-1));
+        y = _mm256_fmadd_ps(y, r, c(5e-1));
+        let p = _mm256_add_ps(_mm256_fmadd_ps(y, z, r), c(1.0));
+        const POW2_BIAS: u32 = 127u32.wrapping_sub(MAGIC.to_bits()) << 23;
+        let e = _mm256_add_epi32(
+            _mm256_slli_epi32::<23>(_mm256_castps_si256(t)),
+            _mm256_set1_epi32(POW2_BIAS as i32),
+        );
+        let res = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+        let under = _mm256_cmp_ps::<_CMP_LT_OQ>(x, c(EXP_LO));
+        _mm256_andnot_ps(under, res)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -420,6 +457,46 @@ mod tests {
                 } else {
                     assert_eq!(y.to_bits(), exp_le88::<Avx512>(x).to_bits(), "{x}");
                     assert_eq!(z.to_bits(), exp_le88_coarse::<Avx512>(x).to_bits(), "{x}");
+                }
+            }
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn ymm_exp_le88_is_the_scalar_one_bit_for_bit() {
+        if !(is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")) {
+            println!("skipped: no AVX2+FMA on this CPU");
+            return;
+        }
+        use std::arch::x86_64::*;
+        let mut xs: Vec<f32> = (0..40_000).map(|i| -95.0 + i as f32 * 0.002_41).collect();
+        xs.extend([
+            0.0,
+            -0.0,
+            -87.3,
+            -87.31,
+            f32::NEG_INFINITY,
+            f32::NAN,
+            -1e30,
+            f32::MIN,
+        ]);
+        for c in xs.chunks(8) {
+            let mut lanes = [-1f32; 8];
+            lanes[..c.len()].copy_from_slice(c);
+            let mut out = [0f32; 8];
+            // SAFETY: AVX2 and FMA were detected above.
+            unsafe {
+                _mm256_storeu_ps(
+                    out.as_mut_ptr(),
+                    x256::exp_le88(_mm256_loadu_ps(lanes.as_ptr())),
+                )
+            };
+            for (&x, &y) in lanes.iter().zip(&out) {
+                if x.is_nan() {
+                    assert!(y.is_nan());
+                } else {
+                    assert_eq!(y.to_bits(), exp_le88::<Avx2>(x).to_bits(), "{x}");
                 }
             }
         }

@@ -479,7 +479,7 @@ mod imp {
             }
             if !fused_max && by_column {
                 // SAFETY: this kernel runs only where the CPU has AVX-512F.
-                unsafe { column_softmax::column_max(s, tq, tile, col) };
+                unsafe { column_softmax::column_max::<Avx512>(s, tq, tile, col) };
             } else if !fused_max {
                 for j in 0..nk {
                     let (a, bb) = span(j);

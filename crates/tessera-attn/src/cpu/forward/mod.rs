@@ -341,10 +341,13 @@ pub(super) fn item_with<S: Simd, T: TileObserver>(
         let span = |j: usize| cx.live.row_span(full, e.mask, j, nq);
         // Full tiles without padding key rows get the column max fused into the product.
         let fused_max = full && mk == nk;
-        // The AVX-512 copy without per-key hooks or softcap masks, maximises and exponentiates
-        // 16 queries at a time (`column_softmax`); the others walk the tile key row by key row.
-        let by_column =
-            cfg!(target_arch = "x86_64") && S::WIDE && !T::OBSERVES && cx.softcap.is_none();
+        // The AVX-512 and AVX2 copies without per-key hooks or softcap mask, maximise and
+        // exponentiate 16 queries at a time (`column_softmax`); the others walk the tile key row
+        // by key row.
+        let by_column = cfg!(target_arch = "x86_64")
+            && (S::WIDE || S::YMM)
+            && !T::OBSERVES
+            && cx.softcap.is_none();
         col[..nqp].fill(NEG_INF);
         if fused_max {
             gemm_colmax::<S>(mk, nqp, dqk, ka, lda, qt, tq, s, tq, &mut col[..nqp]);
@@ -386,8 +389,9 @@ pub(super) fn item_with<S: Simd, T: TileObserver>(
         };
         #[cfg(target_arch = "x86_64")]
         if by_column && !fused_max {
-            // SAFETY: `S::WIDE` is only the AVX-512 copy, run only where the CPU has AVX-512F.
-            unsafe { column_softmax::column_max(s, tq, tile, col) };
+            // SAFETY: `S::WIDE` is only the AVX-512 copy, `S::YMM` the AVX2 copy, each run only
+            // where the CPU has its features.
+            unsafe { column_softmax::column_max::<S>(s, tq, tile, col) };
         }
         if !fused_max && !by_column {
             for j in 0..nk {
@@ -414,8 +418,8 @@ pub(super) fn item_with<S: Simd, T: TileObserver>(
         );
         #[cfg(target_arch = "x86_64")]
         if by_column {
-            // SAFETY: as above (the AVX-512 copy also has FMA).
-            unsafe { column_softmax::exp_columns(s, tq, tile, m_use, 1.0, col) };
+            // SAFETY: as above.
+            unsafe { column_softmax::exp_columns::<S>(s, tq, tile, m_use, 1.0, col) };
         }
         let (mu, col) = (&m_use[..nq], &mut col[..nq]);
         if !by_column {
