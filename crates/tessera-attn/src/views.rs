@@ -176,6 +176,26 @@ impl OutData<'_> {
         }
     }
 
+    /// Cache hint: requests every 64-byte line of the buffer for writing (`prefetchw`), so the
+    /// stores that fill it later do not wait on memory. No effect on results; no-op off x86-64.
+    pub(crate) fn prefetch_for_write(&self) {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let (base, bytes) = match self {
+                OutData::F32(x) => (x.as_ptr().cast::<u8>(), std::mem::size_of_val(*x)),
+                OutData::BF16(x) => (x.as_ptr().cast::<u8>(), std::mem::size_of_val(*x)),
+            };
+            for b in (0..bytes).step_by(64) {
+                // SAFETY: `b` lies inside the buffer; a prefetch never faults or changes memory.
+                unsafe {
+                    std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_ET0 }>(
+                        base.add(b).cast(),
+                    )
+                }
+            }
+        }
+    }
+
     /// Splits into consecutive slabs of `slab` elements, each split into pieces of `piece`
     /// (the last piece of a slab may be shorter); slab-major order.
     pub(crate) fn pieces(&mut self, slab: usize, piece: usize) -> Vec<OutData<'_>> {

@@ -57,6 +57,12 @@ impl<'a> Src<'a> {
         self.strides[2]
     }
 
+    /// Elements per row (the head dim).
+    #[inline(always)]
+    pub(crate) fn dim(&self) -> usize {
+        self.shape[3]
+    }
+
     /// Whether every row starts at an even element offset (all strides even), so rows of a
     /// 2-byte dtype start on 4-byte words relative to the storage.
     pub(crate) fn strides_even(&self) -> bool {
@@ -302,6 +308,37 @@ fn transpose16_regs(rows: [std::arch::x86_64::__m512; 16]) -> [std::arch::x86_64
         out[e + 8] = _mm512_shuffle_f32x4::<0xdd>(a, b);
     }
     out
+}
+
+/// Cache hints for rows `off + r·ld` (`r < n`, `dim` elements each) of `src`: every 64-byte line
+/// is requested into L2 (`prefetcht1`). A hint only: results never depend on it; rows outside
+/// the storage are skipped; no-op off x86-64.
+pub(crate) fn prefetch_rows(src: Src<'_>, off: usize, n: usize, dim: usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let (base, len, size) = match src.data {
+            SrcData::F32(x) => (x.as_ptr().cast::<u8>(), x.len(), 4),
+            SrcData::BF16(x) => (x.as_ptr().cast::<u8>(), x.len(), 2),
+        };
+        let ld = src.ld();
+        for r in 0..n {
+            let start = off + r * ld;
+            if start + dim > len {
+                break;
+            }
+            for byte in (start * size..(start + dim) * size).step_by(64) {
+                // SAFETY: `byte` lies inside the storage (checked above); a prefetch never
+                // faults or changes memory.
+                unsafe {
+                    std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(
+                        base.add(byte).cast(),
+                    )
+                }
+            }
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (src, off, n, dim);
 }
 
 #[cfg(test)]

@@ -31,7 +31,9 @@ pub(crate) struct Order {
 /// Runs `work` on every item on the current rayon pool: items sorted by group, then by cost
 /// (descending, stable), each worker pulling the next item from the shared queue, with a
 /// workspace taken from `pool` (or made by `make_ws` when the pool has none) and given back at
-/// the end. Group order keeps the tiles a group's items share in cache (a global longest-first
+/// the end. A worker claims its next item before running the current one and calls `ahead` on it
+/// first (cache hints for the next item's inputs, which then load while the current one
+/// computes); so each worker holds at most one claimed item that nobody else can take. Group order keeps the tiles a group's items share in cache (a global longest-first
 /// order interleaves all heads; measured 3–6% slower on doc-causal, BENCHMARKS.md); longest
 /// first within the group keeps the queue's tail short.
 pub(crate) fn run_items<T: Send, W: std::any::Any + Send>(
@@ -39,6 +41,7 @@ pub(crate) fn run_items<T: Send, W: std::any::Any + Send>(
     pool: &WsPool,
     make_ws: impl Fn() -> W + Sync,
     work: impl Fn(&mut W, T) + Sync,
+    ahead: impl Fn(&T) + Sync,
 ) {
     let mut items = items;
     items.sort_by_key(|(o, _)| (o.group, std::cmp::Reverse(o.cost)));
@@ -48,16 +51,22 @@ pub(crate) fn run_items<T: Send, W: std::any::Any + Send>(
         .collect();
     let next = AtomicUsize::new(0);
     let workers = rayon::current_num_threads().min(slots.len()).max(1);
+    let claim = || loop {
+        let slot = slots.get(next.fetch_add(1, Ordering::Relaxed))?;
+        if let Some(item) = slot.lock().ok().and_then(|mut g| g.take()) {
+            return Some(item);
+        }
+    };
     (0..workers).into_par_iter().with_max_len(1).for_each(|_| {
         let mut ws: Option<W> = None;
-        loop {
-            let i = next.fetch_add(1, Ordering::Relaxed);
-            let Some(slot) = slots.get(i) else { break };
-            let item = slot.lock().ok().and_then(|mut g| g.take());
-            if let Some(item) = item {
-                let w = ws.get_or_insert_with(|| pool.take::<W>().unwrap_or_else(&make_ws));
-                work(w, item);
+        let mut cur = claim();
+        while let Some(item) = cur {
+            cur = claim();
+            if let Some(n) = &cur {
+                ahead(n);
             }
+            let w = ws.get_or_insert_with(|| pool.take::<W>().unwrap_or_else(&make_ws));
+            work(w, item);
         }
         if let Some(w) = ws {
             pool.give(w);

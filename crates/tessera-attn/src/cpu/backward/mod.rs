@@ -297,12 +297,14 @@ pub(crate) fn run(
                         pool,
                         || bf16::Ws::new(&g, d),
                         |ws, it| bf16::entry(&cx, inp, ws, it),
+                        |_| {},
                     ),
                     _ => run_items(
                         items,
                         pool,
                         || BwdWs::new(&g, d),
                         |ws, it| entry(isa, &cx, ws, it),
+                        |_| {},
                     ),
                 }
             }
@@ -355,6 +357,7 @@ pub(crate) fn run(
                 pool,
                 || vec![0f32; sz],
                 |ws, it| reduce_entry(isa, &cx, ws, it),
+                |_| {},
             );
         }
     }

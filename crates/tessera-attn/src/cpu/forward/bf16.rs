@@ -152,6 +152,7 @@ mod imp {
             // SAFETY: this kernel is only selected as `Isa::Avx512Bf16`, which is handed out
             // only when the CPU has AVX-512F/BW/VL, FMA and AVX512-BF16.
             |ws, it| unsafe { item(&cx, ws, it, &mut NoTelemetry) },
+            |it| it.prefetch(prep.plan, cx.q),
         )
     }
 

@@ -15,6 +15,7 @@
 #[cfg(target_arch = "x86_64")]
 use super::column_softmax;
 use super::live_blocks::{LiveBlocks, SB};
+use super::load_tile::prefetch_rows;
 use super::mask_partial_tile::{mask_partial_row, MasksT};
 use super::online_softmax::{self, column_max, finish_row};
 use super::simd::{self, Simd};
@@ -99,6 +100,18 @@ pub(crate) struct FwdItem<'a> {
     pub(super) o: Out<'a>,
     pub(super) lse: &'a mut [f32],
     pub(super) max_logit: &'a mut f32,
+}
+
+impl FwdItem<'_> {
+    /// Cache hints for the item's Q rows (source `q`) and its O piece, issued one item ahead
+    /// (`run_items`): both are touched once per item, at its start and its end, and otherwise
+    /// cost a memory round trip per line (~25k cycles per 128-query f32 item, measured).
+    pub(super) fn prefetch(&self, plan: &Plan, q: Src<'_>) {
+        let (q0, q1) = plan.q_range(self.qt);
+        let dim = q.dim();
+        prefetch_rows(q, q.row(self.b, self.h, q0), q1 - q0, dim);
+        self.o.prefetch_for_write();
+    }
 }
 
 pub(crate) struct FwdWs {
@@ -224,13 +237,16 @@ pub(super) fn run_with<W: std::any::Any + Send>(
         &mut rest.bufs.maxes,
         make_ws,
         work,
+        |it| it.prefetch(cx.plan, cx.q),
     )
 }
 
 /// The scheduling shared by every forward kernel: the caller's outputs split into one item per
 /// (batch, query head, q tile), run head by head, longest first within a head, on the current
-/// pool with per-worker workspaces
-/// from `pool`, max logits (per item in `maxes`) reduced per (batch, head) with NaN propagated.
+/// pool with per-worker workspaces from `pool` (`ahead` runs on each item one item before it,
+/// for cache hints), max logits (per item in `maxes`) reduced per (batch, head) with NaN
+/// propagated.
+#[allow(clippy::too_many_arguments)]
 pub(super) fn schedule<W: std::any::Any + Send>(
     plan: &Plan,
     d: &Dims,
@@ -239,6 +255,7 @@ pub(super) fn schedule<W: std::any::Any + Send>(
     maxes: &mut Vec<f32>,
     make_ws: impl Fn() -> W + Sync,
     work: impl Fn(&mut W, FwdItem<'_>) + Sync,
+    ahead: impl Fn(&FwdItem<'_>) + Sync,
 ) -> Result<()> {
     let (bh, nqt) = (d.batch * d.heads_q, plan.q_tiles);
     let ForwardOut {
@@ -274,7 +291,7 @@ pub(super) fn schedule<W: std::any::Any + Send>(
                 )
             })
             .collect();
-        run_items(items, pool, make_ws, work);
+        run_items(items, pool, make_ws, work, ahead);
     }
     for (m, c) in max_logit.iter_mut().zip(maxes.chunks(nqt)) {
         *m = c.iter().fold(NEG_INF, |a, &x| {

@@ -278,6 +278,7 @@ fn observed<W: std::any::Any + Send>(
                 .unwrap_or_else(|poisoned| poisoned.into_inner());
             obs.add_to(&mut slot);
         },
+        |_| {},
     )?;
     let mut heads = vec![HeadAccum::default(); hq];
     for (idx, slot) in slots.into_iter().enumerate() {
