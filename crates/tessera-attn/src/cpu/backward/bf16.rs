@@ -49,7 +49,11 @@ fn bits(x: &bf16) -> u16 {
 
 /// Packs `n` rows (`sl` elements apart, from element `off`) of a bf16 input into `dpk` (pairs along D,
 /// `[tq × ⌈dim/2⌉]`) and `qpk` (pairs of consecutive rows, `[tq/2 × ld]`), zero padded.
-#[inline(always)]
+///
+/// # Safety
+/// The CPU must have AVX-512F and AVX-512BW.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw")]
 #[allow(clippy::too_many_arguments)]
 fn pack_rows(
     x: &[bf16],
@@ -68,21 +72,108 @@ fn pack_rows(
             continue;
         }
         let row = &x[off + r * sl..off + r * sl + dim];
-        // Pairs along D are the row's own bytes (little-endian): a straight copy.
-        for (o, p) in dst.iter_mut().zip(row.chunks_exact(2)) {
-            *o = pair(bits(&p[0]), bits(&p[1]));
+        // Pairs along D are the row's own bytes (x86-64 is little-endian): a straight copy,
+        // 32 elements per step (a `memcpy` call per 128-byte row measured no faster).
+        let whole = 2 * (dim / 2);
+        let mut c = 0;
+        while c < whole {
+            let left = whole - c;
+            let m: __mmask32 = if left >= 32 {
+                u32::MAX
+            } else {
+                (1u32 << left) - 1
+            };
+            // SAFETY: lanes `< left` lie inside `row` and, as `left / 2` words, inside `dst`;
+            // masked-off lanes are neither read nor written. The caller runs with AVX-512BW.
+            unsafe {
+                let v = _mm512_maskz_loadu_epi16(m, row.as_ptr().add(c).cast());
+                _mm512_mask_storeu_epi16(dst.as_mut_ptr().add(c / 2).cast(), m, v);
+            }
+            c += 32;
         }
         if dim % 2 == 1 {
             dst[dh - 1] = pair(bits(&row[dim - 1]), 0);
         }
     }
-    pack_row_pairs(x, off, sl, n, dim, ld, qpk);
+    pack_row_pairs_x512(x, off, sl, n, dim, ld, qpk);
+}
+
+/// [`pack_row_pairs`] in AVX-512BW, 32 columns per step: two rows' bf16 interleaved by
+/// `vpermt2w` (the same words).
+///
+/// # Safety
+/// The CPU must have AVX-512F and AVX-512BW.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw")]
+fn pack_row_pairs_x512(
+    x: &[bf16],
+    off: usize,
+    sl: usize,
+    n: usize,
+    dim: usize,
+    ld: usize,
+    out: &mut [u32],
+) {
+    assert!(dim <= ld && (n == 0 || off + (n - 1) * sl + dim <= x.len()));
+    // Word w of the low half takes element w of row a (u16 index w) and of row b (32 + w);
+    // the high half elements 16 + w.
+    let lo: [u16; 32] = std::array::from_fn(|i| (i / 2 + 32 * (i % 2)) as u16);
+    let hi: [u16; 32] = std::array::from_fn(|i| (16 + i / 2 + 32 * (i % 2)) as u16);
+    // SAFETY: both arrays are 64 bytes.
+    let (lo, hi) = unsafe {
+        (
+            _mm512_loadu_si512(lo.as_ptr().cast()),
+            _mm512_loadu_si512(hi.as_ptr().cast()),
+        )
+    };
+    for (rp, dst) in out.chunks_exact_mut(ld).enumerate() {
+        let (r0, r1) = (2 * rp, 2 * rp + 1);
+        let (cols, pad) = dst.split_at_mut(dim);
+        pad.fill(0);
+        if r0 >= n {
+            cols.fill(0);
+            continue;
+        }
+        let (pa, pb) = (
+            x.as_ptr().wrapping_add(off + r0 * sl),
+            x.as_ptr().wrapping_add(off + r1 * sl),
+        );
+        let mut c = 0;
+        while c < dim {
+            let left = dim - c;
+            let m: __mmask32 = if left >= 32 {
+                u32::MAX
+            } else {
+                (1u32 << left) - 1
+            };
+            // SAFETY: lanes `< left` of rows `r0 < n` (and `r1` only when `< n`) lie inside `x`
+            // (asserted above); masked-off lanes are not read. The stores write words
+            // `c..c + min(left, 32)` of `cols`.
+            unsafe {
+                let a = _mm512_maskz_loadu_epi16(m, pa.add(c).cast());
+                let b = if r1 < n {
+                    _mm512_maskz_loadu_epi16(m, pb.add(c).cast())
+                } else {
+                    _mm512_setzero_si512()
+                };
+                let w0 = _mm512_permutex2var_epi16(a, lo, b);
+                let w1 = _mm512_permutex2var_epi16(a, hi, b);
+                let d = cols.as_mut_ptr().add(c);
+                _mm512_mask_storeu_epi32(d.cast(), (m & 0xFFFF) as __mmask16, w0);
+                if left > 16 {
+                    _mm512_mask_storeu_epi32(d.add(16).cast(), (m >> 16) as __mmask16, w1);
+                }
+            }
+            c += 32;
+        }
+    }
 }
 
 /// `out[(r/2)·ld + c]` = bf16 pair (row `r`, row `r + 1`) of column `c`, for the rows `[0, n)` of
 /// an input starting at `off` (rows `sl` elements apart), over all `out.len() / ld` pair rows; columns
-/// `dim..ld` and rows from `n` on are zero. Each pair row is written once (no fill first).
-#[inline(always)]
+/// `dim..ld` and rows from `n` on are zero. Each pair row is written once (no fill first). The
+/// element-wise reference of [`pack_row_pairs_x512`], which the kernels use.
+#[cfg(test)]
 fn pack_row_pairs(
     x: &[bf16],
     off: usize,
@@ -253,7 +344,7 @@ unsafe fn pack_kv(
         }
     }
     if let Some((kk, ld)) = kk {
-        pack_row_pairs(x, off, sl, nk, dim, ld, kk);
+        pack_row_pairs_x512(x, off, sl, nk, dim, ld, kk);
     }
 }
 
@@ -639,6 +730,38 @@ mod tests {
                 dsk2[w..w + nkp / 2],
                 "dS key pairs {r}"
             );
+        }
+    }
+}
+
+#[cfg(test)]
+mod pack_tests {
+    use super::*;
+
+    /// The AVX-512 pair interleave writes what the scalar one does, for ragged widths (tails
+    /// under 16 and 32), an odd row count and zero padding.
+    #[test]
+    fn vector_row_pairs_equal_the_scalar_ones() {
+        if !is_x86_feature_detected!("avx512bw") {
+            println!("skipped: no AVX-512BW on this CPU");
+            return;
+        }
+        for &(n, dim, ld, rows) in &[
+            (7, 64, 64, 8),
+            (5, 13, 16, 6),
+            (9, 40, 48, 10),
+            (4, 33, 48, 4),
+        ] {
+            let (off, sl) = (3, dim + 5);
+            let x: Vec<bf16> = (0..off + rows * sl)
+                .map(|i| bf16::from_f32((i as f32 * 0.37).sin()))
+                .collect();
+            let mut want = vec![7u32; rows / 2 * ld];
+            let mut got = vec![9u32; rows / 2 * ld];
+            pack_row_pairs(&x, off, sl, n, dim, ld, &mut want);
+            // SAFETY: AVX-512BW was detected above (with AVX-512F).
+            unsafe { pack_row_pairs_x512(&x, off, sl, n, dim, ld, &mut got) };
+            assert_eq!(got, want, "n={n} dim={dim}");
         }
     }
 }
