@@ -61,29 +61,9 @@ const LOG2E: f32 = std::f32::consts::LOG2_E;
 const MAGIC: f32 = 12_582_912.0;
 const LN2_HI: f32 = 0.693_359_4;
 const LN2_LO: f32 = -2.121_944_4e-4;
-const EXP_HI: f32 = 88.3;
+/// Above this `e^x` overflows f32 (the f32 backward gives +inf); [`exp_le88`] is valid up to it.
+pub(crate) const EXP_HI: f32 = 88.3;
 const EXP_LO: f32 = -87.3;
-
-/// The shared core of [`exp`] and [`exp_le88`] for `|x| <= 88.3` (or NaN, or ±inf whose result the
-/// callers select away): `(p, t)` with `e^x = p · 2^n`, `t = MAGIC + n` holding the rounded
-/// `n = round(x·log2 e)` in its low mantissa bits and `p = e^r` by a degree-7 polynomial of the
-/// Cody-Waite reduced `r = x − n·ln 2`.
-#[inline(always)]
-fn exp_reduce<S: Simd>(x: f32) -> (f32, f32) {
-    let t = S::madd(x, LOG2E, MAGIC);
-    let n = t - MAGIC;
-    // Cody-Waite reduction: n·LN2_HI is exact (LN2_HI has 9 significant bits, |n| <= 128).
-    let r = S::madd(n, -LN2_HI, x);
-    let r = S::madd(n, -LN2_LO, r);
-    let z = r * r;
-    let mut y = 1.987_569_1e-4_f32;
-    y = S::madd(y, r, 1.398_199_9e-3);
-    y = S::madd(y, r, 8.333_452e-3);
-    y = S::madd(y, r, 4.166_579_6e-2);
-    y = S::madd(y, r, 1.666_666_5e-1);
-    y = S::madd(y, r, 5e-1);
-    (S::madd(y, z, r) + 1.0, t)
-}
 
 /// `2^n` from `t = MAGIC + n` (`|n| < 2^22`, result in the normal range): bits(t) = bits(MAGIC) + n,
 /// so the exponent field `(n + 127) << 23` equals `(bits(t) << 23) + POW2_BIAS` modulo 2^32.
@@ -93,25 +73,9 @@ fn pow2_of(t: f32) -> f32 {
     f32::from_bits((t.to_bits() << 23).wrapping_add(POW2_BIAS))
 }
 
-/// `e^x` with about 2 ulp relative error; `exp(-inf) = 0`, `exp(NaN) = NaN`, `x > 88.3` gives +inf
-/// and `x < -87.3` gives 0 (no denormals).
-#[inline(always)]
-pub(crate) fn exp<S: Simd>(x: f32) -> f32 {
-    // `clamp` keeps NaN, so NaN flows through unchanged.
-    let (p, t) = exp_reduce::<S>(x.clamp(EXP_LO, EXP_HI));
-    let res = p * pow2_of(t);
-    if x < EXP_LO {
-        0.0
-    } else if x > EXP_HI {
-        f32::INFINITY
-    } else {
-        res
-    }
-}
-
 /// `e^x` for the softmax's arguments, `x <= 88` (a logit minus its row's running max is <= 0),
-/// to 4.5e-7 relative error (3 ulp; [`exp`]: 2): one Cody-Waite step and a degree-5 polynomial,
-/// 8 multiplies or FMAs instead of [`exp`]'s 11 and no clamps (the copy without FMA reduces in
+/// to 4.5e-7 relative error (3 ulp): one Cody-Waite step and a degree-5 polynomial,
+/// 8 multiplies or FMAs instead of the 11 of a degree-7 one with two reduction steps, no clamps (the copy without FMA reduces in
 /// two steps), since the exponentials are the
 /// largest non-product work of every forward tile. `exp_le88(-inf) = 0` and `x < -87.3` gives 0
 /// (the one select also catches -inf, whose reduction is NaN); NaN gives NaN. Larger `x` are
@@ -334,31 +298,12 @@ mod tests {
     use super::*;
 
     #[test]
-    fn exp_is_accurate_and_exact_at_edges() {
-        let mut worst = 0f64;
-        let mut x = -87.0f32;
-        while x < 88.0 {
-            let got = exp::<Portable>(x) as f64;
-            let want = (x as f64).exp();
-            worst = worst.max(((got - want) / want).abs());
-            x += 0.0137;
-        }
-        assert!(worst < 3e-7, "exp rel err {worst}");
-        assert_eq!(exp::<Portable>(f32::NEG_INFINITY), 0.0);
-        assert_eq!(exp::<Portable>(0.0), 1.0);
-        assert!(exp::<Portable>(f32::NAN).is_nan());
-        assert_eq!(exp::<Portable>(-1000.0), 0.0);
-        assert_eq!(exp::<Portable>(1000.0), f32::INFINITY);
-        assert_eq!(exp::<Avx512>(f32::NEG_INFINITY), 0.0);
-    }
-
-    #[test]
     fn exp_le88_is_accurate_on_its_domain_and_exact_at_edges() {
-        // Within 4.5e-7 of e^x over [-87, 88] on every kernel copy's flavour (Portable has no
+        // Within 4.5e-7 of e^x over [-87, 88.3] on every kernel copy's flavour (Portable has no
         // FMA), 0 below -87.3 and at -inf, NaN at NaN, exactly 1 at 0.
         let mut worst = 0f64;
         let mut x = -87.0f32;
-        while x <= 88.0 {
+        while x <= 88.3 {
             let want = (x as f64).exp();
             for v in [
                 exp_le88::<Portable>(x),

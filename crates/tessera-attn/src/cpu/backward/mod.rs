@@ -570,11 +570,24 @@ fn p_ds_row<S: Simd, const SOFTCAP: bool, const BF16: bool>(
         let p = if BF16 {
             bf16_p::<S>(v - lse)
         } else {
-            simd::exp::<S>(v - lse)
+            f32_p::<S>(v - lse)
         };
         let ds = p * (*g - delta) * dc;
         *x = p;
         *g = if p == 0.0 { 0.0 } else { ds };
+    }
+}
+
+/// `P = e^a` of the f32 kernels: [`simd::exp_le88`] (4.5e-7 relative, 8 FMAs; `simd::exp`'s 11
+/// measured 5.5% of a full tile) with `simd::exp`'s overflow to +inf above 88.3 (`a <= 0` unless
+/// the given LSE is below the row's logits). NaN stays NaN.
+#[inline(always)]
+fn f32_p<S: Simd>(a: f32) -> f32 {
+    let e = simd::exp_le88::<S>(if a > simd::EXP_HI { simd::EXP_HI } else { a });
+    if a > simd::EXP_HI {
+        f32::INFINITY
+    } else {
+        e
     }
 }
 
