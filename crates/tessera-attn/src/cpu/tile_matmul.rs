@@ -256,29 +256,48 @@ mod ymm {
         ldc: usize,
         cm: *mut f32,
     ) {
+        // Columns in 32s: 3 × 32 blocks (then 2 or 1 rows).
+        let n32 = n / 32 * 32;
         let mut i = 0;
-        while i < m {
-            let rows = (m - i).min(6);
+        while i < m && n32 > 0 {
+            let rows = (m - i).min(3);
             let a0 = if AT { a.add(i) } else { a.add(i * lda) };
-            let mut j = 0;
-            while j < n {
+            for j in (0..n32).step_by(32) {
                 let (b0, c0, m0) = (b.add(j), c.add(i * ldc + j), cm.wrapping_add(j));
                 match rows {
-                    6 => micro::<ACC, AT, MAX, 6>(k, a0, lda, b0, ldb, c0, ldc, m0),
-                    4 => micro::<ACC, AT, MAX, 4>(k, a0, lda, b0, ldb, c0, ldc, m0),
-                    _ => micro::<ACC, AT, MAX, 2>(k, a0, lda, b0, ldb, c0, ldc, m0),
+                    3 => micro::<ACC, AT, MAX, 3, 4>(k, a0, lda, b0, ldb, c0, ldc, m0),
+                    2 => micro::<ACC, AT, MAX, 2, 4>(k, a0, lda, b0, ldb, c0, ldc, m0),
+                    _ => micro::<ACC, AT, MAX, 1, 4>(k, a0, lda, b0, ldb, c0, ldc, m0),
                 }
-                j += 16;
+            }
+            i += rows;
+        }
+        // A last 16 columns: 6 × 16 blocks (then 4 or 2 rows).
+        let mut i = 0;
+        while i < m && n32 < n {
+            let rows = (m - i).min(6);
+            let a0 = if AT { a.add(i) } else { a.add(i * lda) };
+            let (b0, c0, m0) = (b.add(n32), c.add(i * ldc + n32), cm.wrapping_add(n32));
+            match rows {
+                6 => micro::<ACC, AT, MAX, 6, 2>(k, a0, lda, b0, ldb, c0, ldc, m0),
+                4 => micro::<ACC, AT, MAX, 4, 2>(k, a0, lda, b0, ldb, c0, ldc, m0),
+                _ => micro::<ACC, AT, MAX, 2, 2>(k, a0, lda, b0, ldb, c0, ldc, m0),
             }
             i += rows;
         }
     }
 
-    /// `R × 16` block; see [`super::micro`] for the pointer contract.
+    /// `R × 8V` block (`V` = 2 or 4 ymm per row); see [`super::micro`] for the pointer contract.
     #[inline]
     #[target_feature(enable = "avx2,fma")]
     #[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
-    unsafe fn micro<const ACC: bool, const AT: bool, const MAX: bool, const R: usize>(
+    unsafe fn micro<
+        const ACC: bool,
+        const AT: bool,
+        const MAX: bool,
+        const R: usize,
+        const V: usize,
+    >(
         k: usize,
         a: *const f32,
         lda: usize,
@@ -289,30 +308,51 @@ mod ymm {
         cm: *mut f32,
     ) {
         unsafe {
-            let mut acc = [[_mm256_setzero_ps(); 2]; R];
+            let mut acc = [[_mm256_setzero_ps(); V]; R];
             if ACC {
                 for r in 0..R {
-                    for x in 0..2 {
+                    for x in 0..V {
                         acc[r][x] = _mm256_loadu_ps(c.add(r * ldc + 8 * x));
                     }
                 }
             }
+            let a_at = |kk: usize, r: usize| {
+                if AT {
+                    a.add(kk * lda + r)
+                } else {
+                    a.add(r * lda + kk)
+                }
+            };
             for kk in 0..k {
-                let b0 = _mm256_loadu_ps(b.add(kk * ldb));
-                let b1 = _mm256_loadu_ps(b.add(kk * ldb + 8));
-                for r in 0..R {
-                    let ap = if AT {
-                        a.add(kk * lda + r)
-                    } else {
-                        a.add(r * lda + kk)
-                    };
-                    let av = _mm256_broadcast_ss(&*ap);
-                    acc[r][0] = _mm256_fmadd_ps(av, b0, acc[r][0]);
-                    acc[r][1] = _mm256_fmadd_ps(av, b1, acc[r][1]);
+                if V == 2 {
+                    // 6 × 16: both B vectors held, one broadcast at a time (12 + 2 + 1 ymm).
+                    let bv = [
+                        _mm256_loadu_ps(b.add(kk * ldb)),
+                        _mm256_loadu_ps(b.add(kk * ldb + 8)),
+                    ];
+                    for r in 0..R {
+                        let av = _mm256_broadcast_ss(&*a_at(kk, r));
+                        for x in 0..V {
+                            acc[r][x] = _mm256_fmadd_ps(av, bv[x], acc[r][x]);
+                        }
+                    }
+                } else {
+                    // 3 × 32: the broadcasts held, one B vector at a time (12 + 3 + 1 ymm): a
+                    // broadcast per 4 FMAs instead of per 2.
+                    let mut av = [_mm256_setzero_ps(); R];
+                    for r in 0..R {
+                        av[r] = _mm256_broadcast_ss(&*a_at(kk, r));
+                    }
+                    for x in 0..V {
+                        let bv = _mm256_loadu_ps(b.add(kk * ldb + 8 * x));
+                        for r in 0..R {
+                            acc[r][x] = _mm256_fmadd_ps(av[r], bv, acc[r][x]);
+                        }
+                    }
                 }
             }
             if MAX {
-                for x in 0..2 {
+                for x in 0..V {
                     // max(row, mx) keeps mx when row is NaN, like the generic block.
                     let mut mx = _mm256_loadu_ps(cm.add(8 * x));
                     for r in 0..R {
@@ -322,7 +362,7 @@ mod ymm {
                 }
             }
             for r in 0..R {
-                for x in 0..2 {
+                for x in 0..V {
                     _mm256_storeu_ps(c.add(r * ldc + 8 * x), acc[r][x]);
                 }
             }
