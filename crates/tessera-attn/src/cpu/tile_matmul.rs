@@ -226,18 +226,20 @@ unsafe fn micro<S: Simd, const ACC: bool, const AT: bool, const MAX: bool, const
     }
 }
 
-/// The AVX2 copy's register blocking in explicit intrinsics: 6 rows × 16 columns of
-/// accumulators (12 ymm registers, plus 2 for the B row and 1 for the broadcast: 15 of 16).
-/// 12 independent FMA chains cover two FMA pipes' latency, and each k step loads 8 values for
-/// 12 FMAs (the generic `RB × 16` block: 8 chains, 6 loads for 8 FMAs). LLVM does not find
-/// this allocation itself: a generic `4 × 24` block spilled an accumulator every k step.
+/// The AVX2 copy's register blocking in explicit intrinsics: 3 rows × 32 columns of
+/// accumulators (12 ymm registers, plus the 3 row broadcasts and 1 B vector: 16 of 16), each k
+/// step 7 loads for 12 FMAs with one broadcast per 4 FMAs; a last 16 columns use 6 × 16 blocks
+/// (12 accumulators, 2 B vectors, 1 broadcast; one broadcast per 2 FMAs, measured 2.5% slower
+/// as the main block). 12 independent FMA chains cover two FMA pipes' latency. LLVM does not
+/// find such allocations itself: a generic `4 × 24` block spilled an accumulator every k step.
 #[cfg(target_arch = "x86_64")]
 mod ymm {
     use std::arch::x86_64::*;
 
-    /// [`super::gemm_impl`] on the AVX2 copy: row blocks of 6 (then 4 or 2: `m` is a
-    /// multiple of 4), 16 columns at a time (`n` is a multiple of 16). The FMAs per element and
-    /// their order are those of the generic block, so results are bit-identical to it.
+    /// [`super::gemm_impl`] on the AVX2 copy: 32 columns at a time in row blocks of 3 (then 2
+    /// or 1), a last 16 columns (`n` is a multiple of 16) in row blocks of 6 (then 4 or 2: `m` is
+    /// a multiple of 4). The FMAs per element and their order are those of the generic block,
+    /// so results are bit-identical to it.
     ///
     /// # Safety
     /// The CPU must have AVX2 and FMA; the extents must have passed [`super::check`].
