@@ -1,5 +1,5 @@
 //! The online-softmax passes over one forward score tile `Sᵀ` (one row per key, queries
-//! contiguous) in explicit AVX-512 or AVX2, one block of 16 queries (a zmm, two ymm) at a time: the column maxima
+//! contiguous) in explicit AVX-512 or AVX2, one register of queries (16 in a zmm, 8 in a ymm) at a time: the column maxima
 //! ([`column_max`]), then the exponentials and column sums ([`exp_columns`] for the f32 `P`,
 //! [`exp_pairs`] for the bf16 pairs of keys of the `vdpbf16ps` kernel).
 //!
@@ -92,11 +92,13 @@ impl<'a> TileLive<'a> {
 /// 16 f32 lanes (one block of queries) on one instruction set, with its lane mask.
 trait Lanes: Copy {
     type Mask: Copy;
+    /// Queries per block (lanes): 16 or 8.
+    const W: usize;
     /// Keys per step of the exponential loop (4 or 1): independent exponential chains in flight
-    /// (one zmm chain is latency-bound) without spilling registers (16 ymm hold two chains; 2
-    /// keys there measured slower).
+    /// (one zmm chain is latency-bound) without spilling registers (16 ymm hold one chain and
+    /// the constants; 2 keys there measured 1-2% slower).
     const KEYS: usize;
-    /// The mask of lanes whose bit is set.
+    /// The mask of lanes whose bit is set (bit `l` for lane `l < W`).
     unsafe fn mask(bits: u16) -> Self::Mask;
     unsafe fn load(p: *const f32) -> Self;
     unsafe fn store(self, p: *mut f32);
@@ -118,6 +120,7 @@ struct Zmm(__m512);
 
 impl Lanes for Zmm {
     type Mask = __mmask16;
+    const W: usize = 16;
     const KEYS: usize = 4;
     #[inline(always)]
     unsafe fn mask(bits: u16) -> __mmask16 {
@@ -157,91 +160,58 @@ impl Lanes for Zmm {
     }
 }
 
-/// Two ymm registers (queries 0..8, 8..16 of the block).
+/// One ymm register: blocks of 8 queries. (Two registers per 16-query block ran out of the 16
+/// ymm registers: the exponential's constants were re-broadcast from memory at every key.)
+/// No closures in this file: a closure does not inherit its caller's target features, so the
+/// intrinsics in it would not inline.
 #[derive(Clone, Copy)]
-struct Ymm2([__m256; 2]);
+struct Ymm(__m256);
 
-/// The ymm mask of the 8 lanes whose bit is set (no closures in this file: a closure does not
-/// inherit its caller's target features, so the intrinsics in it would not inline).
-///
-/// # Safety
-/// The CPU must have AVX2.
-#[inline(always)]
-unsafe fn ymm_mask(bits: u16) -> __m256 {
-    // SAFETY: the caller's contract.
-    unsafe {
-        let sel = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
-        let v = _mm256_and_si256(_mm256_set1_epi32(bits as i32), sel);
-        _mm256_castsi256_ps(_mm256_cmpeq_epi32(v, sel))
-    }
-}
-
-impl Lanes for Ymm2 {
-    type Mask = [__m256; 2];
+impl Lanes for Ymm {
+    type Mask = __m256;
+    const W: usize = 8;
     const KEYS: usize = 1;
     #[inline(always)]
-    unsafe fn mask(bits: u16) -> [__m256; 2] {
+    unsafe fn mask(bits: u16) -> __m256 {
         // SAFETY (all methods): the callers run with AVX2 and FMA.
-        unsafe { [ymm_mask(bits & 0xFF), ymm_mask(bits >> 8)] }
+        unsafe {
+            let sel = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+            let v = _mm256_and_si256(_mm256_set1_epi32((bits & 0xFF) as i32), sel);
+            _mm256_castsi256_ps(_mm256_cmpeq_epi32(v, sel))
+        }
     }
     #[inline(always)]
     unsafe fn load(p: *const f32) -> Self {
-        unsafe { Ymm2([_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8))]) }
+        Ymm(unsafe { _mm256_loadu_ps(p) })
     }
     #[inline(always)]
     unsafe fn store(self, p: *mut f32) {
-        unsafe {
-            _mm256_storeu_ps(p, self.0[0]);
-            _mm256_storeu_ps(p.add(8), self.0[1]);
-        }
+        unsafe { _mm256_storeu_ps(p, self.0) }
     }
     #[inline(always)]
     unsafe fn splat(x: f32) -> Self {
-        unsafe { Ymm2([_mm256_set1_ps(x); 2]) }
+        Ymm(unsafe { _mm256_set1_ps(x) })
     }
     #[inline(always)]
     unsafe fn add(self, o: Self) -> Self {
-        unsafe {
-            Ymm2([
-                _mm256_add_ps(self.0[0], o.0[0]),
-                _mm256_add_ps(self.0[1], o.0[1]),
-            ])
-        }
+        Ymm(unsafe { _mm256_add_ps(self.0, o.0) })
     }
     #[inline(always)]
     unsafe fn fma(self, b: Self, c: Self) -> Self {
-        unsafe {
-            Ymm2([
-                _mm256_fmadd_ps(self.0[0], b.0[0], c.0[0]),
-                _mm256_fmadd_ps(self.0[1], b.0[1], c.0[1]),
-            ])
-        }
+        Ymm(unsafe { _mm256_fmadd_ps(self.0, b.0, c.0) })
     }
     #[inline(always)]
     unsafe fn exp(self) -> Self {
-        unsafe { Ymm2([x256::exp_le88(self.0[0]), x256::exp_le88(self.0[1])]) }
+        Ymm(unsafe { x256::exp_le88(self.0) })
     }
     #[inline(always)]
-    unsafe fn max_in(self, m: [__m256; 2], x: Self) -> Self {
-        unsafe {
-            let mx = [
-                _mm256_max_ps(x.0[0], self.0[0]),
-                _mm256_max_ps(x.0[1], self.0[1]),
-            ];
-            Ymm2([
-                _mm256_blendv_ps(self.0[0], mx[0], m[0]),
-                _mm256_blendv_ps(self.0[1], mx[1], m[1]),
-            ])
-        }
+    unsafe fn max_in(self, m: __m256, x: Self) -> Self {
+        // max(x, self) keeps self when x is NaN.
+        Ymm(unsafe { _mm256_blendv_ps(self.0, _mm256_max_ps(x.0, self.0), m) })
     }
     #[inline(always)]
-    unsafe fn keep(self, m: [__m256; 2]) -> Self {
-        unsafe {
-            Ymm2([
-                _mm256_and_ps(self.0[0], m[0]),
-                _mm256_and_ps(self.0[1], m[1]),
-            ])
-        }
+    unsafe fn keep(self, m: __m256) -> Self {
+        Ymm(unsafe { _mm256_and_ps(self.0, m) })
     }
 }
 
@@ -266,7 +236,7 @@ pub(crate) unsafe fn column_max<S: Simd>(
     #[target_feature(enable = "avx2,fma")]
     fn ymm(s: &[f32], tq: usize, live: TileLive<'_>, col: &mut [f32]) {
         // SAFETY: this copy has AVX2 and FMA.
-        unsafe { column_max_with::<Ymm2>(s, tq, live, col) }
+        unsafe { column_max_with::<Ymm>(s, tq, live, col) }
     }
     // SAFETY: the caller's contract.
     unsafe {
@@ -285,7 +255,7 @@ unsafe fn column_max_with<L: Lanes>(s: &[f32], tq: usize, live: TileLive<'_>, co
     live.check(tq, live.nk, s.len());
     assert!(col.len() >= live.nq.div_ceil(SB) * SB, "column max: col");
     let mut tail = [f32::NEG_INFINITY; SB];
-    for i0 in (0..live.nq).step_by(SB) {
+    for i0 in (0..live.nq).step_by(L::W) {
         let exists = live.lanes(i0);
         let (r0, r1) = live.keys(i0 / SB);
         // SAFETY: rows `r0..r1 < nk` of 16 lanes from `i0 < tq` lie in `s` (checked above), and
@@ -298,7 +268,7 @@ unsafe fn column_max_with<L: Lanes>(s: &[f32], tq: usize, live: TileLive<'_>, co
                 let x = L::load(s.as_ptr().add(j * tq + i0));
                 mx = mx.max_in(L::mask(live.live(exists, j, i0)), x);
             }
-            if exists == 0xFFFF {
+            if live.nq - i0 >= L::W {
                 mx.store(cp);
             } else {
                 mx.store(tail.as_mut_ptr());
@@ -333,7 +303,7 @@ pub(crate) unsafe fn exp_columns<S: Simd>(
     #[target_feature(enable = "avx2,fma")]
     fn ymm(s: &mut [f32], tq: usize, live: TileLive<'_>, u: &[f32], sc: f32, col: &mut [f32]) {
         // SAFETY: this copy has AVX2 and FMA.
-        unsafe { exp_columns_with::<Ymm2>(s, tq, live, u, sc, col) }
+        unsafe { exp_columns_with::<Ymm>(s, tq, live, u, sc, col) }
     }
     // SAFETY: the caller's contract.
     unsafe {
@@ -359,7 +329,7 @@ unsafe fn exp_columns_with<L: Lanes>(
     live.check(tq, live.nk, s.len());
     let nqp = live.nq.div_ceil(SB) * SB;
     assert!(col.len() >= nqp && u.len() >= nqp, "exp columns: extents");
-    for i0 in (0..live.nq).step_by(SB) {
+    for i0 in (0..live.nq).step_by(L::W) {
         let exists = live.lanes(i0);
         let (r0, r1) = live.keys(i0 / SB);
         // SAFETY: as in `column_max_with`; `u` and `col` hold the block.
