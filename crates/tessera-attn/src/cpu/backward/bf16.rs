@@ -449,65 +449,120 @@ unsafe fn p_ds_pairs(
     assert!(mq / 2 * tk <= pq.len() && mq / 2 * tk <= dsq.len() && mq * tk / 2 <= dsk.len());
     // 16-bit lane 2x takes lane x (row i), lane 2x+1 takes lane 16+x (row i+1).
     let idx: [u16; 32] = std::array::from_fn(|w| (w / 2 + 16 * (w % 2)) as u16);
-    // SAFETY: the asserts above bound every access; `idx` is 64 bytes.
+    // SAFETY: the asserts above bound every access (rows `< mq`, keys `< nkp <= tk`); `idx` is
+    // 64 bytes. No closures here: they would not inherit this function's target features.
     unsafe {
         let perm = _mm512_loadu_si512(idx.as_ptr().cast());
-        let (scv, cap) = (_mm512_set1_ps(sc), _mm512_set1_ps(88.0));
-        // P and dS of row `r`, keys `j..j + 16`.
-        let p_ds = |r: usize, j: usize| -> (__m512, __m512) {
-            let left = nk.saturating_sub(j);
-            let m: __mmask16 = match (r < nq, left >= 16) {
-                (false, _) => 0,
-                (true, true) => 0xFFFF,
-                (true, false) => (1u16 << left) - 1,
-            };
-            if m == 0 {
-                return (_mm512_setzero_ps(), _mm512_setzero_ps());
-            }
-            let x = _mm512_maskz_loadu_ps(m, s.as_ptr().add(r * tk + j));
-            let a = _mm512_sub_ps(_mm512_mul_ps(x, scv), _mm512_set1_ps(lse[r]));
-            // min(88, a) returns a NaN `a` (the second operand), as `bf16_p`'s compare.
-            let p = _mm512_maskz_mov_ps(m, exp_le88_coarse(_mm512_min_ps(cap, a)));
-            let g = _mm512_maskz_loadu_ps(m, dp.as_ptr().add(r * tk + j));
-            let ds = _mm512_mul_ps(p, _mm512_sub_ps(g, _mm512_set1_ps(delta[r])));
-            let live = _mm512_cmp_ps_mask::<_CMP_NEQ_UQ>(p, _mm512_setzero_ps());
-            (p, _mm512_maskz_mov_ps(live, ds))
-        };
-        let pairs = |lo: __m512, hi: __m512| -> __m512i {
-            _mm512_permutexvar_epi16(
-                perm,
-                std::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(hi, lo)),
-            )
-        };
+        let sc = _mm512_set1_ps(sc);
         for i in (0..mq).step_by(2) {
             let o = i / 2 * tk;
+            let (r0, m0) = Row::new(s, dp, tk, i, nq, lse, delta);
+            let (r1, m1) = Row::new(s, dp, tk, i + 1, nq, lse, delta);
             let mut j = 0;
             while j < nkp {
-                let (p0, d0) = p_ds(i, j);
-                let (p1, d1) = p_ds(i + 1, j);
-                _mm512_storeu_si512(pq.as_mut_ptr().add(o + j).cast(), pairs(p0, p1));
-                _mm512_storeu_si512(dsq.as_mut_ptr().add(o + j).cast(), pairs(d0, d1));
+                let (k0, k1) = (key_lanes(nk, j), key_lanes(nk, j + 16));
+                let (p0, d0) = p_ds16(&r0, j, m0 & k0, sc);
+                let (p1, d1) = p_ds16(&r1, j, m1 & k0, sc);
+                _mm512_storeu_si512(pq.as_mut_ptr().add(o + j).cast(), pairs(perm, p0, p1));
+                _mm512_storeu_si512(dsq.as_mut_ptr().add(o + j).cast(), pairs(perm, d0, d1));
                 if j + 32 <= nkp {
-                    let (p2, d2) = p_ds(i, j + 16);
-                    let (p3, d3) = p_ds(i + 1, j + 16);
-                    _mm512_storeu_si512(pq.as_mut_ptr().add(o + j + 16).cast(), pairs(p2, p3));
-                    _mm512_storeu_si512(dsq.as_mut_ptr().add(o + j + 16).cast(), pairs(d2, d3));
+                    let (p2, d2) = p_ds16(&r0, j + 16, m0 & k1, sc);
+                    let (p3, d3) = p_ds16(&r1, j + 16, m1 & k1, sc);
+                    let at = o + j + 16;
+                    _mm512_storeu_si512(pq.as_mut_ptr().add(at).cast(), pairs(perm, p2, p3));
+                    _mm512_storeu_si512(dsq.as_mut_ptr().add(at).cast(), pairs(perm, d2, d3));
                     // Pairs of consecutive keys: the conversion's own order.
-                    for (r, lo, hi) in [(i, d0, d2), (i + 1, d1, d3)] {
-                        let w: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(hi, lo));
-                        _mm512_storeu_si512(dsk.as_mut_ptr().add(r * tk / 2 + j / 2).cast(), w);
-                    }
+                    let w0: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(d2, d0));
+                    let w1: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(d3, d1));
+                    _mm512_storeu_si512(dsk.as_mut_ptr().add(i * tk / 2 + j / 2).cast(), w0);
+                    _mm512_storeu_si512(dsk.as_mut_ptr().add((i + 1) * tk / 2 + j / 2).cast(), w1);
                     j += 32;
                 } else {
-                    for (r, lo) in [(i, d0), (i + 1, d1)] {
-                        let w: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(lo));
-                        _mm256_storeu_si256(dsk.as_mut_ptr().add(r * tk / 2 + j / 2).cast(), w);
-                    }
+                    let w0: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(d0));
+                    let w1: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(d1));
+                    _mm256_storeu_si256(dsk.as_mut_ptr().add(i * tk / 2 + j / 2).cast(), w0);
+                    _mm256_storeu_si256(dsk.as_mut_ptr().add((i + 1) * tk / 2 + j / 2).cast(), w1);
                     j += 16;
                 }
             }
         }
     }
+}
+
+/// One query row of [`p_ds_pairs`]: its `S`, `dP` and broadcast LSE, Δ.
+struct Row {
+    s: *const f32,
+    dp: *const f32,
+    lse: __m512,
+    delta: __m512,
+}
+
+impl Row {
+    /// Row `r` of `S`, `dP` (`tk` apart) and the lanes to compute: all, or none for a padding
+    /// row (`r >= nq`: nothing loaded, P and dS zero).
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        s: &[f32],
+        dp: &[f32],
+        tk: usize,
+        r: usize,
+        nq: usize,
+        lse: &[f32],
+        delta: &[f32],
+    ) -> (Row, __mmask16) {
+        let live = r < nq;
+        let (l, d) = if live { (lse[r], delta[r]) } else { (0.0, 0.0) };
+        let row = Row {
+            s: s.as_ptr().wrapping_add(r * tk),
+            dp: dp.as_ptr().wrapping_add(r * tk),
+            lse: _mm512_set1_ps(l),
+            delta: _mm512_set1_ps(d),
+        };
+        (row, if live { 0xFFFF } else { 0 })
+    }
+}
+
+/// Lanes of keys `j..j + 16` below `nk`.
+#[inline(always)]
+fn key_lanes(nk: usize, j: usize) -> __mmask16 {
+    let left = nk.saturating_sub(j);
+    if left >= 16 {
+        0xFFFF
+    } else {
+        ((1u32 << left) - 1) as u16
+    }
+}
+
+/// `P` and `dS` of keys `j..j + 16` of row `r` on lanes `m` (0 elsewhere), as
+/// `p_ds_row::<Avx512, false, true>`.
+///
+/// # Safety
+/// Lanes `m` of the row's `S` and `dP` from `j` must be readable; AVX-512F and FMA.
+#[inline]
+#[target_feature(enable = "avx512f,fma")]
+unsafe fn p_ds16(r: &Row, j: usize, m: __mmask16, sc: __m512) -> (__m512, __m512) {
+    // SAFETY: the caller's contract; masked-off lanes are not read.
+    unsafe {
+        let x = _mm512_maskz_loadu_ps(m, r.s.add(j));
+        let a = _mm512_sub_ps(_mm512_mul_ps(x, sc), r.lse);
+        // min(88, a) returns a NaN `a` (the second operand), as `bf16_p`'s compare.
+        let p = _mm512_maskz_mov_ps(m, exp_le88_coarse(_mm512_min_ps(_mm512_set1_ps(88.0), a)));
+        let g = _mm512_maskz_loadu_ps(m, r.dp.add(j));
+        let ds = _mm512_mul_ps(p, _mm512_sub_ps(g, r.delta));
+        let live = _mm512_cmp_ps_mask::<_CMP_NEQ_UQ>(p, _mm512_setzero_ps());
+        (p, _mm512_maskz_mov_ps(live, ds))
+    }
+}
+
+/// Two rows' 16 values rounded to bf16 and interleaved: word `x` = (lane `x` of `lo`, of `hi`).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+fn pairs(perm: __m512i, lo: __m512, hi: __m512) -> __m512i {
+    // SAFETY: both are 64-byte plain vector types.
+    let bh = unsafe { std::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(hi, lo)) };
+    _mm512_permutexvar_epi16(perm, bh)
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,fma")]
