@@ -65,41 +65,49 @@ const LN2_LO: f32 = -2.121_944_4e-4;
 pub(crate) const EXP_HI: f32 = 88.3;
 const EXP_LO: f32 = -87.3;
 
-/// `2^n` from `t = MAGIC + n` (`|n| < 2^22`, result in the normal range): bits(t) = bits(MAGIC) + n,
-/// so the exponent field `(n + 127) << 23` equals `(bits(t) << 23) + POW2_BIAS` modulo 2^32.
-#[inline(always)]
-fn pow2_of(t: f32) -> f32 {
-    const POW2_BIAS: u32 = 127u32.wrapping_sub(MAGIC.to_bits()) << 23;
-    f32::from_bits((t.to_bits() << 23).wrapping_add(POW2_BIAS))
-}
+/// `bits(2^n) = (bits(t) << 23) + POW2_BIAS` modulo 2^32 for `t = MAGIC + n` (`|n| < 2^22`, result
+/// in the normal range): bits(t) = bits(MAGIC) + n, and the exponent field is `(n + 127) << 23`.
+const POW2_BIAS: u32 = 127u32.wrapping_sub(MAGIC.to_bits()) << 23;
 
-/// `e^x` for the softmax's arguments, `x <= 88` (a logit minus its row's running max is <= 0),
-/// to 4.5e-7 relative error (3 ulp): one Cody-Waite step and a degree-5 polynomial,
-/// 8 multiplies or FMAs instead of the 11 of a degree-7 one with two reduction steps, no clamps (the copy without FMA reduces in
-/// two steps), since the exponentials are the
-/// largest non-product work of every forward tile. `exp_le88(-inf) = 0` and `x < -87.3` gives 0
-/// (the one select also catches -inf, whose reduction is NaN); NaN gives NaN. Larger `x` are
-/// outside the contract.
+/// The range reduction of the exponentials: `(t, r)` with `t = MAGIC + n`, `n = round(x·log2 e)`
+/// in its low mantissa bits and `r = x − n·ln 2`, in one step (the exact product inside an FMA)
+/// or, on the copy without FMA, in two.
 #[inline(always)]
-pub(crate) fn exp_le88<S: Simd>(x: f32) -> f32 {
+fn exp_reduce<S: Simd>(x: f32) -> (f32, f32) {
     let t = S::madd(x, LOG2E, MAGIC);
     let n = t - MAGIC;
-    // One step needs the exact product inside an FMA; without FMA, the two-step reduction.
     let r = if S::FMA {
         S::madd(n, -LN2, x)
     } else {
         S::madd(n, -LN2_LO, S::madd(n, -LN2_HI, x))
     };
+    (t, r)
+}
+
+/// `e^x = p·2^n` from `p = e^r` and `t` of [`exp_reduce`], 0 for `x < EXP_LO` (and -inf).
+#[inline(always)]
+fn exp_finish(x: f32, t: f32, p: f32) -> f32 {
+    if x < EXP_LO {
+        0.0
+    } else {
+        p * f32::from_bits((t.to_bits() << 23).wrapping_add(POW2_BIAS))
+    }
+}
+
+/// `e^x` for the softmax's arguments, `x <= 88.3` (a logit minus its row's running max is <= 0),
+/// to 4.5e-7 relative error (3 ulp): one Cody-Waite step and a degree-5 polynomial, 8 multiplies
+/// or FMAs instead of the 11 of a degree-7 one with two reduction steps and no clamps, since the
+/// exponentials are the largest non-product work of every forward tile. `exp_le88(-inf) = 0` and
+/// `x < -87.3` gives 0 (the one select also catches -inf, whose reduction is NaN); NaN gives
+/// NaN. Larger `x` are outside the contract.
+#[inline(always)]
+pub(crate) fn exp_le88<S: Simd>(x: f32) -> f32 {
+    let (t, r) = exp_reduce::<S>(x);
     let mut y = S::madd(E5, r, E4);
     y = S::madd(y, r, E3);
     y = S::madd(y, r, E2);
     y = S::madd(y, r, 1.0);
-    let p = S::madd(y, r, 1.0);
-    if x < EXP_LO {
-        0.0
-    } else {
-        p * pow2_of(t)
-    }
+    exp_finish(x, t, S::madd(y, r, 1.0))
 }
 
 /// `ln 2` rounded to f32: the one reduction step of [`exp_le88`] and [`exp_le88_coarse`]
@@ -123,18 +131,11 @@ const C4: f32 = 4.127_76e-2;
 /// are the largest non-product cost of the `vdpbf16ps` kernels.
 #[inline(always)]
 pub(crate) fn exp_le88_coarse<S: Simd>(x: f32) -> f32 {
-    let t = S::madd(x, LOG2E, MAGIC);
-    let n = t - MAGIC;
-    let r = S::madd(n, -LN2, x);
+    let (t, r) = exp_reduce::<S>(x);
     let mut y = S::madd(C4, r, C3);
     y = S::madd(y, r, C2);
     y = S::madd(y, r, 1.0);
-    let p = S::madd(y, r, 1.0);
-    if x < EXP_LO {
-        0.0
-    } else {
-        p * pow2_of(t)
-    }
+    exp_finish(x, t, S::madd(y, r, 1.0))
 }
 
 /// `tanh(x)` by a 13/6 rational approximation on `[-7.9, 7.9]` (the clamp gives ±1 outside);
@@ -204,8 +205,30 @@ pub(crate) fn bf16_to_f32(x: bf16) -> f32 {
 /// Explicit AVX-512 forms of the math above, for the hand-written `vdpbf16ps` kernels.
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod x512 {
-    use super::{C2, C3, C4, E2, E3, E4, E5, EXP_LO, LN2, LOG2E, MAGIC};
+    use super::{C2, C3, C4, E2, E3, E4, E5, EXP_LO, LN2, LOG2E, MAGIC, POW2_BIAS};
     use std::arch::x86_64::*;
+
+    /// `super::exp_reduce` (one step) on 16 lanes: `(t, r)`.
+    #[inline]
+    #[target_feature(enable = "avx512f,fma")]
+    fn reduce(x: __m512) -> (__m512, __m512) {
+        let t = _mm512_fmadd_ps(x, _mm512_set1_ps(LOG2E), _mm512_set1_ps(MAGIC));
+        let n = _mm512_sub_ps(t, _mm512_set1_ps(MAGIC));
+        (t, _mm512_fmadd_ps(n, _mm512_set1_ps(-LN2), x))
+    }
+
+    /// `super::exp_finish` on 16 lanes.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn finish(x: __m512, t: __m512, p: __m512) -> __m512 {
+        let e = _mm512_add_epi32(
+            _mm512_slli_epi32::<23>(_mm512_castps_si512(t)),
+            _mm512_set1_epi32(POW2_BIAS as i32),
+        );
+        let res = _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+        let under = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, _mm512_set1_ps(EXP_LO));
+        _mm512_mask_mov_ps(res, under, _mm512_setzero_ps())
+    }
 
     /// [`super::exp_le88`] on 16 lanes, bit for bit: the same operations in the same order
     /// (the scalar version's `mul_add`s are these FMAs).
@@ -216,22 +239,12 @@ pub(crate) mod x512 {
     #[target_feature(enable = "avx512f,fma")]
     pub(crate) fn exp_le88(x: __m512) -> __m512 {
         let c = _mm512_set1_ps;
-        let t = _mm512_fmadd_ps(x, c(LOG2E), c(MAGIC));
-        let n = _mm512_sub_ps(t, c(MAGIC));
-        let r = _mm512_fmadd_ps(n, c(-LN2), x);
+        let (t, r) = reduce(x);
         let mut y = _mm512_fmadd_ps(c(E5), r, c(E4));
         y = _mm512_fmadd_ps(y, r, c(E3));
         y = _mm512_fmadd_ps(y, r, c(E2));
         y = _mm512_fmadd_ps(y, r, c(1.0));
-        let p = _mm512_fmadd_ps(y, r, c(1.0));
-        const POW2_BIAS: u32 = 127u32.wrapping_sub(MAGIC.to_bits()) << 23;
-        let e = _mm512_add_epi32(
-            _mm512_slli_epi32::<23>(_mm512_castps_si512(t)),
-            _mm512_set1_epi32(POW2_BIAS as i32),
-        );
-        let res = _mm512_mul_ps(p, _mm512_castsi512_ps(e));
-        let under = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, c(EXP_LO));
-        _mm512_mask_mov_ps(res, under, _mm512_setzero_ps())
+        finish(x, t, _mm512_fmadd_ps(y, r, c(1.0)))
     }
 
     /// [`super::exp_le88_coarse`] on 16 lanes, bit for bit.
@@ -242,28 +255,18 @@ pub(crate) mod x512 {
     #[target_feature(enable = "avx512f,fma")]
     pub(crate) fn exp_le88_coarse(x: __m512) -> __m512 {
         let c = _mm512_set1_ps;
-        let t = _mm512_fmadd_ps(x, c(LOG2E), c(MAGIC));
-        let n = _mm512_sub_ps(t, c(MAGIC));
-        let r = _mm512_fmadd_ps(n, c(-LN2), x);
+        let (t, r) = reduce(x);
         let mut y = _mm512_fmadd_ps(c(C4), r, c(C3));
         y = _mm512_fmadd_ps(y, r, c(C2));
         y = _mm512_fmadd_ps(y, r, c(1.0));
-        let p = _mm512_fmadd_ps(y, r, c(1.0));
-        const POW2_BIAS: u32 = 127u32.wrapping_sub(MAGIC.to_bits()) << 23;
-        let e = _mm512_add_epi32(
-            _mm512_slli_epi32::<23>(_mm512_castps_si512(t)),
-            _mm512_set1_epi32(POW2_BIAS as i32),
-        );
-        let res = _mm512_mul_ps(p, _mm512_castsi512_ps(e));
-        let under = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, c(EXP_LO));
-        _mm512_mask_mov_ps(res, under, _mm512_setzero_ps())
+        finish(x, t, _mm512_fmadd_ps(y, r, c(1.0)))
     }
 }
 
 /// Explicit AVX2 forms of the math above, for the column softmax of the AVX2 copy.
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod x256 {
-    use super::{E2, E3, E4, E5, EXP_LO, LN2, LOG2E, MAGIC};
+    use super::{E2, E3, E4, E5, EXP_LO, LN2, LOG2E, MAGIC, POW2_BIAS};
     use std::arch::x86_64::*;
 
     /// [`super::exp_le88`] on 8 lanes, bit for bit (the operations of `super::x512::exp_le88`).
@@ -282,7 +285,6 @@ pub(crate) mod x256 {
         y = _mm256_fmadd_ps(y, r, c(E2));
         y = _mm256_fmadd_ps(y, r, c(1.0));
         let p = _mm256_fmadd_ps(y, r, c(1.0));
-        const POW2_BIAS: u32 = 127u32.wrapping_sub(MAGIC.to_bits()) << 23;
         let e = _mm256_add_epi32(
             _mm256_slli_epi32::<23>(_mm256_castps_si256(t)),
             _mm256_set1_epi32(POW2_BIAS as i32),
