@@ -75,21 +75,14 @@ fn pack_rows(
         // Pairs along D are the row's own bytes (x86-64 is little-endian): a straight copy,
         // 32 elements per step (a `memcpy` call per 128-byte row measured no faster).
         let whole = 2 * (dim / 2);
-        let mut c = 0;
-        while c < whole {
-            let left = whole - c;
-            let m: __mmask32 = if left >= 32 {
-                u32::MAX
-            } else {
-                (1u32 << left) - 1
-            };
+        for c in (0..whole).step_by(32) {
+            let m = lanes32(whole - c);
             // SAFETY: lanes `< left` lie inside `row` and, as `left / 2` words, inside `dst`;
             // masked-off lanes are neither read nor written. The caller runs with AVX-512BW.
             unsafe {
                 let v = _mm512_maskz_loadu_epi16(m, row.as_ptr().add(c).cast());
                 _mm512_mask_storeu_epi16(dst.as_mut_ptr().add(c / 2).cast(), m, v);
             }
-            c += 32;
         }
         if dim % 2 == 1 {
             dst[dh - 1] = pair(bits(&row[dim - 1]), 0);
@@ -138,14 +131,8 @@ fn pack_row_pairs_x512(
             x.as_ptr().wrapping_add(off + r0 * sl),
             x.as_ptr().wrapping_add(off + r1 * sl),
         );
-        let mut c = 0;
-        while c < dim {
-            let left = dim - c;
-            let m: __mmask32 = if left >= 32 {
-                u32::MAX
-            } else {
-                (1u32 << left) - 1
-            };
+        for c in (0..dim).step_by(32) {
+            let (left, m) = (dim - c, lanes32(dim - c));
             // SAFETY: lanes `< left` of rows `r0 < n` (and `r1` only when `< n`) lie inside `x`
             // (asserted above); masked-off lanes are not read. The stores write words
             // `c..c + min(left, 32)` of `cols`.
@@ -164,8 +151,17 @@ fn pack_row_pairs_x512(
                     _mm512_mask_storeu_epi32(d.add(16).cast(), (m >> 16) as __mmask16, w1);
                 }
             }
-            c += 32;
         }
+    }
+}
+
+/// The mask of the first `min(left, 32)` 16-bit lanes.
+#[inline(always)]
+fn lanes32(left: usize) -> __mmask32 {
+    if left >= 32 {
+        u32::MAX
+    } else {
+        (1u32 << left) - 1
     }
 }
 
