@@ -433,16 +433,16 @@ pub(crate) unsafe fn exp_pairs(
                     _mm512_storeu_si512(dst, _mm512_setzero_si512());
                     continue;
                 }
-                let key = |j: usize| -> (__mmask16, __m512) {
-                    if j < r0 || j >= r1 {
-                        return (0, _mm512_setzero_ps());
-                    }
-                    let m = live.live(exists, j, i0);
-                    let x = _mm512_maskz_loadu_ps(m, s.as_ptr().add(j * tq + i0));
-                    (m, _mm512_fmadd_ps(x, scv, nu))
+                let block = Block {
+                    s: s.as_ptr().add(i0),
+                    tq,
+                    keys: (r0, r1),
+                    lanes: (live, exists, i0),
+                    sc: scv,
+                    nu,
                 };
-                let (m0, x0) = key(j0);
-                let (m1, x1) = key(j1);
+                let (m0, x0) = block.key(j0);
+                let (m1, x1) = block.key(j1);
                 let p0 = _mm512_maskz_mov_ps(m0, exp_le88_coarse(x0));
                 let p1 = _mm512_maskz_mov_ps(m1, exp_le88_coarse(x1));
                 acc = _mm512_add_ps(acc, _mm512_add_ps(p0, p1));
@@ -451,6 +451,36 @@ pub(crate) unsafe fn exp_pairs(
             }
             _mm512_storeu_ps(col.as_mut_ptr().add(i0), acc);
         }
+    }
+}
+
+/// One 16-query block of [`exp_pairs`]: its first lane in key row 0, the live key range, the
+/// lane masks, and the scale and negated exponent base.
+struct Block<'a> {
+    s: *const f32,
+    tq: usize,
+    keys: (usize, usize),
+    lanes: (TileLive<'a>, u16, usize),
+    sc: __m512,
+    nu: __m512,
+}
+
+impl Block<'_> {
+    /// Key `j`: its live lanes (none outside the key range) and `sc·s − u` on them.
+    ///
+    /// # Safety
+    /// Key row `j` of the block must be readable when it lies in the key range; AVX-512F, FMA.
+    #[inline]
+    #[target_feature(enable = "avx512f,fma")]
+    unsafe fn key(&self, j: usize) -> (__mmask16, __m512) {
+        let (live, exists, i0) = self.lanes;
+        if j < self.keys.0 || j >= self.keys.1 {
+            return (0, _mm512_setzero_ps());
+        }
+        let m = live.live(exists, j, i0);
+        // SAFETY: the caller's contract; masked-off lanes are not read.
+        let x = unsafe { _mm512_maskz_loadu_ps(m, self.s.add(j * self.tq)) };
+        (m, _mm512_fmadd_ps(x, self.sc, self.nu))
     }
 }
 
