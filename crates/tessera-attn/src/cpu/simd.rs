@@ -369,14 +369,10 @@ mod tests {
         assert_eq!(max_row(&[]), f32::NEG_INFINITY);
     }
 
+    /// Arguments for the vector-against-scalar exponential tests: a dense sweep over and past
+    /// the domain, the edges, -inf and NaN.
     #[cfg(target_arch = "x86_64")]
-    #[test]
-    fn vector_exps_are_the_scalar_ones_bit_for_bit() {
-        if !(is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("fma")) {
-            println!("skipped: no AVX-512F on this CPU");
-            return;
-        }
-        use std::arch::x86_64::*;
+    fn exp_inputs() -> Vec<f32> {
         let mut xs: Vec<f32> = (0..40_000).map(|i| -95.0 + i as f32 * 0.002_41).collect();
         xs.extend([
             0.0,
@@ -388,6 +384,18 @@ mod tests {
             -1e30,
             f32::MIN,
         ]);
+        xs
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn vector_exps_are_the_scalar_ones_bit_for_bit() {
+        if !(is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("fma")) {
+            println!("skipped: no AVX-512F on this CPU");
+            return;
+        }
+        use std::arch::x86_64::*;
+        let mut xs = exp_inputs();
         while !xs.len().is_multiple_of(16) {
             xs.push(-1.0);
         }
@@ -427,17 +435,7 @@ mod tests {
             return;
         }
         use std::arch::x86_64::*;
-        let mut xs: Vec<f32> = (0..40_000).map(|i| -95.0 + i as f32 * 0.002_41).collect();
-        xs.extend([
-            0.0,
-            -0.0,
-            -87.3,
-            -87.31,
-            f32::NEG_INFINITY,
-            f32::NAN,
-            -1e30,
-            f32::MIN,
-        ]);
+        let xs = exp_inputs();
         for c in xs.chunks(8) {
             let mut lanes = [-1f32; 8];
             lanes[..c.len()].copy_from_slice(c);
