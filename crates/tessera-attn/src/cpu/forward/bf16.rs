@@ -57,7 +57,7 @@ pub(crate) fn pack_words(plan: &tessera_plan::Plan, d: &crate::Dims) -> usize {
 mod imp {
     use crate::cpu::column_softmax::{self, TileLive};
     use crate::cpu::forward::{self, NoTelemetry, TileObserver};
-    use crate::cpu::live_blocks::{LiveBlocks, SB};
+    use crate::cpu::live_blocks::LiveBlocks;
     use crate::cpu::load_tile::transpose16_words;
     use crate::cpu::mask_partial_tile::{mask_partial_row, MasksT};
     use crate::cpu::online_softmax::{self, column_max, finish_row};
@@ -440,10 +440,10 @@ mod imp {
             } else if full {
                 dot_gemm::<false, false>(mk, nqp, dpair, kp, kld, 1, qp, tq, s, tq, col);
             } else {
-                for jb in 0..nk.div_ceil(SB) {
-                    let (c0, c1) = cx.live.cols(e.mask, jb);
+                for g in 0..mk / RB {
+                    let (c0, c1) = cx.live.group_cols(e.mask, g);
                     if c0 < c1 {
-                        let (r0, r1) = (jb * SB, (jb * SB + SB).min(mk));
+                        let (r0, r1) = (g * RB, g * RB + RB);
                         dot_gemm::<false, false>(
                             r1 - r0,
                             c1 - c0,
@@ -581,13 +581,13 @@ mod imp {
                     &mut [],
                 );
             } else {
-                for ib in 0..nq.div_ceil(SB) {
-                    let (r0, r1) = cx.live.keys(e.mask, ib);
+                for g in 0..mq / RB {
+                    let (r0, r1) = cx.live.group_keys(e.mask, g);
                     if r0 < r1 {
-                        let (i0, i1) = (ib * SB, (ib * SB + SB).min(mq));
+                        let i0 = g * RB;
                         let (jp0, jp1) = (r0 / 2, r1.div_ceil(2));
                         dot_gemm::<true, false>(
-                            i1 - i0,
+                            RB,
                             dvp,
                             jp1 - jp0,
                             &pp[jp0 * tq + i0..],

@@ -14,7 +14,7 @@
 
 #[cfg(target_arch = "x86_64")]
 use super::column_softmax;
-use super::live_blocks::{LiveBlocks, SB};
+use super::live_blocks::LiveBlocks;
 use super::load_tile::prefetch_rows;
 use super::mask_partial_tile::{mask_partial_row, MasksT};
 use super::online_softmax::{self, column_max, finish_row};
@@ -371,10 +371,10 @@ pub(super) fn item_with<S: Simd, T: TileObserver>(
         } else if full {
             gemm::<S, false, false>(mk, nqp, dqk, ka, lda, qt, tq, s, tq);
         } else {
-            for jb in 0..nk.div_ceil(SB) {
-                let (c0, c1) = cx.live.cols(e.mask, jb);
+            for g in 0..mk / RB {
+                let (c0, c1) = cx.live.group_cols(e.mask, g);
                 if c0 < c1 {
-                    let (r0, r1) = (jb * SB, (jb * SB + SB).min(mk));
+                    let (r0, r1) = (g * RB, g * RB + RB);
                     gemm::<S, false, false>(
                         r1 - r0,
                         c1 - c0,
@@ -485,13 +485,13 @@ pub(super) fn item_with<S: Simd, T: TileObserver>(
         if full {
             product::<S, true, true>(cx.exact, mq, dvp, nk, s, tq, vb, ldv, o, dvp);
         } else {
-            for ib in 0..nq.div_ceil(SB) {
-                let (r0, r1) = cx.live.keys(e.mask, ib);
+            for g in 0..mq / RB {
+                let (r0, r1) = cx.live.group_keys(e.mask, g);
                 if r0 < r1 {
-                    let (i0, i1) = (ib * SB, (ib * SB + SB).min(mq));
+                    let i0 = g * RB;
                     product::<S, true, true>(
                         cx.exact,
-                        i1 - i0,
+                        RB,
                         dvp,
                         r1 - r0,
                         &s[r0 * tq + i0..],
