@@ -72,12 +72,28 @@ impl<'a> TileLive<'a> {
         }
     }
 
-    /// Live lanes of key `j` among queries `i0..i0 + 16` (`exists`: [`Self::lanes`]).
+    /// Live lanes of key `j` among queries `i0..i0 + w` (`w` = 16 or 8, `i0` a multiple of
+    /// `w`; `exists`: [`Self::lanes`]).
     #[inline(always)]
-    fn live(&self, exists: u16, j: usize, i0: usize) -> u16 {
+    fn live(&self, exists: u16, j: usize, i0: usize, w: usize) -> u16 {
         match self.part {
             None => exists,
-            Some((masks, _, id)) => exists & (masks.row(id, j)[i0 / 64] >> (i0 % 64)) as u16,
+            Some((masks, _, id)) => {
+                let row = masks.row(id, j);
+                assert!(i0.is_multiple_of(w) && i0 + w <= 64 * row.len());
+                // The block's bits by one 16- or 8-bit load (bit `i` of the little-endian row
+                // is bit `i % 8` of its byte `i / 8`) instead of a word load and a shift.
+                // SAFETY: bytes `i0 / 8..(i0 + w) / 8` lie inside the row (asserted).
+                let bits = unsafe {
+                    let p = row.as_ptr().cast::<u8>().add(i0 / 8);
+                    if w == 16 {
+                        p.cast::<u16>().read_unaligned()
+                    } else {
+                        u16::from(*p)
+                    }
+                };
+                exists & bits
+            }
         }
     }
 
@@ -266,7 +282,7 @@ unsafe fn column_max_with<L: Lanes>(s: &[f32], tq: usize, live: TileLive<'_>, co
             let mut mx = L::load(cp);
             for j in r0..r1 {
                 let x = L::load(s.as_ptr().add(j * tq + i0));
-                mx = mx.max_in(L::mask(live.live(exists, j, i0)), x);
+                mx = mx.max_in(L::mask(live.live(exists, j, i0, L::W)), x);
             }
             if live.nq - i0 >= L::W {
                 mx.store(cp);
@@ -383,7 +399,7 @@ unsafe fn exp_key<L: Lanes>(
         let p = L::load(x)
             .fma(sc, nu)
             .exp()
-            .keep(L::mask(live.live(exists, j, i0)));
+            .keep(L::mask(live.live(exists, j, i0, L::W)));
         p.store(x);
         p
     }
@@ -477,7 +493,7 @@ impl Block<'_> {
         if j < self.keys.0 || j >= self.keys.1 {
             return (0, _mm512_setzero_ps());
         }
-        let m = live.live(exists, j, i0);
+        let m = live.live(exists, j, i0, SB);
         // SAFETY: the caller's contract; masked-off lanes are not read.
         let x = unsafe { _mm512_maskz_loadu_ps(m, self.s.add(j * self.tq)) };
         (m, _mm512_fmadd_ps(x, self.sc, self.nu))
