@@ -15,7 +15,7 @@
 use super::live_blocks::{LiveBlocks, SB};
 use super::mask_partial_tile::MasksT;
 use super::simd::x256;
-use super::simd::x512::{exp_le88, exp_le88_coarse};
+use super::simd::x512::{exp_le88_coarse_in, exp_le88_in};
 use super::simd::Simd;
 use std::arch::x86_64::*;
 
@@ -122,8 +122,8 @@ trait Lanes: Copy {
     unsafe fn add(self, o: Self) -> Self;
     /// `self · b + c`, fused.
     unsafe fn fma(self, b: Self, c: Self) -> Self;
-    /// `simd::exp_le88` per lane, bit for bit.
-    unsafe fn exp(self) -> Self;
+    /// `simd::exp_le88` per lane in the lanes of `m` (bit for bit), `+0` in the others.
+    unsafe fn exp_in(self, m: Self::Mask) -> Self;
     /// `max(x, self)` (NaN `x` keeps `self`) in the lanes of `m`, `self` elsewhere.
     unsafe fn max_in(self, m: Self::Mask, x: Self) -> Self;
     /// `self` in the lanes of `m`, `+0` elsewhere.
@@ -163,8 +163,8 @@ impl Lanes for Zmm {
         Zmm(unsafe { _mm512_fmadd_ps(self.0, b.0, c.0) })
     }
     #[inline(always)]
-    unsafe fn exp(self) -> Self {
-        Zmm(unsafe { exp_le88(self.0) })
+    unsafe fn exp_in(self, m: __mmask16) -> Self {
+        Zmm(unsafe { exp_le88_in(m, self.0) })
     }
     #[inline(always)]
     unsafe fn max_in(self, m: __mmask16, x: Self) -> Self {
@@ -217,8 +217,8 @@ impl Lanes for Ymm {
         Ymm(unsafe { _mm256_fmadd_ps(self.0, b.0, c.0) })
     }
     #[inline(always)]
-    unsafe fn exp(self) -> Self {
-        Ymm(unsafe { x256::exp_le88(self.0) })
+    unsafe fn exp_in(self, m: __m256) -> Self {
+        Ymm(unsafe { x256::exp_le88(self.0) }).keep(m)
     }
     #[inline(always)]
     unsafe fn max_in(self, m: __m256, x: Self) -> Self {
@@ -398,8 +398,7 @@ unsafe fn exp_key<L: Lanes>(
         let x = sp.add(j * tq);
         let p = L::load(x)
             .fma(sc, nu)
-            .exp()
-            .keep(L::mask(live.live(exists, j, i0, L::W)));
+            .exp_in(L::mask(live.live(exists, j, i0, L::W)));
         p.store(x);
         p
     }
@@ -459,8 +458,8 @@ pub(crate) unsafe fn exp_pairs(
                 };
                 let (m0, x0) = block.key(j0);
                 let (m1, x1) = block.key(j1);
-                let p0 = _mm512_maskz_mov_ps(m0, exp_le88_coarse(x0));
-                let p1 = _mm512_maskz_mov_ps(m1, exp_le88_coarse(x1));
+                let p0 = exp_le88_coarse_in(m0, x0);
+                let p1 = exp_le88_coarse_in(m1, x1);
                 acc = _mm512_add_ps(acc, _mm512_add_ps(p0, p1));
                 let bh: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(p1, p0));
                 _mm512_storeu_si512(dst, _mm512_permutexvar_epi16(idx, bh));

@@ -205,29 +205,27 @@ pub(crate) fn bf16_to_f32(x: bf16) -> f32 {
 /// Explicit AVX-512 forms of the math above, for the hand-written `vdpbf16ps` kernels.
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod x512 {
-    use super::{C2, C3, C4, E2, E3, E4, E5, EXP_LO, LN2, LOG2E, MAGIC, POW2_BIAS};
+    use super::{C2, C3, C4, E2, E3, E4, E5, EXP_LO, LN2, LOG2E, MAGIC};
     use std::arch::x86_64::*;
 
-    /// `super::exp_reduce` (one step) on 16 lanes: `(t, r)`.
+    /// `super::exp_reduce` (one step) on 16 lanes: `(n, r)`, `n` as a float.
     #[inline]
     #[target_feature(enable = "avx512f,fma")]
     fn reduce(x: __m512) -> (__m512, __m512) {
         let t = _mm512_fmadd_ps(x, _mm512_set1_ps(LOG2E), _mm512_set1_ps(MAGIC));
         let n = _mm512_sub_ps(t, _mm512_set1_ps(MAGIC));
-        (t, _mm512_fmadd_ps(n, _mm512_set1_ps(-LN2), x))
+        (n, _mm512_fmadd_ps(n, _mm512_set1_ps(-LN2), x))
     }
 
-    /// `super::exp_finish` on 16 lanes.
+    /// `super::exp_finish` on 16 lanes, and 0 outside `live`: `p·2^n` by one `vscalefps` (the
+    /// exact scaling the scalar multiply by the power of two does, rounded the same way when the
+    /// result is subnormal) with the zeroing of `x < EXP_LO` (and `-inf`; NaN is kept) and of
+    /// the dead lanes in its mask, instead of a shift, an add, a multiply and two masked moves.
     #[inline]
     #[target_feature(enable = "avx512f")]
-    fn finish(x: __m512, t: __m512, p: __m512) -> __m512 {
-        let e = _mm512_add_epi32(
-            _mm512_slli_epi32::<23>(_mm512_castps_si512(t)),
-            _mm512_set1_epi32(POW2_BIAS as i32),
-        );
-        let res = _mm512_mul_ps(p, _mm512_castsi512_ps(e));
-        let under = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, _mm512_set1_ps(EXP_LO));
-        _mm512_mask_mov_ps(res, under, _mm512_setzero_ps())
+    fn finish(live: __mmask16, x: __m512, n: __m512, p: __m512) -> __m512 {
+        let keep = _mm512_mask_cmp_ps_mask::<_CMP_NLT_UQ>(live, x, _mm512_set1_ps(EXP_LO));
+        _mm512_maskz_scalef_ps(keep, p, n)
     }
 
     /// [`super::exp_le88`] on 16 lanes, bit for bit: the same operations in the same order
@@ -235,16 +233,24 @@ pub(crate) mod x512 {
     ///
     /// # Safety
     /// The CPU must have AVX-512F and FMA.
+    #[cfg(test)]
     #[inline]
     #[target_feature(enable = "avx512f,fma")]
     pub(crate) fn exp_le88(x: __m512) -> __m512 {
+        exp_le88_in(0xFFFF, x)
+    }
+
+    /// [`exp_le88`] in the lanes of `live`, `+0` in the others.
+    #[inline]
+    #[target_feature(enable = "avx512f,fma")]
+    pub(crate) fn exp_le88_in(live: __mmask16, x: __m512) -> __m512 {
         let c = _mm512_set1_ps;
-        let (t, r) = reduce(x);
+        let (n, r) = reduce(x);
         let mut y = _mm512_fmadd_ps(c(E5), r, c(E4));
         y = _mm512_fmadd_ps(y, r, c(E3));
         y = _mm512_fmadd_ps(y, r, c(E2));
         y = _mm512_fmadd_ps(y, r, c(1.0));
-        finish(x, t, _mm512_fmadd_ps(y, r, c(1.0)))
+        finish(live, x, n, _mm512_fmadd_ps(y, r, c(1.0)))
     }
 
     /// [`super::exp_le88_coarse`] on 16 lanes, bit for bit.
@@ -254,12 +260,19 @@ pub(crate) mod x512 {
     #[inline]
     #[target_feature(enable = "avx512f,fma")]
     pub(crate) fn exp_le88_coarse(x: __m512) -> __m512 {
+        exp_le88_coarse_in(0xFFFF, x)
+    }
+
+    /// [`exp_le88_coarse`] in the lanes of `live`, `+0` in the others.
+    #[inline]
+    #[target_feature(enable = "avx512f,fma")]
+    pub(crate) fn exp_le88_coarse_in(live: __mmask16, x: __m512) -> __m512 {
         let c = _mm512_set1_ps;
-        let (t, r) = reduce(x);
+        let (n, r) = reduce(x);
         let mut y = _mm512_fmadd_ps(c(C4), r, c(C3));
         y = _mm512_fmadd_ps(y, r, c(C2));
         y = _mm512_fmadd_ps(y, r, c(1.0));
-        finish(x, t, _mm512_fmadd_ps(y, r, c(1.0)))
+        finish(live, x, n, _mm512_fmadd_ps(y, r, c(1.0)))
     }
 }
 

@@ -20,7 +20,7 @@
 //! bf16 adds ≤ 2⁻⁹ relative error per term (FlashAttention rounds them the same way), well inside
 //! the 1e-2 bf16 tolerance. Deterministic: fixed loop order, no atomics.
 
-use super::super::simd::x512::exp_le88_coarse;
+use super::super::simd::x512::exp_le88_coarse_in;
 use super::super::simd::Avx512;
 use super::super::tile_matmul::{round_up, RB};
 use super::super::tile_matmul_bf16::{dot_gemm, pair};
@@ -544,7 +544,7 @@ unsafe fn p_ds16(r: &Row, j: usize, m: __mmask16, sc: __m512) -> (__m512, __m512
         let x = _mm512_maskz_loadu_ps(m, r.s.add(j));
         let a = _mm512_sub_ps(_mm512_mul_ps(x, sc), r.lse);
         // min(88, a) returns a NaN `a` (the second operand), as `bf16_p`'s compare.
-        let p = _mm512_maskz_mov_ps(m, exp_le88_coarse(_mm512_min_ps(_mm512_set1_ps(88.0), a)));
+        let p = exp_le88_coarse_in(m, _mm512_min_ps(_mm512_set1_ps(88.0), a));
         let g = _mm512_maskz_loadu_ps(m, r.dp.add(j));
         let ds = _mm512_mul_ps(p, _mm512_sub_ps(g, r.delta));
         let live = _mm512_cmp_ps_mask::<_CMP_NEQ_UQ>(p, _mm512_setzero_ps());
