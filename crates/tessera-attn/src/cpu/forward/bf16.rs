@@ -69,6 +69,7 @@ mod imp {
     use crate::{AttnInputs, AttnOptions, Dims, ForwardOut};
     use half::bf16;
     use rayon::prelude::*;
+    use std::arch::x86_64::*;
     use tessera_core::Result;
     use tessera_plan::Plan;
 
@@ -156,6 +157,44 @@ mod imp {
         )
     }
 
+    /// Packs two V rows `v0`, `v1` (`None`: zeros) into `dst` as pairs of keys per column
+    /// (`dst[c]` = `v0[c]` low, `v1[c]` high), 16 columns per step; returns whether every value
+    /// read is finite (bf16 exponent not all ones), so the kernel needs no separate pass over V.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512F/BW/VL.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    fn pack_v_pair(v0: &[bf16], v1: Option<&[bf16]>, dst: &mut [u32]) -> bool {
+        let n = dst.len();
+        assert!(v0.len() >= n && v1.is_none_or(|v| v.len() >= n));
+        let exp = _mm256_set1_epi16(0x7F80);
+        let mut bad: __mmask16 = 0;
+        for c in (0..n).step_by(16) {
+            let lanes: __mmask16 = if n - c >= 16 {
+                0xFFFF
+            } else {
+                (1 << (n - c)) - 1
+            };
+            // SAFETY: lanes `c..n` of `v0`, `v1` and `dst` exist (asserted); masked-off lanes
+            // are neither read nor written.
+            unsafe {
+                let lo = _mm256_maskz_loadu_epi16(lanes, v0.as_ptr().add(c).cast());
+                let hi = match v1 {
+                    Some(v) => _mm256_maskz_loadu_epi16(lanes, v.as_ptr().add(c).cast()),
+                    None => _mm256_setzero_si256(),
+                };
+                bad |= _mm256_cmpeq_epi16_mask(_mm256_and_si256(lo, exp), exp)
+                    | _mm256_cmpeq_epi16_mask(_mm256_and_si256(hi, exp), exp);
+                let w = _mm512_or_si512(
+                    _mm512_cvtepu16_epi32(lo),
+                    _mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(hi)),
+                );
+                _mm512_mask_storeu_epi32(dst.as_mut_ptr().add(c).cast(), lanes, w);
+            }
+        }
+        bad == 0
+    }
+
     /// The f32 kernel copy that runs for inputs that are not bf16.
     pub(crate) const FALLBACK: Isa = Isa::Avx512;
 
@@ -211,11 +250,12 @@ mod imp {
             let (dqk, dv, hkv) = (d.d_qk, d.d_v, d.heads_kv);
             let mut k_chunks: Vec<&mut [u32]> = kp.chunks_mut(tkp * dpair).collect();
             k_chunks.resize_with(blocks, Default::default);
-            k_chunks
+            // Whether every V value is finite, found while packing (no separate pass over V).
+            let v_finite = k_chunks
                 .into_par_iter()
                 .zip(vp.par_chunks_mut(tkp / 2 * dvp))
                 .enumerate()
-                .for_each(|(blk, (kd, vd))| {
+                .map(|(blk, (kd, vd))| {
                     let (bg, kt) = (blk / nkt, blk % nkt);
                     let (b, g) = (bg / hkv, bg % hkv);
                     let (k0, k1) = plan.kv_range(kt);
@@ -239,31 +279,27 @@ mod imp {
                             }
                         }
                     }
+                    let mut finite = true;
                     for jp in 0..nk.div_ceil(2) {
                         let off0 = vs.row(b, g, k0 + 2 * jp);
                         let dst = &mut vd[jp * dvp..(jp + 1) * dvp];
                         dst[dv..].fill(0);
-                        let dst = &mut dst[..dv];
-                        let v0 = &vx[off0..off0 + dv];
-                        if 2 * jp + 1 < nk {
+                        let v1 = (2 * jp + 1 < nk).then(|| {
                             let off1 = vs.row(b, g, k0 + 2 * jp + 1);
-                            let v1 = &vx[off1..off1 + dv];
-                            for ((o, a), b) in dst.iter_mut().zip(v0).zip(v1) {
-                                *o = pair(bits(a), bits(b));
-                            }
-                        } else {
-                            for (o, a) in dst.iter_mut().zip(v0) {
-                                *o = pair(bits(a), 0);
-                            }
-                        }
+                            &vx[off1..off1 + dv]
+                        });
+                        // SAFETY: this kernel runs only where the CPU has AVX-512F/BW/VL.
+                        finite &= unsafe { pack_v_pair(&vx[off0..off0 + dv], v1, &mut dst[..dv]) };
                     }
-                });
+                    finite
+                })
+                .reduce(|| true, |a, b| a & b);
             // Non-finite V values (only V matters: a non-finite logit from Q or K is masked to an
             // exact 0 or propagates through P, as in the f32 kernel) are packed as 0 and added back
             // per tile for the queries whose bf16 P weight on that key is nonzero, so 0·NaN never
             // appears and rows that cannot attend the key keep the bits of a clean run.
             let mut fix: Vec<Vec<Fixup>> = Vec::new();
-            if !vs.all_finite() {
+            if !v_finite {
                 fix = vec![Vec::new(); blocks];
                 for bg in 0..d.batch * hkv {
                     for row in 0..d.kv_len {
