@@ -89,8 +89,12 @@ pub(crate) struct FwdCtx<'a> {
     scale: f32,
     softcap: Option<f32>,
     sinks: Option<&'a [f32]>,
-    /// Some input is non-finite: use the zero-skipping product so masked pairs stay exact.
+    /// Use the zero-skipping product for `P·V` (so a zero weight times a non-finite V entry
+    /// stays 0) in every item: set when V was scanned and holds a non-finite value. Without
+    /// the scan ([`FwdCtx::new`]), an item redoes itself with it when its output is not finite.
     exact: bool,
+    /// V was not scanned: redo an item whose output has a non-finite value (see `item`).
+    redo: bool,
 }
 
 pub(crate) struct FwdItem<'a> {
@@ -168,7 +172,7 @@ pub(crate) fn run(
     out: ForwardOut<'_>,
     rest: Rest<'_>,
 ) -> Result<()> {
-    let cx = FwdCtx::new(prep, d, inputs, options)?;
+    let cx = FwdCtx::new(prep, d, inputs, options, false)?;
     run_with(
         &cx,
         out,
@@ -179,12 +183,16 @@ pub(crate) fn run(
 }
 
 impl<'a> FwdCtx<'a> {
-    /// The per-call state every item reads (inputs, transposed masks, options).
+    /// The per-call state every item reads (inputs, transposed masks, options). `scan_v`: scan
+    /// V for non-finite values up front (a pass over all of V: ~1 % of a sparse forward) and
+    /// pick the product for every item from it, as a copy with per-item hooks must (it cannot
+    /// run an item twice); without it, items redo themselves when needed (`item`).
     pub(super) fn new(
         prep: Prep<'a>,
         d: &Dims,
         inputs: &AttnInputs<'a>,
         options: &'a AttnOptions,
+        scan_v: bool,
     ) -> Result<Self> {
         let plan = prep.plan;
         let g = Geometry::new(plan, d);
@@ -196,7 +204,7 @@ impl<'a> FwdCtx<'a> {
         // Only V needs the zero-skipping product: a non-finite logit (from Q or K) is either
         // masked (set to -inf, so P is exactly 0) or propagates through P as it must, and a
         // zero P times a finite V row is 0. Skipping the Q/K scans saves two full input reads.
-        let exact = !v.all_finite();
+        let exact = scan_v && !v.all_finite();
         Ok(FwdCtx {
             plan,
             d: *d,
@@ -210,6 +218,7 @@ impl<'a> FwdCtx<'a> {
             softcap: options.softcap,
             sinks: options.sinks.as_deref(),
             exact,
+            redo: !scan_v,
         })
     }
 
@@ -307,18 +316,30 @@ pub(super) fn schedule<W: std::any::Any + Send>(
 
 isa_entry!(entry, item, (cx: &FwdCtx<'_>, ws: &mut FwdWs, it: FwdItem<'_>));
 
+/// One item with the plain product; redone with the zero-skipping one when its output holds a
+/// non-finite value and V was not scanned. Same bits as a run with the zero-skipping product
+/// throughout: the two differ only where a zero weight meets a non-finite V entry, which makes
+/// the plain product's sum (and every later sum of that row: NaN and inf stay non-finite
+/// through the rescales) non-finite; where no such entry is met, adding `0·v` changes nothing
+/// (the accumulators start at +0 and are never -0).
 #[inline(always)]
-fn item<S: Simd>(cx: &FwdCtx<'_>, ws: &mut FwdWs, it: FwdItem<'_>) {
-    item_with::<S, NoTelemetry>(cx, ws, it, &mut NoTelemetry)
+fn item<S: Simd>(cx: &FwdCtx<'_>, ws: &mut FwdWs, mut it: FwdItem<'_>) {
+    let finite = item_with::<S, NoTelemetry>(cx, ws, &mut it, &mut NoTelemetry, cx.exact);
+    if cx.redo && !finite {
+        item_with::<S, NoTelemetry>(cx, ws, &mut it, &mut NoTelemetry, true);
+    }
 }
 
+/// Runs item `it` (`exact`: with the zero-skipping product); returns whether every
+/// accumulated output value was finite (checked only for `!exact`, else `true`).
 #[inline(always)]
 pub(super) fn item_with<S: Simd, T: TileObserver>(
     cx: &FwdCtx<'_>,
     ws: &mut FwdWs,
-    mut it: FwdItem<'_>,
+    it: &mut FwdItem<'_>,
     obs: &mut T,
-) {
+    exact: bool,
+) -> bool {
     let (plan, d, g) = (cx.plan, &cx.d, &cx.g);
     let (b, h) = (it.b, it.h);
     let kvh = h / d.group();
@@ -483,14 +504,14 @@ pub(super) fn item_with<S: Simd, T: TileObserver>(
         obs.on_tile(col, mu, &alpha[..nq]);
         let (vb, ldv) = rows(cx.v, cx.v.row(b, kvh, k0), nk, nk, dv, vbuf);
         if full {
-            product::<S, true, true>(cx.exact, mq, dvp, nk, s, tq, vb, ldv, o, dvp);
+            product::<S, true, true>(exact, mq, dvp, nk, s, tq, vb, ldv, o, dvp);
         } else {
             for g in 0..mq / RB {
                 let (r0, r1) = cx.live.group_keys(e.mask, g);
                 if r0 < r1 {
                     let i0 = g * RB;
                     product::<S, true, true>(
-                        cx.exact,
+                        exact,
                         RB,
                         dvp,
                         r1 - r0,
@@ -508,8 +529,15 @@ pub(super) fn item_with<S: Simd, T: TileObserver>(
 
     let sink = cx.sinks.map(|x| x[h] as f64);
     let mut any_nan = false;
+    // Bit 0 set: some accumulated output value is non-finite (exponent all ones).
+    let mut bad = 0u32;
     for i in 0..nq {
         let orow = &mut o[i * dvp..i * dvp + dv];
+        if !exact {
+            bad |= orow.iter().fold(0, |a, v| {
+                a | u32::from(v.to_bits() & 0x7F80_0000 == 0x7F80_0000)
+            });
+        }
         let (factor, lse) = finish_row(l[i], m[i], sink, orow);
         it.o.store(i * dv, orow, factor as f32);
         it.lse[i] = lse as f32;
@@ -521,4 +549,5 @@ pub(super) fn item_with<S: Simd, T: TileObserver>(
     } else {
         simd::max_row(&raw_max[..nq])
     };
+    bad == 0
 }

@@ -182,8 +182,9 @@ impl TileObserver for TelObserver<'_> {
 isa_entry!(entry, item, (cx: &FwdCtx<'_>, ws: &mut FwdWs, it: FwdItem<'_>, obs: &mut TelObserver<'_>));
 
 #[inline(always)]
-fn item<S: Simd>(cx: &FwdCtx<'_>, ws: &mut FwdWs, it: FwdItem<'_>, obs: &mut TelObserver<'_>) {
-    forward::item_with::<S, TelObserver<'_>>(cx, ws, it, obs)
+fn item<S: Simd>(cx: &FwdCtx<'_>, ws: &mut FwdWs, mut it: FwdItem<'_>, obs: &mut TelObserver<'_>) {
+    // V was scanned (`FwdCtx::new(.., true)`): the hooks see each item once.
+    forward::item_with::<S, TelObserver<'_>>(cx, ws, &mut it, obs, cx.exact);
 }
 
 /// The hooked forward: the kernel the plain forward would run (`CpuBackend::forward`'s dispatch),
@@ -226,7 +227,7 @@ fn run(
             },
         );
     }
-    let cx = FwdCtx::new(prep, d, inputs, options)?;
+    let cx = FwdCtx::new(prep, d, inputs, options, true)?;
     observed(
         prep.plan,
         d,
