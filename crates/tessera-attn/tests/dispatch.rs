@@ -10,7 +10,7 @@ fn bf16_nan_propagates_to_affected_outputs_only() {
     use half::bf16;
     use rand::{Rng, SeedableRng};
     use std::sync::Arc;
-    use tessera_attn::{AttnInputs, AttnOptions, Backend};
+    use tessera_attn::{AttnInputs, AttnOptions, Backend, GradInputs};
     use tessera_conformance::reference;
     use tessera_core::Tensor;
     use tessera_mask::{Mask, SegmentIds, Segments};
@@ -29,7 +29,7 @@ fn bf16_nan_propagates_to_affected_outputs_only() {
         )
         .unwrap()
     };
-    let (q, k, v) = (t(), t(), t());
+    let (q, k, v, d_o) = (t(), t(), t(), t());
     let seg = SegmentIds::shared((0..l as i64).map(|i| i / 50).collect()).unwrap();
     let mask = Mask::causal() & Mask::document(Segments::shared(seg));
     let p = Arc::new(
@@ -81,6 +81,28 @@ fn bf16_nan_propagates_to_affected_outputs_only() {
                 nans += a.is_nan() as usize;
             }
             assert!(nans > 0, "{isa:?} poison {which}: nothing poisoned");
+            // The gradients: NaN exactly where the reference has NaN (a zero weight times the
+            // poisoned value must stay 0), on the same kernel copy.
+            let dt = mk(&d_o);
+            let inputs = AttnInputs::contiguous(qt.view(), kt.view(), vt.view()).unwrap();
+            let gi = GradInputs::contiguous(inputs, f.o.view(), f.lse.view(), dt.view()).unwrap();
+            let g = be.backward(&gi, &p, &opts).unwrap();
+            let rb = reference::backward(qt.view(), kt.view(), vt.view(), dt.view(), &mask, &opts)
+                .unwrap();
+            for (name, x, r) in [
+                ("dq", &g.dq, &rb.dq),
+                ("dk", &g.dk, &rb.dk),
+                ("dv", &g.dv, &rb.dv),
+            ] {
+                let x = x.to_f32_vec().unwrap();
+                for (i, (a, b)) in x.iter().zip(r.iter()).enumerate() {
+                    assert_eq!(
+                        a.is_nan(),
+                        b.is_nan(),
+                        "{isa:?} poison {which}: {name}[{i}]"
+                    );
+                }
+            }
         }
     }
 }

@@ -149,7 +149,6 @@ pub(crate) fn run(
         Some(ViewData::F32(g)) => Some(g),
         Some(_) => return Err(Error::Internal("unvalidated d_lse dtype".into())),
     };
-    let exact = !(q.all_finite() && k.all_finite() && v.all_finite() && d_o.all_finite());
     let (bh, lq, dv) = (d.batch * d.heads_q, d.q_len, d.d_v);
     let GradOut {
         mut dq,
@@ -159,22 +158,27 @@ pub(crate) fn run(
     } = out;
     let Rest { items: pool, bufs } = rest;
 
-    // 1. Δ and the sink gradient.
+    // 1. Δ and the sink gradient; whether dO is finite, found on the way.
     let delta = grown(&mut bufs.delta, bh * lq);
     let mut sink_part = vec![0f64; bh];
     let sinks = options.sinks.as_deref();
-    delta
+    let d_o_finite = delta
         .par_chunks_mut(lq)
         .zip(sink_part.par_iter_mut())
         .enumerate()
-        .for_each(|(slab, (dl, sp))| {
+        .map(|(slab, (dl, sp))| {
             let (mut orow, mut drow) = (vec![0f32; dv], vec![0f32; dv]);
             let (b, h) = (slab / d.heads_q, slab % d.heads_q);
             let sigma = sinks.map(|s| s[h] as f64);
             let mut acc = 0f64;
+            // Bit 0 set: some dO value is non-finite (exponent all ones).
+            let mut bad = 0u32;
             for (i, out) in dl.iter_mut().enumerate() {
                 o.load(o.row(b, h, i), &mut orow, 1.0);
                 d_o.load(d_o.row(b, h, i), &mut drow, 1.0);
+                bad |= drow.iter().fold(0, |a, v| {
+                    a | u32::from(v.to_bits() & 0x7F80_0000 == 0x7F80_0000)
+                });
                 let dot: f64 = orow
                     .iter()
                     .zip(&drow)
@@ -196,7 +200,13 @@ pub(crate) fn run(
                 }
             }
             *sp = acc;
-        });
+            bad == 0
+        })
+        .reduce(|| true, |a, b| a & b);
+    // The zero-skipping products are needed where a zero `P` or `dS` weight meets a
+    // non-finite row of dO, Q or K (the B sides of `Pᵀ·dO`, `dSᵀ·Q`, `dS·K`). A non-finite V
+    // only reaches `dP`, and `dS` is set to exactly 0 wherever `P` is 0.
+    let exact = !(d_o_finite && q.all_finite() && k.all_finite());
     if let Some(ds) = dsinks {
         for (h, x) in ds.iter_mut().enumerate() {
             *x = -(0..d.batch)
