@@ -236,8 +236,8 @@ unsafe fn micro<S: Simd, const ACC: bool, const AT: bool, const MAX: bool, const
 mod ymm {
     use std::arch::x86_64::*;
 
-    /// [`super::gemm_impl`] on the AVX2 copy: 32 columns at a time in row blocks of 3 (then 2
-    /// or 1), a last 16 columns (`n` is a multiple of 16) in row blocks of 6 (then 4 or 2: `m` is
+    /// [`super::gemm_impl`] on the AVX2 copy: 32 columns at a time in row blocks of 3 (four
+    /// rows as 2 + 2, else a last 2 or 1), a last 16 columns (`n` is a multiple of 16) in row blocks of 6 (then 4 or 2: `m` is
     /// a multiple of 4). The FMAs per element and their order are those of the generic block,
     /// so results are bit-identical to it.
     ///
@@ -258,11 +258,13 @@ mod ymm {
         ldc: usize,
         cm: *mut f32,
     ) {
-        // Columns in 32s: 3 × 32 blocks (then 2 or 1 rows).
+        // Columns in 32s: 3 × 32 blocks (four rows as 2 + 2, else a last 2 or 1).
         let n32 = n / 32 * 32;
         let mut i = 0;
         while i < m && n32 > 0 {
-            let rows = (m - i).min(3);
+            // Four rows left (the partial tiles' row groups are 4): two 2-row blocks, not a
+            // 3-row block and a latency-bound single row (4 accumulator chains).
+            let rows = if m - i == 4 { 2 } else { (m - i).min(3) };
             let a0 = if AT { a.add(i) } else { a.add(i * lda) };
             for j in (0..n32).step_by(32) {
                 let (b0, c0, m0) = (b.add(j), c.add(i * ldc + j), cm.wrapping_add(j));
