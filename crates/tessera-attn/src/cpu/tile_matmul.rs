@@ -550,7 +550,13 @@ mod tests {
             }
         }
         // Rows 8, 12, 16 and 20 end their 6-row blocks with 2, 0, 4 and 2 rows.
-        for &(m, n, k) in &[(8, 16, 37), (12, 48, 64), (16, 32, 5), (20, 128, 64)] {
+        for &(m, n, k) in &[
+            (4, 32, 9),
+            (8, 16, 37),
+            (12, 48, 64),
+            (16, 32, 5),
+            (20, 128, 64),
+        ] {
             let (lda, ldc) = (m.max(k) + 1, n + 3);
             let a: Vec<f32> = (0..k.max(m) * lda)
                 .map(|i| ((i * 7 % 13) as f32) * 0.37 - 2.1)
