@@ -144,6 +144,28 @@ impl LiveBlocks {
         (a as usize, b as usize)
     }
 
+    /// The column range of key rows `j0..j0 + step`: [`Self::group_cols`] for `step` = [`RB`],
+    /// [`Self::cols`] for `step` = [`SB`] (`j0` a multiple of `step`).
+    #[inline(always)]
+    pub(crate) fn cols_of(&self, id: u32, j0: usize, step: usize) -> (usize, usize) {
+        if step == SB {
+            self.cols(id, j0 / SB)
+        } else {
+            self.group_cols(id, j0 / RB)
+        }
+    }
+
+    /// The key range of query rows `i0..i0 + step`: [`Self::group_keys`] for `step` = [`RB`],
+    /// [`Self::keys`] for `step` = [`SB`] (`i0` a multiple of `step`).
+    #[inline(always)]
+    pub(crate) fn keys_of(&self, id: u32, i0: usize, step: usize) -> (usize, usize) {
+        if step == SB {
+            self.keys(id, i0 / SB)
+        } else {
+            self.group_keys(id, i0 / RB)
+        }
+    }
+
     /// Live query span `[a, b)` of key row `j` of a tile with `nq` real queries: all of them in a
     /// full tile, else the column range of `j`'s 16-key block of partial mask `id` clipped to
     /// `nq` (every query outside it is masked for that key).
