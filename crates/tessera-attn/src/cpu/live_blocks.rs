@@ -10,9 +10,11 @@
 //!   of any query in the block;
 //! - the same per group of [`RB`] queries (one row block of the products).
 //!
-//! Kernels compute `Sᵀ` only over the column range of each key group, exponentiate only there and
-//! zero the rest of the tile's `Pᵀ`, then run `P·V` per query group over its key range only.
-//! Masked pairs inside the ranges are still excluded exactly by the bitmask.
+//! Kernels compute `Sᵀ` only over the column range of each key group (or 16-key block: the AVX2
+//! copy, whose 3-row product blocks do not fit groups of 4; [`LiveBlocks::cols_of`]), exponentiate
+//! per 16-query block over its key range only, then run `P·V` per query group (block) over its
+//! key range only. Masked pairs inside the ranges are still excluded exactly by the bitmask, and
+//! anything outside a range is never read.
 
 use super::tile_matmul::RB;
 use rayon::prelude::*;
