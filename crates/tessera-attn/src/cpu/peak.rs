@@ -286,7 +286,7 @@ fn kernels() -> Vec<(PeakPath, Kernel)> {
 const ROUNDS: u32 = 3;
 
 /// Measures the peak of every path this CPU has on `threads` threads (at least 1), spending
-/// about `budget` in all (split evenly over the paths' chain counts and [`ROUNDS`]).
+/// about `budget` in all (split evenly over the paths' chain counts and three passes).
 pub fn measure(budget: Duration, threads: usize) -> Peaks {
     let threads = threads.max(1);
     let kernels = kernels();
