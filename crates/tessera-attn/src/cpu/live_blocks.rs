@@ -43,6 +43,13 @@ pub(crate) struct LiveBlocks {
     group_keys: Vec<(u32, u32)>,
 }
 
+/// Entry `i` of mask `id` in a `[masks][per]` range table.
+#[inline(always)]
+fn at(table: &[(u32, u32)], per: usize, id: u32, i: usize) -> (usize, usize) {
+    let (a, b) = table[id as usize * per + i];
+    (a as usize, b as usize)
+}
+
 impl LiveBlocks {
     pub(crate) fn new(plan: &Plan) -> Self {
         let (tq, tk) = (plan.tile.q, plan.tile.kv);
@@ -134,16 +141,14 @@ impl LiveBlocks {
     /// Query-column range `[c0, c1)` of key block `jb` of partial mask `id` (multiples of 16).
     #[inline(always)]
     pub(crate) fn cols(&self, id: u32, jb: usize) -> (usize, usize) {
-        let (a, b) = self.cols[id as usize * self.kb + jb];
-        (a as usize, b as usize)
+        at(&self.cols, self.kb, id, jb)
     }
 
     /// Query-column range `[c0, c1)` (multiples of 16) of the key group `g` (keys
     /// `g·RB..(g + 1)·RB`) of partial mask `id`.
     #[inline(always)]
     pub(crate) fn group_cols(&self, id: u32, g: usize) -> (usize, usize) {
-        let (a, b) = self.group_cols[id as usize * self.kg + g];
-        (a as usize, b as usize)
+        at(&self.group_cols, self.kg, id, g)
     }
 
     /// The column range of key rows `j0..j0 + step`: [`Self::group_cols`] for `step` = [`RB`],
@@ -185,8 +190,7 @@ impl LiveBlocks {
     /// Key range `[r0, r1)` of query block `ib` of partial mask `id`.
     #[inline(always)]
     pub(crate) fn keys(&self, id: u32, ib: usize) -> (usize, usize) {
-        let (a, b) = self.keys[id as usize * self.qb + ib];
-        (a as usize, b as usize)
+        at(&self.keys, self.qb, id, ib)
     }
 
     /// Key range `[r0, r1)` of the query group `g` (queries `g·RB..(g + 1)·RB`) of partial
@@ -194,8 +198,7 @@ impl LiveBlocks {
     /// the `P·V` work to ~1 % above the allowed pairs (from ~3 % per block).
     #[inline(always)]
     pub(crate) fn group_keys(&self, id: u32, g: usize) -> (usize, usize) {
-        let (a, b) = self.group_keys[id as usize * self.qg + g];
-        (a as usize, b as usize)
+        at(&self.group_keys, self.qg, id, g)
     }
 }
 
