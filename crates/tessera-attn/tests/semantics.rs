@@ -857,3 +857,49 @@ fn a_workspace_reused_across_problems_matches_fresh_ones() {
         }
     }
 }
+
+/// Logits up to ~100 (the scale raised, maxima rising from tile to tile along causal rows):
+/// every copy keeps the f32 tolerances. On the AVX-512 copies the exponentials run in base 2
+/// against a per-row reference rounded once; a rescale or an LSE taken in the wrong base or
+/// against another reference fails here (measured: 2e-2 relative on O).
+#[test]
+fn large_logits_keep_f32_accuracy_on_every_copy() {
+    let mut rng = ChaCha8Rng::seed_from_u64(41);
+    let (h, l, d) = (2, 200, 64);
+    let shape = [1, h, l, d];
+    let (q, k, v) = (
+        rand_t(&mut rng, &shape),
+        rand_t(&mut rng, &shape),
+        rand_t(&mut rng, &shape),
+    );
+    let mask = Mask::causal();
+    let p = plan(&mask, 1, h, l, l, 32);
+    for scale in [0.125f32, 1.0, 4.0] {
+        let opts = AttnOptions {
+            scale: Some(scale),
+            ..Default::default()
+        };
+        let r = reference::forward(q.view(), k.view(), v.view(), &mask, &opts).unwrap();
+        for isa in [Isa::Portable, Isa::Avx2, Isa::Avx512] {
+            let Ok(be) = CpuBackend::with_isa(isa) else {
+                eprintln!("skipping {isa:?}: not supported here");
+                continue;
+            };
+            let f = be.forward(&inp(&q, &k, &v), &p, &opts).unwrap();
+            let (o, lse) = (f32s(&f.o), f32s(&f.lse));
+            let sq = |x: f64| x * x;
+            let num: f64 = o.iter().zip(&r.o).map(|(a, b)| sq(*a as f64 - b)).sum();
+            let den: f64 = r.o.iter().map(|b| b * b).sum();
+            let rel = (num / den).sqrt();
+            let lse_err = lse
+                .iter()
+                .zip(&r.lse)
+                .map(|(a, b)| (*a as f64 - b).abs())
+                .fold(0.0, f64::max);
+            assert!(
+                rel <= 1e-5 && lse_err <= 1e-4,
+                "{isa:?} scale {scale}: O {rel:.2e}, LSE {lse_err:.2e}"
+            );
+        }
+    }
+}

@@ -4,7 +4,7 @@
 //! [`exp_pairs`] for the bf16 pairs of keys of the `vdpbf16ps` kernel).
 //!
 //! Contract: the values are those of the row-by-row loops they replace, bit for bit (same
-//! `exp_le88`, same order of the sums per query, a masked pair contributes an exact 0), so the
+//! arguments and exponential, `simd::softmax_exp` / `exp2_coarse`, same order of the sums per query, a masked pair contributes an exact 0), so the
 //! telemetry copies, which keep the row-by-row loops for their per-key hooks, stay bit-identical.
 //! Why per column: the running maximum, the exponent base and the column sum of 16 queries stay
 //! in registers for the whole tile, and a partial tile applies its bitmask as a lane mask while
@@ -14,9 +14,8 @@
 
 use super::live_blocks::{LiveBlocks, SB};
 use super::mask_partial_tile::MasksT;
-use super::simd::x256;
-use super::simd::x512::{exp_le88_coarse_in, exp_le88_in};
-use super::simd::Simd;
+use super::simd::x512::{exp2_coarse_in, exp2_fine_in};
+use super::simd::{self, x256, Avx2, Avx512, Simd};
 use std::arch::x86_64::*;
 
 /// Which pairs of a tile are live: all of `nq × nk` (full tile) or those of a partial mask.
@@ -122,7 +121,10 @@ trait Lanes: Copy {
     unsafe fn add(self, o: Self) -> Self;
     /// `self · b + c`, fused.
     unsafe fn fma(self, b: Self, c: Self) -> Self;
-    /// `simd::exp_le88` per lane in the lanes of `m` (bit for bit), `+0` in the others.
+    /// The base of the exponentials' arguments (`simd::exp_base` of the copy).
+    const BASE: f32;
+    /// `simd::softmax_exp` of the copy per lane in the lanes of `m` (bit for bit), `+0` in the
+    /// others.
     unsafe fn exp_in(self, m: Self::Mask) -> Self;
     /// `max(x, self)` (NaN `x` keeps `self`) in the lanes of `m`, `self` elsewhere.
     unsafe fn max_in(self, m: Self::Mask, x: Self) -> Self;
@@ -162,9 +164,10 @@ impl Lanes for Zmm {
     unsafe fn fma(self, b: Self, c: Self) -> Self {
         Zmm(unsafe { _mm512_fmadd_ps(self.0, b.0, c.0) })
     }
+    const BASE: f32 = simd::exp_base::<Avx512>();
     #[inline(always)]
     unsafe fn exp_in(self, m: __mmask16) -> Self {
-        Zmm(unsafe { exp_le88_in(m, self.0) })
+        Zmm(unsafe { exp2_fine_in(m, self.0) })
     }
     #[inline(always)]
     unsafe fn max_in(self, m: __mmask16, x: Self) -> Self {
@@ -216,6 +219,7 @@ impl Lanes for Ymm {
     unsafe fn fma(self, b: Self, c: Self) -> Self {
         Ymm(unsafe { _mm256_fmadd_ps(self.0, b.0, c.0) })
     }
+    const BASE: f32 = simd::exp_base::<Avx2>();
     #[inline(always)]
     unsafe fn exp_in(self, m: __m256) -> Self {
         Ymm(unsafe { x256::exp_le88(self.0) }).keep(m)
@@ -311,9 +315,9 @@ pub(crate) unsafe fn exp_columns<S: Simd>(
     sc: f32,
     col: &mut [f32],
 ) {
-    #[target_feature(enable = "avx512f,fma")]
+    #[target_feature(enable = "avx512f,avx512dq,fma")]
     fn zmm(s: &mut [f32], tq: usize, live: TileLive<'_>, u: &[f32], sc: f32, col: &mut [f32]) {
-        // SAFETY: this copy has AVX-512F and FMA.
+        // SAFETY: this copy has AVX-512F/DQ and FMA.
         unsafe { exp_columns_with::<Zmm>(s, tq, live, u, sc, col) }
     }
     #[target_feature(enable = "avx2,fma")]
@@ -350,12 +354,13 @@ unsafe fn exp_columns_with<L: Lanes>(
         let (r0, r1) = live.keys(i0 / SB);
         // SAFETY: as in `column_max_with`; `u` and `col` hold the block.
         unsafe {
-            let scv = L::splat(sc);
-            // −u; lanes `nq..` exponentiate against a zero base and are masked anyway (a zero
-            // base gives +0 here, -0 in the row loops: the same exponentials).
+            // Arguments `x·(sc·B) − u·B` in the copy's base `B`; lanes `nq..` exponentiate
+            // against a zero base and are masked anyway (a zero base gives +0 here, -0 in the
+            // row loops: the same exponentials).
+            let scv = L::splat(sc * L::BASE);
             let nu = L::load(u.as_ptr().add(i0))
                 .keep(L::mask(exists))
-                .fma(L::splat(-1.0), L::splat(0.0));
+                .fma(L::splat(-L::BASE), L::splat(0.0));
             let mut acc = L::splat(0.0);
             let sp = s.as_mut_ptr().add(i0);
             // `L::KEYS` keys per step, the sum still in ascending key order.
@@ -406,13 +411,13 @@ unsafe fn exp_key<L: Lanes>(
 
 /// The bf16 `P` of the `vdpbf16ps` kernel: for every pair of keys `jp < ⌈nk/2⌉` and query `i` of
 /// the padded tile, `pp[jp·tq + i]` holds `p(2jp)` (low half) and `p(2jp + 1)` rounded to bf16,
-/// `p(j) = exp(sc·s[j·tq + i] − u[i])` (`exp_le88_coarse`: P is rounded to bf16) for a live pair and `0` otherwise (key `nk`, lanes `nq..`,
+/// `p(j) = 2^(s[j·tq + i]·(sc·log2 e) − u[i]·log2 e)` (`exp2_coarse`: P is rounded to bf16) for a live pair and `0` otherwise (key `nk`, lanes `nq..`,
 /// masked pairs and rows outside the block's key range included); `col[i] = Σ_jp (p0 + p1)` in
 /// ascending `jp` from 0.
 ///
 /// # Safety
-/// The CPU must have AVX-512F/BW, AVX512-BF16 and FMA.
-#[target_feature(enable = "avx512f,avx512bw,avx512bf16,fma")]
+/// The CPU must have AVX-512F/BW/DQ, AVX512-BF16 and FMA.
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512bf16,fma")]
 #[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn exp_pairs(
     s: &[f32],
@@ -433,13 +438,16 @@ pub(crate) unsafe fn exp_pairs(
     let idx: [u16; 32] = std::array::from_fn(|w| (w / 2 + 16 * (w % 2)) as u16);
     // SAFETY: the `idx` array is 64 bytes.
     let idx = unsafe { _mm512_loadu_si512(idx.as_ptr().cast()) };
-    let scv = _mm512_set1_ps(sc);
+    let scv = _mm512_set1_ps(sc * simd::LOG2E);
     for i0 in (0..live.nq).step_by(SB) {
         let exists = live.lanes(i0);
         let (r0, r1) = live.keys(i0 / SB);
         // SAFETY: as in `exp_columns`; pair rows `jp < np` of 16 words from `i0` lie in `pp`.
         unsafe {
-            let nu = neg(_mm512_maskz_loadu_ps(exists, u.as_ptr().add(i0)));
+            let nu = _mm512_mul_ps(
+                _mm512_maskz_loadu_ps(exists, u.as_ptr().add(i0)),
+                _mm512_set1_ps(-simd::LOG2E),
+            );
             let mut acc = _mm512_setzero_ps();
             for jp in 0..np {
                 let dst = pp.as_mut_ptr().add(jp * tq + i0).cast();
@@ -458,8 +466,8 @@ pub(crate) unsafe fn exp_pairs(
                 };
                 let (m0, x0) = block.key(j0);
                 let (m1, x1) = block.key(j1);
-                let p0 = exp_le88_coarse_in(m0, x0);
-                let p1 = exp_le88_coarse_in(m1, x1);
+                let p0 = exp2_coarse_in(m0, x0);
+                let p1 = exp2_coarse_in(m1, x1);
                 acc = _mm512_add_ps(acc, _mm512_add_ps(p0, p1));
                 let bh: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(p1, p0));
                 _mm512_storeu_si512(dst, _mm512_permutexvar_epi16(idx, bh));
@@ -481,7 +489,8 @@ struct Block<'a> {
 }
 
 impl Block<'_> {
-    /// Key `j`: its live lanes (none outside the key range) and `sc·s − u` on them.
+    /// Key `j`: its live lanes (none outside the key range) and `s·(sc·log2 e) − u·log2 e` on
+    /// them.
     ///
     /// # Safety
     /// Key row `j` of the block must be readable when it lies in the key range; AVX-512F, FMA.
@@ -497,14 +506,4 @@ impl Block<'_> {
         let x = unsafe { _mm512_maskz_loadu_ps(m, self.s.add(j * self.tq)) };
         (m, _mm512_fmadd_ps(x, self.sc, self.nu))
     }
-}
-
-/// `-x` (sign flip, exact).
-#[inline]
-#[target_feature(enable = "avx512f")]
-fn neg(x: __m512) -> __m512 {
-    _mm512_castsi512_ps(_mm512_xor_si512(
-        _mm512_castps_si512(x),
-        _mm512_set1_epi32(i32::MIN),
-    ))
 }

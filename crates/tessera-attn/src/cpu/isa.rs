@@ -9,11 +9,11 @@
 /// Instruction set of the kernel copy a [`CpuBackend`](super::CpuBackend) runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Isa {
-    /// AVX-512F, BW, VL, FMA and AVX512-BF16: the f32 kernels of [`Isa::Avx512`], plus bf16
+    /// AVX-512F, BW, VL, DQ, FMA and AVX512-BF16: the f32 kernels of [`Isa::Avx512`], plus bf16
     /// forward and backward kernels on `vdpbf16ps` (bf16 operands, including P and dS; f32
     /// softmax and accumulation).
     Avx512Bf16,
-    /// AVX-512F, BW, VL and FMA.
+    /// AVX-512F, BW, VL, DQ (`vreduceps` in the exponentials) and FMA.
     Avx512,
     /// AVX2 and FMA.
     Avx2,
@@ -29,6 +29,7 @@ impl Isa {
             if is_x86_feature_detected!("avx512f")
                 && is_x86_feature_detected!("avx512bw")
                 && is_x86_feature_detected!("avx512vl")
+                && is_x86_feature_detected!("avx512dq")
                 && is_x86_feature_detected!("fma")
             {
                 if is_x86_feature_detected!("avx512bf16") {
@@ -75,7 +76,7 @@ macro_rules! isa_entry {
     ($name:ident, $body:ident, ($($arg:ident : $ty:ty),*)) => {
         pub(crate) fn $name(isa: crate::cpu::Isa, $($arg: $ty),*) {
             #[cfg(target_arch = "x86_64")]
-            #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+            #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,fma")]
             fn avx512($($arg: $ty),*) {
                 $body::<crate::cpu::simd::Avx512>($($arg),*)
             }

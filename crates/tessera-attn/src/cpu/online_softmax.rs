@@ -27,21 +27,34 @@ pub(crate) fn update_max<S: Simd>(
         // so masked logits give exactly 0 and NaN logits stay NaN.
         let u = if m_new == NEG_INF { 0.0 } else { m_new };
         m_use[i] = u;
+        // The sums so far were taken against `m_old·B`, the new terms against `u·B`, each
+        // rounded once in the copy's base `B` (see `simd::exp_base`): the rescale is exactly
+        // the shift between those two references (exact when they are within a factor 2).
+        let b = simd::exp_base::<S>();
         alpha[i] = if m_old == u {
             1.0
         } else {
-            simd::exp_le88::<S>(m_old - u)
+            simd::softmax_exp::<S>(m_old * b - u * b)
         };
         m[i] = m_new;
     }
 }
 
-/// Normalization of one finished row from its running max `m` and sum `l`: returns the factor
-/// that turns the accumulated `orow` into O, and the row's LSE (the sink joins the denominator).
-/// A row with no allowed key gets O = 0 (`orow` is zeroed) and LSE = σ, or -inf without a sink.
+/// Normalization of one finished row of copy `S` from its running max `m` and sum `l`: returns
+/// the factor that turns the accumulated `orow` into O, and the row's LSE (the sink joins the
+/// denominator). The sum was taken against the reference `m·B` rounded once in the copy's base
+/// `B`, so the LSE adds that reference back exactly (`fl(m·B)/B` in f64; `m` when `B = 1`), not
+/// `m`: the rounding of the reference cancels. A row with no allowed key gets O = 0 (`orow` is
+/// zeroed) and LSE = σ, or -inf without a sink.
 #[inline]
-pub(crate) fn finish_row(l: f32, m: f32, sink: Option<f64>, orow: &mut [f32]) -> (f64, f64) {
-    let (li, mi) = (l as f64, m as f64);
+pub(crate) fn finish_row<S: Simd>(
+    l: f32,
+    m: f32,
+    sink: Option<f64>,
+    orow: &mut [f32],
+) -> (f64, f64) {
+    let b = simd::exp_base::<S>();
+    let (li, mi) = (l as f64, (m * b) as f64 / b as f64);
     if li == 0.0 {
         orow.fill(0.0);
         return (0.0, sink.unwrap_or(f64::NEG_INFINITY));

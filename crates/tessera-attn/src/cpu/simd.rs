@@ -56,7 +56,7 @@ impl Simd for Portable {
     const WIDE: bool = false;
 }
 
-const LOG2E: f32 = std::f32::consts::LOG2_E;
+pub(crate) const LOG2E: f32 = std::f32::consts::LOG2_E;
 /// 1.5·2^23: adding it rounds a float of magnitude < 2^22 to an integer held in the low mantissa.
 const MAGIC: f32 = 12_582_912.0;
 const LN2_HI: f32 = 0.693_359_4;
@@ -138,6 +138,91 @@ pub(crate) fn exp_le88_coarse<S: Simd>(x: f32) -> f32 {
     exp_finish(x, t, S::madd(y, r, 1.0))
 }
 
+/// `2^f ≈ 1 + f·(G1 + f·(G2 + f·(G3 + f·(G4 + f·G5))))` on |f| <= 1/2: relative error 6.8e-8 in
+/// exact arithmetic, 2.2e-7 evaluated in f32 (minimax by linear programming).
+const G1: f32 = 0.693_146_6;
+const G2: f32 = 0.240_221_66;
+const G3: f32 = 5.551_047e-2;
+const G4: f32 = 9.674_952e-3;
+const G5: f32 = 1.320_298_2e-3;
+/// `2^f ≈ 1 + f·(H1 + f·(H2 + f·(H3 + f·H4)))` on |f| <= 1/2: relative error 2.8e-6 in exact
+/// arithmetic, 2.9e-6 evaluated in f32.
+const H1: f32 = 0.693_124_1;
+const H2: f32 = 0.240_241_07;
+const H3: f32 = 5.590_683e-2;
+const H4: f32 = 9.582_576e-3;
+
+/// The softmax exponentials of the AVX-512 copies, in base 2: the caller folds `log2 e` into
+/// the argument's one FMA (`d = x·(sc·log2 e) − c` with `c = u·log2 e` rounded once, the same
+/// `c` for every path of a row, see `online_softmax`), so that `2^d` needs no Cody-Waite step:
+/// `n = round(d)`, `f = d − n` exactly, `2^d = 2^f·2^n`. The vector forms
+/// ([`x512::exp2_fine_in`]) take `f` from `vreduceps` and scale by `vscalefps`, both off the FMA
+/// ports (measured on Zen 4: FMA, `vmulps` and `vcmpps` into a mask share the two FMA pipes;
+/// `vreduceps`, `vscalefps`, adds and shuffles do not): 7 FMA-port operations per 16 lanes with
+/// the argument's FMA instead of 10. This scalar form is the vector one bit for bit on its
+/// contract `d <= 127`: `2^n` from the bits of `n + MAGIC`, exact since `y·2^n` stays normal
+/// (`y >= 1` when `n = -126`); `d < -126` (and `-inf`) gives exactly 0; NaN stays NaN.
+#[inline(always)]
+fn exp2_with<S: Simd>(d: f32, poly: impl Fn(f32) -> f32) -> f32 {
+    let n = d.round_ties_even();
+    let y = poly(d - n);
+    let p = y * f32::from_bits(((n + MAGIC).to_bits() << 23).wrapping_add(POW2_BIAS));
+    if d < EXP2_LO {
+        0.0
+    } else {
+        p
+    }
+}
+
+/// Below this `2^d` is 0 (the smallest normal power: the results stay normal).
+const EXP2_LO: f32 = -126.0;
+
+/// `2^d` to 2.5e-7 relative error for the f32 kernels' probabilities (see [`exp2_with`]).
+#[inline(always)]
+pub(crate) fn exp2_fine<S: Simd>(d: f32) -> f32 {
+    exp2_with::<S>(d, |f| {
+        let mut y = S::madd(G5, f, G4);
+        y = S::madd(y, f, G3);
+        y = S::madd(y, f, G2);
+        y = S::madd(y, f, G1);
+        S::madd(y, f, 1.0)
+    })
+}
+
+/// `2^d` to 3e-6 relative error for probabilities rounded to bf16 next (2⁻⁹ relative).
+#[inline(always)]
+pub(crate) fn exp2_coarse<S: Simd>(d: f32) -> f32 {
+    exp2_with::<S>(d, |f| {
+        let mut y = S::madd(H4, f, H3);
+        y = S::madd(y, f, H2);
+        y = S::madd(y, f, H1);
+        S::madd(y, f, 1.0)
+    })
+}
+
+/// The base of the softmax exponentials' arguments on copy `S`: `log2 e` where they run in
+/// base 2 ([`softmax_exp`]), else 1. Every path of a copy forms its arguments as
+/// `madd(x, sc·B, −(u·B))` so that they agree bit for bit.
+#[inline(always)]
+pub(crate) const fn exp_base<S: Simd>() -> f32 {
+    if S::WIDE {
+        LOG2E
+    } else {
+        1.0
+    }
+}
+
+/// `e^x` of the f32 softmax on copy `S`, from the argument `x·B` (`B` = [`exp_base`]): base 2
+/// on the AVX-512 copy, [`exp_le88`] elsewhere.
+#[inline(always)]
+pub(crate) fn softmax_exp<S: Simd>(y: f32) -> f32 {
+    if S::WIDE {
+        exp2_fine::<S>(y)
+    } else {
+        exp_le88::<S>(y)
+    }
+}
+
 /// `tanh(x)` by a 13/6 rational approximation on `[-7.9, 7.9]` (the clamp gives ±1 outside);
 /// a few ulp of error, NaN in gives NaN out.
 #[inline(always)]
@@ -202,77 +287,53 @@ pub(crate) fn bf16_to_f32(x: bf16) -> f32 {
     f32::from_bits((x.to_bits() as u32) << 16)
 }
 
-/// Explicit AVX-512 forms of the math above, for the hand-written `vdpbf16ps` kernels.
+/// Explicit AVX-512 forms of the base-2 exponentials, for the column softmax and the hand-written
+/// `vdpbf16ps` kernels.
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod x512 {
-    use super::{C2, C3, C4, E2, E3, E4, E5, EXP_LO, LN2, LOG2E, MAGIC};
+    use super::{EXP2_LO, G1, G2, G3, G4, G5, H1, H2, H3, H4};
     use std::arch::x86_64::*;
 
-    /// `super::exp_reduce` (one step) on 16 lanes: `(n, r)`, `n` as a float.
+    /// `(n, f)` of [`super::exp2_with`]: `f = d − round(d)` by `vreduceps` (exact), `n = d − f`,
+    /// and the lanes of `live` to keep: `d >= EXP2_LO` or NaN.
     #[inline]
-    #[target_feature(enable = "avx512f,fma")]
-    fn reduce(x: __m512) -> (__m512, __m512) {
-        let t = _mm512_fmadd_ps(x, _mm512_set1_ps(LOG2E), _mm512_set1_ps(MAGIC));
-        let n = _mm512_sub_ps(t, _mm512_set1_ps(MAGIC));
-        (n, _mm512_fmadd_ps(n, _mm512_set1_ps(-LN2), x))
+    #[target_feature(enable = "avx512f,avx512dq")]
+    fn split2(live: __mmask16, d: __m512) -> (__m512, __m512, __mmask16) {
+        // Round to nearest even, no precision exception; ±inf give f = 0, n = ±inf.
+        let f = _mm512_reduce_ps::<0x08>(d);
+        let keep = _mm512_mask_cmp_ps_mask::<_CMP_NLT_UQ>(live, d, _mm512_set1_ps(EXP2_LO));
+        (_mm512_sub_ps(d, f), f, keep)
     }
 
-    /// `super::exp_finish` on 16 lanes, and 0 outside `live`: `p·2^n` by one `vscalefps` (the
-    /// exact scaling the scalar multiply by the power of two does, rounded the same way when the
-    /// result is subnormal) with the zeroing of `x < EXP_LO` (and `-inf`; NaN is kept) and of
-    /// the dead lanes in its mask, instead of a shift, an add, a multiply and two masked moves.
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    fn finish(live: __mmask16, x: __m512, n: __m512, p: __m512) -> __m512 {
-        let keep = _mm512_mask_cmp_ps_mask::<_CMP_NLT_UQ>(live, x, _mm512_set1_ps(EXP_LO));
-        _mm512_maskz_scalef_ps(keep, p, n)
-    }
-
-    /// [`super::exp_le88`] on 16 lanes, bit for bit: the same operations in the same order
-    /// (the scalar version's `mul_add`s are these FMAs).
+    /// [`super::exp2_fine`] on the lanes of `live` (`+0` in the others), bit for bit.
     ///
     /// # Safety
-    /// The CPU must have AVX-512F and FMA.
-    #[cfg(test)]
+    /// The CPU must have AVX-512F/DQ and FMA.
     #[inline]
-    #[target_feature(enable = "avx512f,fma")]
-    pub(crate) fn exp_le88(x: __m512) -> __m512 {
-        exp_le88_in(0xFFFF, x)
-    }
-
-    /// [`exp_le88`] in the lanes of `live`, `+0` in the others.
-    #[inline]
-    #[target_feature(enable = "avx512f,fma")]
-    pub(crate) fn exp_le88_in(live: __mmask16, x: __m512) -> __m512 {
+    #[target_feature(enable = "avx512f,avx512dq,fma")]
+    pub(crate) fn exp2_fine_in(live: __mmask16, d: __m512) -> __m512 {
         let c = _mm512_set1_ps;
-        let (n, r) = reduce(x);
-        let mut y = _mm512_fmadd_ps(c(E5), r, c(E4));
-        y = _mm512_fmadd_ps(y, r, c(E3));
-        y = _mm512_fmadd_ps(y, r, c(E2));
-        y = _mm512_fmadd_ps(y, r, c(1.0));
-        finish(live, x, n, _mm512_fmadd_ps(y, r, c(1.0)))
+        let (n, f, keep) = split2(live, d);
+        let mut y = _mm512_fmadd_ps(c(G5), f, c(G4));
+        y = _mm512_fmadd_ps(y, f, c(G3));
+        y = _mm512_fmadd_ps(y, f, c(G2));
+        y = _mm512_fmadd_ps(y, f, c(G1));
+        _mm512_maskz_scalef_ps(keep, _mm512_fmadd_ps(y, f, c(1.0)), n)
     }
 
-    /// [`super::exp_le88_coarse`] on 16 lanes, bit for bit.
+    /// [`super::exp2_coarse`] on the lanes of `live` (`+0` in the others), bit for bit.
     ///
     /// # Safety
-    /// The CPU must have AVX-512F and FMA.
+    /// The CPU must have AVX-512F/DQ and FMA.
     #[inline]
-    #[target_feature(enable = "avx512f,fma")]
-    pub(crate) fn exp_le88_coarse(x: __m512) -> __m512 {
-        exp_le88_coarse_in(0xFFFF, x)
-    }
-
-    /// [`exp_le88_coarse`] in the lanes of `live`, `+0` in the others.
-    #[inline]
-    #[target_feature(enable = "avx512f,fma")]
-    pub(crate) fn exp_le88_coarse_in(live: __mmask16, x: __m512) -> __m512 {
+    #[target_feature(enable = "avx512f,avx512dq,fma")]
+    pub(crate) fn exp2_coarse_in(live: __mmask16, d: __m512) -> __m512 {
         let c = _mm512_set1_ps;
-        let (n, r) = reduce(x);
-        let mut y = _mm512_fmadd_ps(c(C4), r, c(C3));
-        y = _mm512_fmadd_ps(y, r, c(C2));
-        y = _mm512_fmadd_ps(y, r, c(1.0));
-        finish(live, x, n, _mm512_fmadd_ps(y, r, c(1.0)))
+        let (n, f, keep) = split2(live, d);
+        let mut y = _mm512_fmadd_ps(c(H4), f, c(H3));
+        y = _mm512_fmadd_ps(y, f, c(H2));
+        y = _mm512_fmadd_ps(y, f, c(H1));
+        _mm512_maskz_scalef_ps(keep, _mm512_fmadd_ps(y, f, c(1.0)), n)
     }
 }
 
@@ -400,41 +461,111 @@ mod tests {
         xs
     }
 
+    /// Base-2 arguments for the `exp2` tests: a sweep over the contract `d <= 127` from far
+    /// below the zero threshold, ties of the rounding, the edges and the special values.
+    fn exp2_inputs() -> Vec<f32> {
+        let mut ds: Vec<f32> = (0..40_000).map(|i| -300.0 + i as f32 * 0.010_67).collect();
+        ds.extend([
+            0.0,
+            -0.0,
+            0.5,
+            -0.5,
+            1.5,
+            2.5,
+            -2.5,
+            -125.5,
+            -126.0,
+            -126.000_01,
+            -126.5,
+            -149.0,
+            126.5,
+            127.0,
+            -1e-40,
+            f32::NEG_INFINITY,
+            f32::NAN,
+            f32::MIN,
+        ]);
+        ds
+    }
+
+    #[test]
+    fn base2_exps_are_accurate_and_exact_at_edges() {
+        // Relative error over the probabilities' domain (natural [-87.3, 88]), per copy.
+        let mut worst = [0f64; 4];
+        let mut d = -125.9f32;
+        while d <= 127.0 {
+            let want = (d as f64).exp2();
+            let got = [
+                exp2_fine::<Avx512>(d),
+                exp2_fine::<Portable>(d),
+                exp2_coarse::<Avx512>(d),
+                exp2_coarse::<Portable>(d),
+            ];
+            for (w, g) in worst.iter_mut().zip(got) {
+                *w = w.max(((g as f64 - want) / want).abs());
+            }
+            d += 0.003_71;
+        }
+        assert!(
+            worst[0] < 2.5e-7 && worst[1] < 4e-7,
+            "exp2_fine rel err {worst:?}"
+        );
+        assert!(
+            worst[2] < 3.2e-6 && worst[3] < 3.5e-6,
+            "exp2_coarse rel err {worst:?}"
+        );
+        for e in [
+            exp2_fine::<Avx512>,
+            exp2_coarse::<Avx512>,
+            exp2_fine::<Portable>,
+        ] {
+            assert_eq!(e(0.0), 1.0);
+            assert_eq!(e(-0.0), 1.0);
+            assert_eq!(e(1.0), 2.0);
+            assert_eq!(e(-3.0), 0.125);
+            assert_eq!(e(-126.0), f32::MIN_POSITIVE);
+            assert!(e(-125.6) >= f32::MIN_POSITIVE);
+            assert_eq!(e(127.0), 2f32.powi(127));
+            for zero in [-126.000_01, -126.4, -140.0, f32::MIN, f32::NEG_INFINITY] {
+                assert_eq!(e(zero).to_bits(), 0, "{zero}");
+            }
+            assert!(e(f32::NAN).is_nan());
+        }
+    }
+
     #[cfg(target_arch = "x86_64")]
     #[test]
-    fn vector_exps_are_the_scalar_ones_bit_for_bit() {
-        if !(is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("fma")) {
-            println!("skipped: no AVX-512F on this CPU");
+    fn vector_base2_exps_are_the_scalar_ones_bit_for_bit() {
+        if !(is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512dq")
+            && is_x86_feature_detected!("fma"))
+        {
+            println!("skipped: no AVX-512F/DQ on this CPU");
             return;
         }
         use std::arch::x86_64::*;
-        let mut xs = exp_inputs();
-        while !xs.len().is_multiple_of(16) {
-            xs.push(-1.0);
+        let mut ds = exp2_inputs();
+        while !ds.len().is_multiple_of(16) {
+            ds.push(-1.0);
         }
-        for c in xs.chunks_exact(16) {
-            let mut out = [0f32; 16];
-            // SAFETY: AVX-512F and FMA were detected above.
+        for (i, c) in ds.chunks_exact(16).enumerate() {
+            // Every 7th block runs with half its lanes dead: those must be +0.
+            let live: u16 = if i % 7 == 3 { 0x5A5A } else { 0xFFFF };
+            let (mut fine, mut coarse) = ([0f32; 16], [0f32; 16]);
+            // SAFETY: AVX-512F/DQ and FMA were detected above.
             unsafe {
-                _mm512_storeu_ps(
-                    out.as_mut_ptr(),
-                    x512::exp_le88(_mm512_loadu_ps(c.as_ptr())),
-                )
-            };
-            let mut coarse = [0f32; 16];
-            // SAFETY: as above.
-            unsafe {
-                _mm512_storeu_ps(
-                    coarse.as_mut_ptr(),
-                    x512::exp_le88_coarse(_mm512_loadu_ps(c.as_ptr())),
-                )
-            };
-            for ((&x, &y), &z) in c.iter().zip(&out).zip(&coarse) {
-                if x.is_nan() {
+                let v = _mm512_loadu_ps(c.as_ptr());
+                _mm512_storeu_ps(fine.as_mut_ptr(), x512::exp2_fine_in(live, v));
+                _mm512_storeu_ps(coarse.as_mut_ptr(), x512::exp2_coarse_in(live, v));
+            }
+            for (l, (&d, (&y, &z))) in c.iter().zip(fine.iter().zip(&coarse)).enumerate() {
+                if live & (1 << l) == 0 {
+                    assert_eq!((y.to_bits(), z.to_bits()), (0, 0));
+                } else if d.is_nan() {
                     assert!(y.is_nan() && z.is_nan());
                 } else {
-                    assert_eq!(y.to_bits(), exp_le88::<Avx512>(x).to_bits(), "{x}");
-                    assert_eq!(z.to_bits(), exp_le88_coarse::<Avx512>(x).to_bits(), "{x}");
+                    assert_eq!(y.to_bits(), exp2_fine::<Avx512>(d).to_bits(), "{d}");
+                    assert_eq!(z.to_bits(), exp2_coarse::<Avx512>(d).to_bits(), "{d}");
                 }
             }
         }

@@ -21,10 +21,15 @@ pub(crate) fn pair(lo: u16, hi: u16) -> u32 {
     lo as u32 | (hi as u32) << 16
 }
 
-/// Round-to-nearest-even bf16 bits of a finite f32.
+/// Round-to-nearest-even bf16 bits of a finite f32, as `vcvtne2ps2bf16` gives them: a
+/// subnormal input counts as a zero of its sign (the instruction's fixed DAZ behaviour; the
+/// base-2 exponentials can return subnormal probabilities).
 #[inline(always)]
 pub(crate) fn round_bits(x: f32) -> u32 {
     let b = x.to_bits();
+    if b & 0x7F80_0000 == 0 {
+        return b >> 16 & 0x8000;
+    }
     (b.wrapping_add(0x7FFF + ((b >> 16) & 1))) >> 16
 }
 
@@ -36,7 +41,7 @@ fn as_bh(x: __m512i) -> __m512bh {
 }
 
 #[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,fma")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")]
 #[allow(clippy::needless_range_loop, clippy::too_many_arguments)]
 unsafe fn micro<const ACC: bool, const MAX: bool, const NV: usize>(
     np: usize,
@@ -92,7 +97,7 @@ unsafe fn micro<const ACC: bool, const MAX: bool, const NV: usize>(
 /// # Safety
 /// The CPU must have AVX-512F/BW/VL, FMA and AVX512-BF16. (Extents are checked.)
 #[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,fma")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")]
 #[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn dot_gemm<const ACC: bool, const MAX: bool>(
     m: usize,
@@ -146,5 +151,52 @@ pub(crate) unsafe fn dot_gemm<const ACC: bool, const MAX: bool>(
             }
         }
         r += RB;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_bits_is_the_conversion_instruction() {
+        if !(is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bf16")) {
+            println!("skipped: no AVX512-BF16 on this CPU");
+            return;
+        }
+        let mut xs: Vec<f32> = (0..4000)
+            .map(|i| f32::from_bits(0x3F80_0000 + i * 977))
+            .collect();
+        xs.extend((0..2000).map(|i| f32::from_bits(1 + i * 4099))); // subnormals
+        xs.extend((0..2000).map(|i| -f32::from_bits(0x0070_0000 + i * 4099))); // both sides of 2^-126
+        xs.extend([
+            0.0,
+            -0.0,
+            1.0,
+            f32::MIN_POSITIVE,
+            3.4e38,
+            -2.5e-39,
+            1.000_000_1,
+        ]);
+        while !xs.len().is_multiple_of(32) {
+            xs.push(0.5);
+        }
+        for c in xs.chunks_exact(32) {
+            let mut out = [0u16; 32];
+            // SAFETY: AVX-512F and AVX512-BF16 were detected above.
+            unsafe {
+                let v = _mm512_cvtne2ps_pbh(
+                    _mm512_loadu_ps(c[16..].as_ptr()),
+                    _mm512_loadu_ps(c.as_ptr()),
+                );
+                _mm512_storeu_si512(
+                    out.as_mut_ptr().cast(),
+                    std::mem::transmute::<__m512bh, __m512i>(v),
+                );
+            }
+            for (&x, &o) in c.iter().zip(&out) {
+                assert_eq!(round_bits(x), o as u32, "{x:e}");
+            }
+        }
     }
 }

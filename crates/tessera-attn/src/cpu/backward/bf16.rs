@@ -20,8 +20,8 @@
 //! bf16 adds ≤ 2⁻⁹ relative error per term (FlashAttention rounds them the same way), well inside
 //! the 1e-2 bf16 tolerance. Deterministic: fixed loop order, no atomics.
 
-use super::super::simd::x512::exp_le88_coarse_in;
 use super::super::simd::Avx512;
+use super::super::simd::{self, x512::exp2_coarse_in};
 use super::super::tile_matmul::{round_up, RB};
 use super::super::tile_matmul_bf16::{dot_gemm, pair};
 use super::super::{Geometry, Isa};
@@ -289,7 +289,7 @@ pub(crate) fn entry(cx: &BwdCtx<'_>, inp: &Inputs<'_>, ws: &mut Ws, it: DkvItem<
 /// Packs the K (or V) rows of a kv tile: `t[dp·tk + j]` pairs along D (columns `nk..nkp` zero)
 /// and, when `kk` is given, `kk[(j/2)·ld + x]` pairs of consecutive keys (zero padded).
 #[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,fma")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")]
 #[allow(clippy::too_many_arguments)]
 unsafe fn pack_kv(
     x: &[bf16],
@@ -348,7 +348,7 @@ unsafe fn pack_kv(
 /// (`n` a multiple of 16), to bf16 pairs: `pq`, `dsq` pairs of consecutive queries, `dsk` pairs
 /// of consecutive keys.
 #[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,fma")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")]
 #[allow(clippy::too_many_arguments)]
 unsafe fn round_pairs(
     s: &[f32],
@@ -423,7 +423,7 @@ unsafe fn round_pairs(
 /// and keys `< nk` (0 elsewhere), straight from `S`, `dP` into the bf16 pairs [`round_pairs`]
 /// makes, without writing them back to `S`, `dP` first.
 #[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,fma")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")]
 #[allow(clippy::too_many_arguments)]
 unsafe fn p_ds_pairs(
     s: &[f32],
@@ -449,7 +449,7 @@ unsafe fn p_ds_pairs(
     // 64 bytes. No closures here: they would not inherit this function's target features.
     unsafe {
         let perm = _mm512_loadu_si512(idx.as_ptr().cast());
-        let sc = _mm512_set1_ps(sc);
+        let sc = _mm512_set1_ps(sc * simd::LOG2E);
         for i in (0..mq).step_by(2) {
             let o = i / 2 * tk;
             let (r0, m0) = Row::new(s, dp, tk, i, nq, lse, delta);
@@ -489,7 +489,8 @@ unsafe fn p_ds_pairs(
 struct Row {
     s: *const f32,
     dp: *const f32,
-    lse: __m512,
+    /// `−LSE·log2 e`: the exponentials run in base 2.
+    nl: __m512,
     delta: __m512,
 }
 
@@ -513,7 +514,7 @@ impl Row {
         let row = Row {
             s: s.as_ptr().wrapping_add(r * tk),
             dp: dp.as_ptr().wrapping_add(r * tk),
-            lse: _mm512_set1_ps(l),
+            nl: _mm512_set1_ps(-(l * simd::LOG2E)),
             delta: _mm512_set1_ps(d),
         };
         (row, if live { 0xFFFF } else { 0 })
@@ -534,17 +535,19 @@ fn key_lanes(nk: usize, j: usize) -> __mmask16 {
 /// `P` and `dS` of keys `j..j + 16` of row `r` on lanes `m` (0 elsewhere), as
 /// `p_ds_row::<Avx512, false, true>`.
 ///
+/// `sc2` is the scale times `log2 e`.
+///
 /// # Safety
-/// Lanes `m` of the row's `S` and `dP` from `j` must be readable; AVX-512F and FMA.
+/// Lanes `m` of the row's `S` and `dP` from `j` must be readable; AVX-512F/DQ and FMA.
 #[inline]
-#[target_feature(enable = "avx512f,fma")]
-unsafe fn p_ds16(r: &Row, j: usize, m: __mmask16, sc: __m512) -> (__m512, __m512) {
+#[target_feature(enable = "avx512f,avx512dq,fma")]
+unsafe fn p_ds16(r: &Row, j: usize, m: __mmask16, sc2: __m512) -> (__m512, __m512) {
     // SAFETY: the caller's contract; masked-off lanes are not read.
     unsafe {
         let x = _mm512_maskz_loadu_ps(m, r.s.add(j));
-        let a = _mm512_sub_ps(_mm512_mul_ps(x, sc), r.lse);
-        // min(88, a) returns a NaN `a` (the second operand), as `bf16_p`'s compare.
-        let p = exp_le88_coarse_in(m, _mm512_min_ps(_mm512_set1_ps(88.0), a));
+        let a = _mm512_fmadd_ps(x, sc2, r.nl);
+        // min(cap, a) returns a NaN `a` (the second operand), as `bf16_p`'s compare.
+        let p = exp2_coarse_in(m, _mm512_min_ps(_mm512_set1_ps(super::BF16_P_CAP2), a));
         let g = _mm512_maskz_loadu_ps(m, r.dp.add(j));
         let ds = _mm512_mul_ps(p, _mm512_sub_ps(g, r.delta));
         let live = _mm512_cmp_ps_mask::<_CMP_NEQ_UQ>(p, _mm512_setzero_ps());
@@ -561,7 +564,7 @@ fn pairs(perm: __m512i, lo: __m512, hi: __m512) -> __m512i {
     _mm512_permutexvar_epi16(perm, bh)
 }
 
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,fma")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")]
 unsafe fn item(cx: &BwdCtx<'_>, inp: &Inputs<'_>, ws: &mut Ws, it: DkvItem<'_>) {
     let DkvItem {
         b,

@@ -19,8 +19,9 @@
 //!
 //! Accuracy: products of bf16 inputs are exact in f32, so S matches the f32 kernel up to
 //! summation order; rounding P to bf16 adds ≤ 2⁻⁹ relative error per weight (FlashAttention does
-//! the same), so P's exponential is the cheaper `exp_le88_coarse` (≤ 1.2e-5 relative, in the
-//! weights and in the sums `l` alike); O stays well inside the 1e-2 bf16 tolerance. Deterministic: fixed loop order, no
+//! the same), so P's exponential is the cheaper `simd::exp2_coarse` (base 2, the scale and
+//! `log2 e` folded into the argument's FMA; ≤ 3e-6 relative, in the weights and in the sums `l`
+//! alike); O stays well inside the 1e-2 bf16 tolerance. Deterministic: fixed loop order, no
 //! atomics, each output written by one item.
 
 #[cfg(target_arch = "x86_64")]
@@ -371,7 +372,7 @@ mod imp {
     ///
     /// # Safety
     /// The CPU must have AVX-512F/BW/VL, FMA and AVX512-BF16 (`Isa::Avx512Bf16`).
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,fma")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")]
     pub(crate) unsafe fn item<T: TileObserver>(
         cx: &Ctx<'_>,
         ws: &mut Ws,
@@ -653,7 +654,7 @@ mod imp {
         let mut any_nan = false;
         for i in 0..nq {
             let orow = &mut o[i * dvp..i * dvp + dv];
-            let (factor, lse) = finish_row(l[i], m[i], sink, orow);
+            let (factor, lse) = finish_row::<Avx512>(l[i], m[i], sink, orow);
             it.o.store(i * dv, orow, factor as f32);
             it.lse[i] = lse as f32;
             any_nan |= lse.is_nan();
@@ -667,12 +668,12 @@ mod imp {
     }
 
     /// One key pair's bf16 P row and column sums, 16 queries per step: for every lane `i`
-    /// (`prow.len()` a multiple of 16), `p0 = exp(sc·r0[i] − u[i])` and `p1` likewise from `r1`
-    /// (0 when `i >= live` or, for `p1`, without a second key), `col[i] += p0 + p1`, and
-    /// `prow[i]` = the two rounded to bf16 (`p0` in the low half), the same values as
-    /// [`round_bits`] (`vcvtne2ps2bf16` rounds to nearest even; P is never denormal).
+    /// (`prow.len()` a multiple of 16), `p0 = 2^(r0[i]·(sc·log2 e) − u[i]·log2 e)` and `p1`
+    /// likewise from `r1` (0 when `i >= live` or, for `p1`, without a second key),
+    /// `col[i] += p0 + p1`, and `prow[i]` = the two rounded to bf16 (`p0` in the low half), the
+    /// same values as [`round_bits`] (`vcvtne2ps2bf16` rounds to nearest even).
     #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,fma")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")]
     #[allow(clippy::too_many_arguments)]
     fn p_pairs(
         prow: &mut [u32],
@@ -699,7 +700,7 @@ mod imp {
         let idx: [u16; 32] = std::array::from_fn(|w| (w / 2 + 16 * (w % 2)) as u16);
         // SAFETY: the `idx` array is 64 bytes.
         let idx = unsafe { _mm512_loadu_si512(idx.as_ptr().cast()) };
-        let scv = _mm512_set1_ps(sc);
+        let scv = _mm512_set1_ps(sc * simd::LOG2E);
         let mut i = 0;
         while i < n {
             let left = live.saturating_sub(i);
@@ -714,14 +715,9 @@ mod imp {
                 let uv = _mm512_loadu_ps(u.as_ptr().add(i));
                 let x0 = _mm512_loadu_ps(r0.as_ptr().add(i));
                 let x1 = _mm512_loadu_ps(r1.as_ptr().add(i));
-                let nu = _mm512_castsi512_ps(_mm512_xor_si512(
-                    _mm512_castps_si512(uv),
-                    _mm512_set1_epi32(i32::MIN),
-                ));
-                let p0 = simd::x512::exp_le88_coarse(_mm512_fmadd_ps(x0, scv, nu));
-                let p1 = simd::x512::exp_le88_coarse(_mm512_fmadd_ps(x1, scv, nu));
-                let p0 = _mm512_maskz_mov_ps(m0, p0);
-                let p1 = _mm512_maskz_mov_ps(m1, p1);
+                let nu = _mm512_mul_ps(uv, _mm512_set1_ps(-simd::LOG2E));
+                let p0 = simd::x512::exp2_coarse_in(m0, _mm512_fmadd_ps(x0, scv, nu));
+                let p1 = simd::x512::exp2_coarse_in(m1, _mm512_fmadd_ps(x1, scv, nu));
                 let cp = col.as_mut_ptr().add(i);
                 _mm512_storeu_ps(
                     cp,
@@ -751,16 +747,18 @@ mod imp {
         sc: f32,
     ) {
         let (live, mu) = (&mut row[a..bb], &m_use[a..bb]);
+        // In base 2, with the arguments `exp_pairs` forms.
+        let sc2 = sc * simd::LOG2E;
         if let Some(acc) = obs.entropy_terms(a, bb) {
             for ((x, &u), e) in live.iter_mut().zip(mu).zip(acc.iter_mut()) {
                 let d = Avx512::madd(*x, sc, -u);
-                let p = simd::exp_le88_coarse::<Avx512>(d);
+                let p = simd::exp2_coarse::<Avx512>(Avx512::madd(*x, sc2, -(u * simd::LOG2E)));
                 *x = p;
                 *e += p * if d > -88.0 { d } else { -88.0 };
             }
         } else {
             for (x, &u) in live.iter_mut().zip(mu) {
-                *x = simd::exp_le88_coarse::<Avx512>(Avx512::madd(*x, sc, -u));
+                *x = simd::exp2_coarse::<Avx512>(Avx512::madd(*x, sc2, -(u * simd::LOG2E)));
             }
         }
         row[bb..].fill(0.0);

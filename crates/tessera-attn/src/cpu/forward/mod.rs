@@ -473,6 +473,9 @@ pub(super) fn item_with<S: Simd, T: TileObserver>(
             // Outside the live span every pair is masked: P is exactly 0 there.
             row[..a].fill(0.0);
             row[b..].fill(0.0);
+            // P = e^(x − u) from the argument `x·B − u·B` in the copy's base, as the column
+            // loops form it.
+            let base = simd::exp_base::<S>();
             if let Some(acc) = obs.entropy_terms(a, b) {
                 // Telemetry copy only (see `TileObserver::entropy_terms`); P exactly as below.
                 let lanes = row[a..b]
@@ -481,7 +484,7 @@ pub(super) fn item_with<S: Simd, T: TileObserver>(
                     .zip(col[a..b].iter_mut());
                 for (((x, &u), c), e) in lanes.zip(acc.iter_mut()) {
                     let d = *x - u;
-                    let p = simd::exp_le88::<S>(d);
+                    let p = simd::softmax_exp::<S>(S::madd(*x, base, -(u * base)));
                     *x = p;
                     *c += p;
                     *e += p * if d > -88.0 { d } else { -88.0 };
@@ -492,7 +495,7 @@ pub(super) fn item_with<S: Simd, T: TileObserver>(
                     .zip(&mu[a..b])
                     .zip(col[a..b].iter_mut())
                 {
-                    let p = simd::exp_le88::<S>(*x - u);
+                    let p = simd::softmax_exp::<S>(S::madd(*x, base, -(u * base)));
                     *x = p;
                     *c += p;
                 }
@@ -541,7 +544,7 @@ pub(super) fn item_with<S: Simd, T: TileObserver>(
                 a | u32::from(v.to_bits() & 0x7F80_0000 == 0x7F80_0000)
             });
         }
-        let (factor, lse) = finish_row(l[i], m[i], sink, orow);
+        let (factor, lse) = finish_row::<S>(l[i], m[i], sink, orow);
         it.o.store(i * dv, orow, factor as f32);
         it.lse[i] = lse as f32;
         any_nan |= lse.is_nan();
