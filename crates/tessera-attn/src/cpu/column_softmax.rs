@@ -222,7 +222,7 @@ impl Lanes for Ymm {
     const BASE: f32 = simd::exp_base::<Avx2>();
     #[inline(always)]
     unsafe fn exp_in(self, m: __m256) -> Self {
-        Ymm(unsafe { x256::exp_le88(self.0) }).keep(m)
+        Ymm(unsafe { x256::exp2_fine(self.0) }).keep(m)
     }
     #[inline(always)]
     unsafe fn max_in(self, m: __m256, x: Self) -> Self {

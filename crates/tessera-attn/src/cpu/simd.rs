@@ -152,14 +152,15 @@ const H2: f32 = 0.240_241_07;
 const H3: f32 = 5.590_683e-2;
 const H4: f32 = 9.582_576e-3;
 
-/// The softmax exponentials of the AVX-512 copies, in base 2: the caller folds `log2 e` into
+/// The softmax exponentials of the copies with FMA, in base 2: the caller folds `log2 e` into
 /// the argument's one FMA (`d = x·(sc·log2 e) − c` with `c = u·log2 e` rounded once, the same
 /// `c` for every path of a row, see `online_softmax`), so that `2^d` needs no Cody-Waite step:
 /// `n = round(d)`, `f = d − n` exactly, `2^d = 2^f·2^n`. The vector forms
 /// ([`x512::exp2_fine_in`]) take `f` from `vreduceps` and scale by `vscalefps`, both off the FMA
 /// ports (measured on Zen 4: FMA, `vmulps` and `vcmpps` into a mask share the two FMA pipes;
 /// `vreduceps`, `vscalefps`, adds and shuffles do not): 7 FMA-port operations per 16 lanes with
-/// the argument's FMA instead of 10. This scalar form is the vector one bit for bit on its
+/// the argument's FMA instead of 10; the AVX2 form ([`x256::exp2_fine`]) rounds by adding
+/// `MAGIC` (8 instead of 10). This scalar form is the vector one bit for bit on its
 /// contract `d <= 127`: `2^n` from the bits of `n + MAGIC`, exact since `y·2^n` stays normal
 /// (`y >= 1` when `n = -126`); `d < -126` (and `-inf`) gives exactly 0; NaN stays NaN.
 #[inline(always)]
@@ -200,23 +201,30 @@ pub(crate) fn exp2_coarse<S: Simd>(d: f32) -> f32 {
     })
 }
 
+/// Whether copy `S` runs the softmax exponentials in base 2: the copies with FMA (AVX-512 and
+/// AVX2; the argument is one fused `x·(sc·log2 e) − c`); the portable copy stays natural.
+#[inline(always)]
+pub(crate) const fn base2<S: Simd>() -> bool {
+    S::FMA
+}
+
 /// The base of the softmax exponentials' arguments on copy `S`: `log2 e` where they run in
-/// base 2 ([`softmax_exp`]), else 1. Every path of a copy forms its arguments as
+/// base 2 ([`base2`]), else 1. Every path of a copy forms its arguments as
 /// `madd(x, sc·B, −(u·B))` so that they agree bit for bit.
 #[inline(always)]
 pub(crate) const fn exp_base<S: Simd>() -> f32 {
-    if S::WIDE {
+    if base2::<S>() {
         LOG2E
     } else {
         1.0
     }
 }
 
-/// `e^x` of the f32 softmax on copy `S`, from the argument `x·B` (`B` = [`exp_base`]): base 2
-/// on the AVX-512 copy, [`exp_le88`] elsewhere.
+/// `e^x` of the f32 softmax on copy `S`, from the argument `x·B` (`B` = [`exp_base`]):
+/// [`exp2_fine`] in base 2, [`exp_le88`] on the portable copy.
 #[inline(always)]
 pub(crate) fn softmax_exp<S: Simd>(y: f32) -> f32 {
-    if S::WIDE {
+    if base2::<S>() {
         exp2_fine::<S>(y)
     } else {
         exp_le88::<S>(y)
@@ -340,31 +348,34 @@ pub(crate) mod x512 {
 /// Explicit AVX2 forms of the math above, for the column softmax of the AVX2 copy.
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod x256 {
-    use super::{E2, E3, E4, E5, EXP_LO, LN2, LOG2E, MAGIC, POW2_BIAS};
+    use super::{EXP2_LO, G1, G2, G3, G4, G5, MAGIC, POW2_BIAS};
     use std::arch::x86_64::*;
 
-    /// [`super::exp_le88`] on 8 lanes, bit for bit (the operations of `super::x512::exp_le88`).
+    /// [`super::exp2_fine`] on 8 lanes, bit for bit: `n = round(d)` by adding and subtracting
+    /// `MAGIC` (the scalar `round_ties_even` on the contract's range; `d + MAGIC` holds `n` in
+    /// its low mantissa bits, so `2^n` is a shift and an add), the zero below `EXP2_LO` by a
+    /// compare. FMA-port operations per 8 lanes: the polynomial's 5, the multiply by `2^n` and
+    /// the compare, against the natural form's 9 (its two reduction FMAs).
     ///
     /// # Safety
     /// The CPU must have AVX2 and FMA.
     #[inline]
     #[target_feature(enable = "avx2,fma")]
-    pub(crate) fn exp_le88(x: __m256) -> __m256 {
+    pub(crate) fn exp2_fine(d: __m256) -> __m256 {
         let c = _mm256_set1_ps;
-        let t = _mm256_fmadd_ps(x, c(LOG2E), c(MAGIC));
-        let n = _mm256_sub_ps(t, c(MAGIC));
-        let r = _mm256_fmadd_ps(n, c(-LN2), x);
-        let mut y = _mm256_fmadd_ps(c(E5), r, c(E4));
-        y = _mm256_fmadd_ps(y, r, c(E3));
-        y = _mm256_fmadd_ps(y, r, c(E2));
-        y = _mm256_fmadd_ps(y, r, c(1.0));
-        let p = _mm256_fmadd_ps(y, r, c(1.0));
+        let t = _mm256_add_ps(d, c(MAGIC));
+        let f = _mm256_sub_ps(d, _mm256_sub_ps(t, c(MAGIC)));
+        let mut y = _mm256_fmadd_ps(c(G5), f, c(G4));
+        y = _mm256_fmadd_ps(y, f, c(G3));
+        y = _mm256_fmadd_ps(y, f, c(G2));
+        y = _mm256_fmadd_ps(y, f, c(G1));
+        let p = _mm256_fmadd_ps(y, f, c(1.0));
         let e = _mm256_add_epi32(
             _mm256_slli_epi32::<23>(_mm256_castps_si256(t)),
             _mm256_set1_epi32(POW2_BIAS as i32),
         );
         let res = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-        let under = _mm256_cmp_ps::<_CMP_LT_OQ>(x, c(EXP_LO));
+        let under = _mm256_cmp_ps::<_CMP_LT_OQ>(d, c(EXP2_LO));
         _mm256_andnot_ps(under, res)
     }
 }
@@ -443,24 +454,6 @@ mod tests {
         assert_eq!(max_row(&[]), f32::NEG_INFINITY);
     }
 
-    /// Arguments for the vector-against-scalar exponential tests: a dense sweep over and past
-    /// the domain, the edges, -inf and NaN.
-    #[cfg(target_arch = "x86_64")]
-    fn exp_inputs() -> Vec<f32> {
-        let mut xs: Vec<f32> = (0..40_000).map(|i| -95.0 + i as f32 * 0.002_41).collect();
-        xs.extend([
-            0.0,
-            -0.0,
-            -87.3,
-            -87.31,
-            f32::NEG_INFINITY,
-            f32::NAN,
-            -1e30,
-            f32::MIN,
-        ]);
-        xs
-    }
-
     /// Base-2 arguments for the `exp2` tests: a sweep over the contract `d <= 127` from far
     /// below the zero threshold, ties of the rounding, the edges and the special values.
     fn exp2_inputs() -> Vec<f32> {
@@ -496,9 +489,9 @@ mod tests {
         while d <= 127.0 {
             let want = (d as f64).exp2();
             let got = [
-                exp2_fine::<Avx512>(d),
+                exp2_fine::<Avx2>(d),
                 exp2_fine::<Portable>(d),
-                exp2_coarse::<Avx512>(d),
+                exp2_coarse::<Avx2>(d),
                 exp2_coarse::<Portable>(d),
             ];
             for (w, g) in worst.iter_mut().zip(got) {
@@ -573,14 +566,13 @@ mod tests {
 
     #[cfg(target_arch = "x86_64")]
     #[test]
-    fn ymm_exp_le88_is_the_scalar_one_bit_for_bit() {
+    fn ymm_exp2_is_the_scalar_one_bit_for_bit() {
         if !(is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")) {
             println!("skipped: no AVX2+FMA on this CPU");
             return;
         }
         use std::arch::x86_64::*;
-        let xs = exp_inputs();
-        for c in xs.chunks(8) {
+        for c in exp2_inputs().chunks(8) {
             let mut lanes = [-1f32; 8];
             lanes[..c.len()].copy_from_slice(c);
             let mut out = [0f32; 8];
@@ -588,14 +580,14 @@ mod tests {
             unsafe {
                 _mm256_storeu_ps(
                     out.as_mut_ptr(),
-                    x256::exp_le88(_mm256_loadu_ps(lanes.as_ptr())),
+                    x256::exp2_fine(_mm256_loadu_ps(lanes.as_ptr())),
                 )
             };
-            for (&x, &y) in lanes.iter().zip(&out) {
-                if x.is_nan() {
+            for (&d, &y) in lanes.iter().zip(&out) {
+                if d.is_nan() {
                     assert!(y.is_nan());
                 } else {
-                    assert_eq!(y.to_bits(), exp_le88::<Avx2>(x).to_bits(), "{x}");
+                    assert_eq!(y.to_bits(), exp2_fine::<Avx2>(d).to_bits(), "{d}");
                 }
             }
         }

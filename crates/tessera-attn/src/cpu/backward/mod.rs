@@ -558,7 +558,7 @@ impl SlotLayout {
 /// scale not yet applied to `s`) and `t = tanh(x/c)` under a softcap, `p = exp(c·t - lse)`
 /// (`exp(x - lse)` without), `ds = p·(dp - Δ)·(1 - t²)`; `s` becomes `p`, `dp` becomes `ds`
 /// (exactly 0 where `p` is 0, so `0·NaN` never appears). `BF16`: `P` and `dS` are rounded to bf16
-/// next, so `p` is [`bf16_p`] (its argument in base 2 on the AVX-512 copy).
+/// next, so `p` is [`bf16_p`] (its argument in base 2 on the copies with FMA).
 #[inline(always)]
 fn p_ds_row<S: Simd, const SOFTCAP: bool, const BF16: bool>(
     sc: f32,
@@ -579,7 +579,7 @@ fn p_ds_row<S: Simd, const SOFTCAP: bool, const BF16: bool>(
         };
         let p = if !BF16 {
             f32_p::<S>(v - lse)
-        } else if S::WIDE {
+        } else if simd::base2::<S>() {
             // Base 2 (as `exp_base`): the argument in one FMA from the unscaled logit.
             let nl = -(lse * simd::LOG2E);
             bf16_p::<S>(if SOFTCAP {
@@ -612,13 +612,13 @@ fn f32_p<S: Simd>(a: f32) -> f32 {
 /// [`bf16_p`]'s cap in base 2 (`2^127` is finite, as `e^88` is).
 const BF16_P_CAP2: f32 = 127.0;
 
-/// `P = e^a` of the bf16 kernels, P and dS rounded to bf16 (2⁻⁹) next: on the AVX-512 copy
+/// `P = e^a` of the bf16 kernels, P and dS rounded to bf16 (2⁻⁹) next: on the copies with FMA
 /// [`simd::exp2_coarse`] (3e-6 relative) of the base-2 argument `a·log2 e` capped at 127, else
 /// [`simd::exp_le88_coarse`] (1.2e-5) of `a` capped at 88 (a NaN stays NaN); `a <= 0` unless the
 /// given LSE is below the row's logits.
 #[inline(always)]
 fn bf16_p<S: Simd>(a: f32) -> f32 {
-    if S::WIDE {
+    if simd::base2::<S>() {
         simd::exp2_coarse::<S>(if a > BF16_P_CAP2 { BF16_P_CAP2 } else { a })
     } else {
         simd::exp_le88_coarse::<S>(if a > 88.0 { 88.0 } else { a })
