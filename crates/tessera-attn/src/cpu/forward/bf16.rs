@@ -598,9 +598,9 @@ mod imp {
             }
             for i in 0..nq {
                 l[i] = l[i] * alpha[i] + col[i];
-                if alpha[i] != 1.0 {
-                    simd::scale_row(&mut o[i * dvp..i * dvp + dv], alpha[i]);
-                }
+            }
+            for i in (0..nq).filter(|&i| alpha[i] != 1.0) {
+                simd::scale_row(&mut o[i * dvp..i * dvp + dv], alpha[i]);
             }
             obs.on_tile(&col[..nq], &m_use[..nq], &alpha[..nq]);
             if full {
@@ -654,7 +654,7 @@ mod imp {
         let mut any_nan = false;
         for i in 0..nq {
             let orow = &mut o[i * dvp..i * dvp + dv];
-            let (factor, lse) = finish_row::<Avx512>(l[i], m[i], sink, orow);
+            let (factor, lse) = finish_row::<Avx512>(l[i], m_use[i], sink, orow);
             it.o.store(i * dv, orow, factor as f32);
             it.lse[i] = lse as f32;
             any_nan |= lse.is_nan();

@@ -61,7 +61,7 @@ pub(crate) trait TileObserver {
 
     /// After the exponentials of one kv tile (one entry per query row of the item): `col[i]` is
     /// the tile's `Σ_j exp(s_ij − m_use[i])`, and the kernel rescaled its running sums from the
-    /// previous max to `m_use` by `alpha`.
+    /// previous exponent reference to `m_use` by `alpha` (1 where the reference stayed).
     #[inline(always)]
     fn on_tile(&mut self, _col: &[f32], _m_use: &[f32], _alpha: &[f32]) {}
 
@@ -504,9 +504,9 @@ pub(super) fn item_with<S: Simd, T: TileObserver>(
         }
         for i in 0..nq {
             l[i] = l[i] * alpha[i] + col[i];
-            if alpha[i] != 1.0 {
-                simd::scale_row(&mut o[i * dvp..i * dvp + dv], alpha[i]);
-            }
+        }
+        for i in (0..nq).filter(|&i| alpha[i] != 1.0) {
+            simd::scale_row(&mut o[i * dvp..i * dvp + dv], alpha[i]);
         }
         obs.on_tile(col, mu, &alpha[..nq]);
         let (vb, ldv) = rows(cx.v, cx.v.row(b, kvh, k0), nk, nk, dv, vbuf);
@@ -544,7 +544,7 @@ pub(super) fn item_with<S: Simd, T: TileObserver>(
                 a | u32::from(v.to_bits() & 0x7F80_0000 == 0x7F80_0000)
             });
         }
-        let (factor, lse) = finish_row::<S>(l[i], m[i], sink, orow);
+        let (factor, lse) = finish_row::<S>(l[i], m_use[i], sink, orow);
         it.o.store(i * dv, orow, factor as f32);
         it.lse[i] = lse as f32;
         any_nan |= lse.is_nan();

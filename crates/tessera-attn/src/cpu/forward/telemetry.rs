@@ -12,8 +12,9 @@
 //! `s − m` already at hand) into a per-tile f32 column sum; for sink keys only, `after_exp` adds
 //! `p` into another. At the end of the tile (`on_tile`, vectorized over the rows) the f64 row sums
 //! are moved to the tile's max (`l ← α l`, `sink_l ← α sink_l`, `es ← α es + α ln(α) l`, with the
-//! kernel's α and `ln α = m_old − m_new` exactly) and the column sums (the kernel's `Σ p` among
-//! them) added. When a row is final (`on_row`) its sink mass,
+//! kernel's α and `ln α = m_old − m_new`; the copies with FMA exponentiate in base 2 against
+//! `m·log2 e` rounded once, which moves each row's reference by at most `|m|·2⁻²⁴`, far inside
+//! the telemetry's tolerances) and the column sums (the kernel's `Σ p` among them) added. When a row is final (`on_row`) its sink mass,
 //! learned-sink mass and entropy follow as in `RowSums::finish` (what `finish_row` adds), with
 //! the kernel's f64 LSE of the row in place of a recomputed one (no logarithm per row). They are
 //! summed in f64 in row order over the item's rows; each item then adds its three sums and its
@@ -134,8 +135,9 @@ impl TileObserver for TelObserver<'_> {
         let (m, l) = (&mut ws.m[..n], &mut ws.l[..n]);
         let (sink_l, es) = (&mut ws.sink_l[..n], &mut ws.es[..n]);
         // Branch-free, so it vectorizes: rows whose max moved (and that hold something) are
-        // rescaled by the kernel's α = e^{m − u} (f32, a few ulp; m is the kernel's old max,
-        // finite since l > 0), with ln α = m − u exactly; `es` gains the α·ln(α)·l term.
+        // rescaled by the kernel's α = e^{m − u} (f32, a few ulp and the base-2 reference's
+        // rounding; m is the kernel's old max, finite since l > 0), with ln α = m − u; `es`
+        // gains the α·ln(α)·l term.
         for i in 0..n {
             let u = m_use[i] as f64;
             let rescale = u != m[i] && l[i] != 0.0;
