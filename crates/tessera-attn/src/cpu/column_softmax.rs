@@ -448,6 +448,20 @@ pub(crate) unsafe fn exp_pairs(
                 _mm512_maskz_loadu_ps(exists, u.as_ptr().add(i0)),
                 _mm512_set1_ps(-simd::LOG2E),
             );
+            if live.part.is_none() {
+                let acc = full_block_pairs(
+                    s.as_ptr().add(i0),
+                    tq,
+                    live.nk,
+                    exists,
+                    scv,
+                    nu,
+                    idx,
+                    pp.as_mut_ptr().add(i0),
+                );
+                _mm512_storeu_ps(col.as_mut_ptr().add(i0), acc);
+                continue;
+            }
             let mut acc = _mm512_setzero_ps();
             for jp in 0..np {
                 let dst = pp.as_mut_ptr().add(jp * tq + i0).cast();
@@ -475,6 +489,55 @@ pub(crate) unsafe fn exp_pairs(
             _mm512_storeu_ps(col.as_mut_ptr().add(i0), acc);
         }
     }
+}
+
+/// [`exp_pairs`] on one 16-query block of a full tile (`nk` keys, all live on the lanes of
+/// `exists`): the same values without the per-key range checks and lane masks of the partial
+/// tiles, and with plain loads where all 16 lanes exist (measured in place, rdtsc: 7.8k ->
+/// 6.5k ticks per full 128 × 128 tile; the loop alone runs 5.5k). Returns the block's column
+/// sums.
+///
+/// # Safety
+/// `s` must hold `nk` rows of 16 lanes `tq` apart, `pp` `⌈nk/2⌉` rows of 16 words `tq` apart;
+/// AVX-512F/BW/DQ, AVX512-BF16 and FMA.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512bf16,fma")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn full_block_pairs(
+    s: *const f32,
+    tq: usize,
+    nk: usize,
+    exists: __mmask16,
+    scv: __m512,
+    nu: __m512,
+    idx: __m512i,
+    pp: *mut u32,
+) -> __m512 {
+    let mut acc = _mm512_setzero_ps();
+    for jp in 0..nk.div_ceil(2) {
+        // The last pair of an odd `nk` has no second key.
+        let m1 = if 2 * jp + 1 < nk { exists } else { 0 };
+        // SAFETY: the caller's contract; masked-off lanes are not read.
+        unsafe {
+            let (x0, x1) = if exists == 0xFFFF && m1 == 0xFFFF {
+                (
+                    _mm512_loadu_ps(s.add(2 * jp * tq)),
+                    _mm512_loadu_ps(s.add((2 * jp + 1) * tq)),
+                )
+            } else {
+                (
+                    _mm512_maskz_loadu_ps(exists, s.add(2 * jp * tq)),
+                    _mm512_maskz_loadu_ps(m1, s.add((2 * jp + 1) * tq)),
+                )
+            };
+            let p0 = exp2_coarse_in(exists, _mm512_fmadd_ps(x0, scv, nu));
+            let p1 = exp2_coarse_in(m1, _mm512_fmadd_ps(x1, scv, nu));
+            acc = _mm512_add_ps(acc, _mm512_add_ps(p0, p1));
+            let bh: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(p1, p0));
+            _mm512_storeu_si512(pp.add(jp * tq).cast(), _mm512_permutexvar_epi16(idx, bh));
+        }
+    }
+    acc
 }
 
 /// One 16-query block of [`exp_pairs`]: its first lane in key row 0, the live key range, the
