@@ -351,7 +351,6 @@ unsafe fn exp_columns_with<L: Lanes>(
     assert!(col.len() >= nqp && u.len() >= nqp, "exp columns: extents");
     for i0 in (0..live.nq).step_by(L::W) {
         let exists = live.lanes(i0);
-        let (r0, r1) = live.keys(i0 / SB);
         // SAFETY: as in `column_max_with`; `u` and `col` hold the block.
         unsafe {
             // Arguments `x·(sc·B) − u·B` in the copy's base `B`; lanes `nq..` exponentiate
@@ -361,49 +360,115 @@ unsafe fn exp_columns_with<L: Lanes>(
             let nu = L::load(u.as_ptr().add(i0))
                 .keep(L::mask(exists))
                 .fma(L::splat(-L::BASE), L::splat(0.0));
-            let mut acc = L::splat(0.0);
             let sp = s.as_mut_ptr().add(i0);
-            // `L::KEYS` keys per step, the sum still in ascending key order.
-            let mut j = r0;
-            while L::KEYS == 4 && j + 4 <= r1 {
-                let p0 = exp_key(sp, tq, j, scv, nu, &live, exists, i0);
-                let p1 = exp_key(sp, tq, j + 1, scv, nu, &live, exists, i0);
-                let p2 = exp_key(sp, tq, j + 2, scv, nu, &live, exists, i0);
-                let p3 = exp_key(sp, tq, j + 3, scv, nu, &live, exists, i0);
-                acc = acc.add(p0).add(p1).add(p2).add(p3);
-                j += 4;
-            }
-            for j in j..r1 {
-                acc = acc.add(exp_key(sp, tq, j, scv, nu, &live, exists, i0));
-            }
+            let keys = live.keys(i0 / SB);
+            // A full tile's blocks take one lane mask for every key (no per-key lookup).
+            let acc = if live.part.is_none() {
+                exp_block::<L, true>(sp, tq, keys, scv, nu, &live, exists, i0)
+            } else {
+                exp_block::<L, false>(sp, tq, keys, scv, nu, &live, exists, i0)
+            };
             acc.store(col.as_mut_ptr().add(i0));
         }
     }
 }
 
-/// `p = exp(sc·x − u)` of key `j` (row `sp + j·tq`) on the block's live lanes, 0 elsewhere,
-/// stored over `x` and returned.
+/// The exponentials of one query block over keys `r0..r1`, stored over the logits; returns the
+/// column sums. `FULL`: every key is live on the lanes of `exists`.
 ///
 /// # Safety
-/// The row must hold 16 lanes; the CPU must have `L`'s instruction set.
+/// As [`exp_key`] for every key of the range.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn exp_key<L: Lanes>(
+unsafe fn exp_block<L: Lanes, const FULL: bool>(
     sp: *mut f32,
     tq: usize,
-    j: usize,
-    sc: L,
+    (r0, r1): (usize, usize),
+    scv: L,
     nu: L,
     live: &TileLive<'_>,
     exists: u16,
     i0: usize,
 ) -> L {
+    // SAFETY (both loops): the caller's contract.
+    unsafe {
+        let all = L::mask(exists);
+        let mut acc = L::splat(0.0);
+        // `L::KEYS` keys per step, the sum still in ascending key order.
+        let mut j = r0;
+        while L::KEYS == 4 && j + 4 <= r1 {
+            let p0 = exp_key(
+                sp,
+                tq,
+                j,
+                scv,
+                nu,
+                key_mask::<L, FULL>(live, all, exists, j, i0),
+            );
+            let p1 = exp_key(
+                sp,
+                tq,
+                j + 1,
+                scv,
+                nu,
+                key_mask::<L, FULL>(live, all, exists, j + 1, i0),
+            );
+            let p2 = exp_key(
+                sp,
+                tq,
+                j + 2,
+                scv,
+                nu,
+                key_mask::<L, FULL>(live, all, exists, j + 2, i0),
+            );
+            let p3 = exp_key(
+                sp,
+                tq,
+                j + 3,
+                scv,
+                nu,
+                key_mask::<L, FULL>(live, all, exists, j + 3, i0),
+            );
+            acc = acc.add(p0).add(p1).add(p2).add(p3);
+            j += 4;
+        }
+        for j in j..r1 {
+            let m = key_mask::<L, FULL>(live, all, exists, j, i0);
+            acc = acc.add(exp_key(sp, tq, j, scv, nu, m));
+        }
+        acc
+    }
+}
+
+/// The live lanes of key `j` in the block of `i0`: `all` (the mask of `exists`) when `FULL`.
+/// (Not a closure: closures do not inherit the caller's target features.)
+#[inline(always)]
+unsafe fn key_mask<L: Lanes, const FULL: bool>(
+    live: &TileLive<'_>,
+    all: L::Mask,
+    exists: u16,
+    j: usize,
+    i0: usize,
+) -> L::Mask {
+    if FULL {
+        all
+    } else {
+        // SAFETY: the caller runs with `L`'s instruction set.
+        unsafe { L::mask(live.live(exists, j, i0, L::W)) }
+    }
+}
+
+/// `p = exp(sc·x − u)` of key `j` (row `sp + j·tq`) on the lanes of `m`, 0 elsewhere, stored
+/// over `x` and returned.
+///
+/// # Safety
+/// The row must hold 16 lanes; the CPU must have `L`'s instruction set.
+#[inline(always)]
+unsafe fn exp_key<L: Lanes>(sp: *mut f32, tq: usize, j: usize, sc: L, nu: L, m: L::Mask) -> L {
     // SAFETY: the caller's contract.
     unsafe {
         let x = sp.add(j * tq);
-        let p = L::load(x)
-            .fma(sc, nu)
-            .exp_in(L::mask(live.live(exists, j, i0, L::W)));
+        let p = L::load(x).fma(sc, nu).exp_in(m);
         p.store(x);
         p
     }
