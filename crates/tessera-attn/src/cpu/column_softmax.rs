@@ -60,6 +60,25 @@ impl<'a> TileLive<'a> {
         }
     }
 
+    /// Keys `[d0, d1)` inside [`Self::keys`] live on every existing lane of query block `ib`
+    /// (the whole range in a full tile).
+    #[inline(always)]
+    fn dense(&self, ib: usize) -> (usize, usize) {
+        let (r0, r1) = self.keys(ib);
+        match self.part {
+            None => (r0, r1),
+            Some((_, live, id)) => {
+                let (d0, d1) = live.dense(id, ib);
+                let d1 = d1.min(r1);
+                if d0.max(r0) < d1 {
+                    (d0.max(r0), d1)
+                } else {
+                    (r1, r1)
+                }
+            }
+        }
+    }
+
     /// Lanes of queries `i0..i0 + 16` that exist (`< nq`).
     #[inline(always)]
     fn lanes(&self, i0: usize) -> u16 {
@@ -361,20 +380,21 @@ unsafe fn exp_columns_with<L: Lanes>(
                 .keep(L::mask(exists))
                 .fma(L::splat(-L::BASE), L::splat(0.0));
             let sp = s.as_mut_ptr().add(i0);
-            let keys = live.keys(i0 / SB);
-            // A full tile's blocks take one lane mask for every key (no per-key lookup).
-            let acc = if live.part.is_none() {
-                exp_block::<L, true>(sp, tq, keys, scv, nu, &live, exists, i0)
-            } else {
-                exp_block::<L, false>(sp, tq, keys, scv, nu, &live, exists, i0)
-            };
+            let (r0, r1) = live.keys(i0 / SB);
+            // Keys live on every lane (a full tile's all, a partial tile's dense run) take one
+            // lane mask for all (no per-key lookup); the sum runs in key order throughout.
+            let (d0, d1) = live.dense(i0 / SB);
+            let acc = L::splat(0.0);
+            let acc = exp_block::<L, false>(sp, tq, (r0, d0), scv, nu, &live, exists, i0, acc);
+            let acc = exp_block::<L, true>(sp, tq, (d0, d1), scv, nu, &live, exists, i0, acc);
+            let acc = exp_block::<L, false>(sp, tq, (d1, r1), scv, nu, &live, exists, i0, acc);
             acc.store(col.as_mut_ptr().add(i0));
         }
     }
 }
 
 /// The exponentials of one query block over keys `r0..r1`, stored over the logits; returns the
-/// column sums. `FULL`: every key is live on the lanes of `exists`.
+/// column sums `acc` continued over them. `FULL`: every key is live on the lanes of `exists`.
 ///
 /// # Safety
 /// As [`exp_key`] for every key of the range.
@@ -389,11 +409,11 @@ unsafe fn exp_block<L: Lanes, const FULL: bool>(
     live: &TileLive<'_>,
     exists: u16,
     i0: usize,
+    mut acc: L,
 ) -> L {
     // SAFETY (both loops): the caller's contract.
     unsafe {
         let all = L::mask(exists);
-        let mut acc = L::splat(0.0);
         // `L::KEYS` keys per step, the sum still in ascending key order.
         let mut j = r0;
         while L::KEYS == 4 && j + 4 <= r1 {
@@ -513,54 +533,45 @@ pub(crate) unsafe fn exp_pairs(
                 _mm512_maskz_loadu_ps(exists, u.as_ptr().add(i0)),
                 _mm512_set1_ps(-simd::LOG2E),
             );
-            if live.part.is_none() {
-                let acc = full_block_pairs(
-                    s.as_ptr().add(i0),
-                    tq,
-                    live.nk,
-                    exists,
-                    scv,
-                    nu,
-                    idx,
-                    pp.as_mut_ptr().add(i0),
-                );
-                _mm512_storeu_ps(col.as_mut_ptr().add(i0), acc);
-                continue;
-            }
-            let mut acc = _mm512_setzero_ps();
-            for jp in 0..np {
-                let dst = pp.as_mut_ptr().add(jp * tq + i0).cast();
-                let (j0, j1) = (2 * jp, 2 * jp + 1);
-                if j1 < r0 || j0 >= r1 {
-                    _mm512_storeu_si512(dst, _mm512_setzero_si512());
-                    continue;
-                }
-                let block = Block {
-                    s: s.as_ptr().add(i0),
-                    tq,
-                    keys: (r0, r1),
-                    lanes: (live, exists, i0),
-                    sc: scv,
-                    nu,
-                };
-                let (m0, x0) = block.key(j0);
-                let (m1, x1) = block.key(j1);
-                let p0 = exp2_coarse_in(m0, x0);
-                let p1 = exp2_coarse_in(m1, x1);
-                acc = _mm512_add_ps(acc, _mm512_add_ps(p0, p1));
-                let bh: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(p1, p0));
-                _mm512_storeu_si512(dst, _mm512_permutexvar_epi16(idx, bh));
-            }
+            // Pairs whose keys are both live on every lane (a full tile's all, a partial
+            // tile's dense run) go without per-key masks; the sum runs in pair order throughout.
+            let (d0, d1) = live.dense(i0 / SB);
+            let jd0 = d0.div_ceil(2).min(np);
+            let jd1 = (d1 / 2).max(jd0);
+            let jd1 = if live.part.is_none() { np } else { jd1 };
+            let block = Block {
+                s: s.as_ptr().add(i0),
+                tq,
+                keys: (r0, r1),
+                lanes: (live, exists, i0),
+                sc: scv,
+                nu,
+            };
+            let out = pp.as_mut_ptr().add(i0);
+            let acc = _mm512_setzero_ps();
+            let acc = block.masked_pairs((0, jd0), idx, out, acc);
+            let acc = full_block_pairs(
+                block.s,
+                tq,
+                (jd0, jd1, live.nk),
+                exists,
+                scv,
+                nu,
+                idx,
+                out,
+                acc,
+            );
+            let acc = block.masked_pairs((jd1, np), idx, out, acc);
             _mm512_storeu_ps(col.as_mut_ptr().add(i0), acc);
         }
     }
 }
 
-/// [`exp_pairs`] on one 16-query block of a full tile (`nk` keys, all live on the lanes of
-/// `exists`): the same values without the per-key range checks and lane masks of the partial
-/// tiles, and with plain loads where all 16 lanes exist (measured in place, rdtsc: 7.8k ->
-/// 6.5k ticks per full 128 × 128 tile; the loop alone runs 5.5k). Returns the block's column
-/// sums.
+/// [`exp_pairs`] on the pairs `jp0..jp1` of one 16-query block whose keys are all live on the
+/// lanes of `exists` (a full tile's, or a partial tile's dense run; `nk` keys in the tile):
+/// the same values without the per-key range checks and lane masks, and with plain loads where
+/// all 16 lanes exist (measured in place, rdtsc: 7.8k -> 6.5k ticks per full 128 × 128 tile;
+/// the loop alone runs 5.5k). Returns the column sums `acc` continued over the pairs.
 ///
 /// # Safety
 /// `s` must hold `nk` rows of 16 lanes `tq` apart, `pp` `⌈nk/2⌉` rows of 16 words `tq` apart;
@@ -571,15 +582,15 @@ pub(crate) unsafe fn exp_pairs(
 unsafe fn full_block_pairs(
     s: *const f32,
     tq: usize,
-    nk: usize,
+    (jp0, jp1, nk): (usize, usize, usize),
     exists: __mmask16,
     scv: __m512,
     nu: __m512,
     idx: __m512i,
     pp: *mut u32,
+    mut acc: __m512,
 ) -> __m512 {
-    let mut acc = _mm512_setzero_ps();
-    for jp in 0..nk.div_ceil(2) {
+    for jp in jp0..jp1 {
         // The last pair of an odd `nk` has no second key.
         let m1 = if 2 * jp + 1 < nk { exists } else { 0 };
         // SAFETY: the caller's contract; masked-off lanes are not read.
@@ -617,6 +628,43 @@ struct Block<'a> {
 }
 
 impl Block<'_> {
+    /// [`exp_pairs`] on the pairs `jp0..jp1` of the block with the lane mask of every key (0
+    /// outside the block's key range); returns the column sums `acc` continued over them.
+    ///
+    /// # Safety
+    /// `pp` must hold rows `jp0..jp1` of 16 words `tq` apart; the key rows as [`Self::key`];
+    /// AVX-512F/BW/DQ, AVX512-BF16 and FMA.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512bf16,fma")]
+    unsafe fn masked_pairs(
+        &self,
+        (jp0, jp1): (usize, usize),
+        idx: __m512i,
+        pp: *mut u32,
+        mut acc: __m512,
+    ) -> __m512 {
+        let (r0, r1) = self.keys;
+        for jp in jp0..jp1 {
+            // SAFETY: the caller's contract.
+            unsafe {
+                let dst = pp.add(jp * self.tq).cast();
+                let (j0, j1) = (2 * jp, 2 * jp + 1);
+                if j1 < r0 || j0 >= r1 {
+                    _mm512_storeu_si512(dst, _mm512_setzero_si512());
+                    continue;
+                }
+                let (m0, x0) = self.key(j0);
+                let (m1, x1) = self.key(j1);
+                let p0 = exp2_coarse_in(m0, x0);
+                let p1 = exp2_coarse_in(m1, x1);
+                acc = _mm512_add_ps(acc, _mm512_add_ps(p0, p1));
+                let bh: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(p1, p0));
+                _mm512_storeu_si512(dst, _mm512_permutexvar_epi16(idx, bh));
+            }
+        }
+        acc
+    }
+
     /// Key `j`: its live lanes (none outside the key range) and `s·(sc·log2 e) − u·log2 e` on
     /// them.
     ///

@@ -8,7 +8,9 @@
 //!   keys (one row block of the products);
 //! - per 16-query block `ib`: the exact key range `[r0, r1)` from the first to the last allowed key
 //!   of any query in the block;
-//! - the same per group of [`RB`] queries (one row block of the products).
+//! - the same per group of [`RB`] queries (one row block of the products);
+//! - per 16-query block `ib`: the dense key range, the longest run of keys allowed for every
+//!   query of the block, over which the exponentials need no lane masks.
 //!
 //! Kernels compute `Sᵀ` only over the column range of each key group (or 16-key block: the AVX2
 //! copy, whose 3-row product blocks do not fit groups of 4; [`LiveBlocks::cols_of`]), exponentiate
@@ -41,6 +43,33 @@ pub(crate) struct LiveBlocks {
     qg: usize,
     /// `[masks][qg]` key ranges.
     group_keys: Vec<(u32, u32)>,
+    /// `[masks][qb]` dense key ranges.
+    dense: Vec<(u32, u32)>,
+}
+
+/// The longest run of keys `< tk` set in every row of `rows` (empty `(0, 0)` if none).
+fn dense_run<'a>(rows: impl Iterator<Item = &'a [u64]>, tk: usize) -> (u32, u32) {
+    let mut all = vec![u64::MAX; tk.div_ceil(64)];
+    for row in rows {
+        for (a, &w) in all.iter_mut().zip(row) {
+            *a &= w;
+        }
+    }
+    let (mut best, mut start) = ((0, 0), None);
+    for k in 0..=tk {
+        let set = k < tk && all[k / 64] >> (k % 64) & 1 == 1;
+        match (set, start) {
+            (true, None) => start = Some(k),
+            (false, Some(a)) => {
+                if k - a > best.1 - best.0 {
+                    best = (a, k);
+                }
+                start = None;
+            }
+            _ => {}
+        }
+    }
+    (best.0 as u32, best.1 as u32)
 }
 
 /// Entry `i` of mask `id` in a `[masks][per]` range table.
@@ -57,7 +86,7 @@ impl LiveBlocks {
         let (qg, kg) = (tq.div_ceil(RB), tk.div_ceil(RB));
         let p = &plan.partials;
         let n = p.len();
-        let per: Vec<[Ranges; 4]> = (0..n)
+        let per: Vec<[Ranges; 5]> = (0..n)
             .into_par_iter()
             .map(|id| {
                 // occ[jg][ib]: key group jg holds an allowed pair with a query of block ib.
@@ -103,6 +132,12 @@ impl LiveBlocks {
                 };
                 let cols = occ.chunks(SB / RB).map(span).collect();
                 let group_cols = occ.chunks(1).map(span).collect();
+                let dense = (0..qb)
+                    .map(|ib| {
+                        let rows = (ib * SB..((ib + 1) * SB).min(tq)).map(|r| p.row(id as u32, r));
+                        dense_run(rows, tk)
+                    })
+                    .collect();
                 let group = group
                     .into_iter()
                     .map(|(lo, hi)| {
@@ -113,18 +148,20 @@ impl LiveBlocks {
                         }
                     })
                     .collect();
-                [cols, keys, group, group_cols]
+                [cols, keys, group, group_cols, dense]
             })
             .collect();
         let mut cols = Vec::with_capacity(n * kb);
         let mut keys = Vec::with_capacity(n * qb);
         let mut group_keys = Vec::with_capacity(n * qg);
         let mut group_cols = Vec::with_capacity(n * kg);
-        for [c, k, g, gc] in per {
+        let mut dense = Vec::with_capacity(n * qb);
+        for [c, k, g, gc, d] in per {
             cols.extend(c);
             keys.extend(k);
             group_keys.extend(g);
             group_cols.extend(gc);
+            dense.extend(d);
         }
         LiveBlocks {
             kb,
@@ -135,6 +172,7 @@ impl LiveBlocks {
             keys,
             qg,
             group_keys,
+            dense,
         }
     }
 
@@ -191,6 +229,13 @@ impl LiveBlocks {
     #[inline(always)]
     pub(crate) fn keys(&self, id: u32, ib: usize) -> (usize, usize) {
         at(&self.keys, self.qb, id, ib)
+    }
+
+    /// The longest run of keys `[d0, d1)` allowed for every query (row `< tq`) of block `ib` of
+    /// partial mask `id` (`d0 = d1` if none): inside it the exponentials need no lane mask.
+    #[inline(always)]
+    pub(crate) fn dense(&self, id: u32, ib: usize) -> (usize, usize) {
+        at(&self.dense, self.qb, id, ib)
     }
 
     /// Key range `[r0, r1)` of the query group `g` (queries `g·RB..(g + 1)·RB`) of partial
@@ -270,6 +315,20 @@ mod tests {
                     for g in 0..tk.div_ceil(RB) {
                         let want = cols_of(g * RB..(g * RB + RB).min(tk));
                         assert_eq!(live.group_cols(id, g), want, "columns of group {g}");
+                    }
+                    // Dense runs: every key inside allowed for every row of the block, and no
+                    // longer run exists.
+                    for ib in 0..tq.div_ceil(SB) {
+                        let qs = ib * SB..(ib * SB + SB).min(tq);
+                        let full = |k: usize| qs.clone().all(|q| bit(q, k));
+                        let (d0, d1) = live.dense(id, ib);
+                        assert!((d0..d1).all(full) && d1 <= tk, "dense run of block {ib}");
+                        let (mut run, mut longest) = (0, 0);
+                        for k in 0..tk {
+                            run = if full(k) { run + 1 } else { 0 };
+                            longest = longest.max(run);
+                        }
+                        assert_eq!(d1 - d0, longest, "dense run of block {ib} is the longest");
                     }
                 }
             }
