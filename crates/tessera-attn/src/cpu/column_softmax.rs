@@ -384,113 +384,83 @@ unsafe fn exp_columns_with<L: Lanes>(
             // Keys live on every lane (a full tile's all, a partial tile's dense run) take one
             // lane mask for all (no per-key lookup); the sum runs in key order throughout.
             let (d0, d1) = live.dense(i0 / SB);
-            let acc = L::splat(0.0);
-            let acc = exp_block::<L, false>(sp, tq, (r0, d0), scv, nu, &live, exists, i0, acc);
-            let acc = exp_block::<L, true>(sp, tq, (d0, d1), scv, nu, &live, exists, i0, acc);
-            let acc = exp_block::<L, false>(sp, tq, (d1, r1), scv, nu, &live, exists, i0, acc);
+            let block = ExpBlock {
+                sp,
+                tq,
+                scv,
+                nu,
+                live: &live,
+                exists,
+                i0,
+            };
+            let acc = block.run::<false>((r0, d0), L::splat(0.0));
+            let acc = block.run::<true>((d0, d1), acc);
+            let acc = block.run::<false>((d1, r1), acc);
             acc.store(col.as_mut_ptr().add(i0));
         }
     }
 }
 
-/// The exponentials of one query block over keys `r0..r1`, stored over the logits; returns the
-/// column sums `acc` continued over them. `FULL`: every key is live on the lanes of `exists`.
-///
-/// # Safety
-/// As [`exp_key`] for every key of the range.
-#[inline(always)]
-#[allow(clippy::too_many_arguments)]
-unsafe fn exp_block<L: Lanes, const FULL: bool>(
+/// One query block of [`exp_columns`]: its first lane in key row 0 (`sp`), the scale and
+/// negated base in the copy's base, the tile's live pairs and the lanes that exist.
+struct ExpBlock<'a, L: Lanes> {
     sp: *mut f32,
     tq: usize,
-    (r0, r1): (usize, usize),
     scv: L,
     nu: L,
-    live: &TileLive<'_>,
+    live: &'a TileLive<'a>,
     exists: u16,
     i0: usize,
-    mut acc: L,
-) -> L {
-    // SAFETY (both loops): the caller's contract.
-    unsafe {
-        let all = L::mask(exists);
-        // `L::KEYS` keys per step, the sum still in ascending key order.
-        let mut j = r0;
-        while L::KEYS == 4 && j + 4 <= r1 {
-            let p0 = exp_key(
-                sp,
-                tq,
-                j,
-                scv,
-                nu,
-                key_mask::<L, FULL>(live, all, exists, j, i0),
-            );
-            let p1 = exp_key(
-                sp,
-                tq,
-                j + 1,
-                scv,
-                nu,
-                key_mask::<L, FULL>(live, all, exists, j + 1, i0),
-            );
-            let p2 = exp_key(
-                sp,
-                tq,
-                j + 2,
-                scv,
-                nu,
-                key_mask::<L, FULL>(live, all, exists, j + 2, i0),
-            );
-            let p3 = exp_key(
-                sp,
-                tq,
-                j + 3,
-                scv,
-                nu,
-                key_mask::<L, FULL>(live, all, exists, j + 3, i0),
-            );
-            acc = acc.add(p0).add(p1).add(p2).add(p3);
-            j += 4;
-        }
-        for j in j..r1 {
-            let m = key_mask::<L, FULL>(live, all, exists, j, i0);
-            acc = acc.add(exp_key(sp, tq, j, scv, nu, m));
-        }
-        acc
-    }
 }
 
-/// The live lanes of key `j` in the block of `i0`: `all` (the mask of `exists`) when `FULL`.
-/// (Not a closure: closures do not inherit the caller's target features.)
-#[inline(always)]
-unsafe fn key_mask<L: Lanes, const FULL: bool>(
-    live: &TileLive<'_>,
-    all: L::Mask,
-    exists: u16,
-    j: usize,
-    i0: usize,
-) -> L::Mask {
-    if FULL {
-        all
-    } else {
-        // SAFETY: the caller runs with `L`'s instruction set.
-        unsafe { L::mask(live.live(exists, j, i0, L::W)) }
+impl<L: Lanes> ExpBlock<'_, L> {
+    /// The exponentials over keys `r0..r1`, stored over the logits; returns the column sums
+    /// `acc` continued over them. `FULL`: every key is live on the lanes of `exists`.
+    ///
+    /// # Safety
+    /// As [`Self::key`] for every key of the range.
+    #[inline(always)]
+    unsafe fn run<const FULL: bool>(&self, (r0, r1): (usize, usize), mut acc: L) -> L {
+        // SAFETY (both loops): the caller's contract.
+        unsafe {
+            let all = L::mask(self.exists);
+            // `L::KEYS` keys per step, the sum still in ascending key order.
+            let mut j = r0;
+            while L::KEYS == 4 && j + 4 <= r1 {
+                let p0 = self.key::<FULL>(j, all);
+                let p1 = self.key::<FULL>(j + 1, all);
+                let p2 = self.key::<FULL>(j + 2, all);
+                let p3 = self.key::<FULL>(j + 3, all);
+                acc = acc.add(p0).add(p1).add(p2).add(p3);
+                j += 4;
+            }
+            for j in j..r1 {
+                acc = acc.add(self.key::<FULL>(j, all));
+            }
+            acc
+        }
     }
-}
 
-/// `p = exp(sc·x − u)` of key `j` (row `sp + j·tq`) on the lanes of `m`, 0 elsewhere, stored
-/// over `x` and returned.
-///
-/// # Safety
-/// The row must hold 16 lanes; the CPU must have `L`'s instruction set.
-#[inline(always)]
-unsafe fn exp_key<L: Lanes>(sp: *mut f32, tq: usize, j: usize, sc: L, nu: L, m: L::Mask) -> L {
-    // SAFETY: the caller's contract.
-    unsafe {
-        let x = sp.add(j * tq);
-        let p = L::load(x).fma(sc, nu).exp_in(m);
-        p.store(x);
-        p
+    /// `p = exp(sc·x − u)` of key `j` (row `sp + j·tq`) on its live lanes (`all`, the mask of
+    /// `exists`, when `FULL`), 0 elsewhere, stored over `x` and returned. (A method, not a
+    /// closure: closures do not inherit the caller's target features.)
+    ///
+    /// # Safety
+    /// The row must hold 16 lanes; the CPU must have `L`'s instruction set.
+    #[inline(always)]
+    unsafe fn key<const FULL: bool>(&self, j: usize, all: L::Mask) -> L {
+        // SAFETY: the caller's contract.
+        unsafe {
+            let m = if FULL {
+                all
+            } else {
+                L::mask(self.live.live(self.exists, j, self.i0, L::W))
+            };
+            let x = self.sp.add(j * self.tq);
+            let p = L::load(x).fma(self.scv, self.nu).exp_in(m);
+            p.store(x);
+            p
+        }
     }
 }
 
