@@ -8,8 +8,9 @@
 //! of the item's forward work-list row the kernel computes `Sᵀ = K_tile · Qsᵀ` (`[tk × tq]`, so
 //! every softmax loop runs contiguous over the tile's queries with no per-tile transpose), applies
 //! the partial bitmask (partial tiles only), the softcap, the online-softmax update (running max,
-//! rescale of the O rows, exponentials, column sums), then accumulates `O += P·V` with O rows
-//! contiguous over Dv. The item finishes with the sink, the normalisation, LSE and the item's
+//! the exponent reference and, when it moves, the rescale of the O rows; exponentials, in base 2
+//! on the copies with FMA; column sums), then accumulates `O += P·V` with O rows contiguous over
+//! Dv. The item finishes with the sink, the normalisation, LSE and the item's
 //! pre-softcap max logit.
 
 #[cfg(target_arch = "x86_64")]
