@@ -1,11 +1,14 @@
 //! The online-softmax passes over one forward score tile `Sᵀ` (one row per key, queries
-//! contiguous) in explicit AVX-512 or AVX2, one register of queries (16 in a zmm, 8 in a ymm) at a time: the column maxima
-//! ([`column_max`]), then the exponentials and column sums ([`exp_columns`] for the f32 `P`,
-//! [`exp_pairs`] for the bf16 pairs of keys of the `vdpbf16ps` kernel).
+//! contiguous) in explicit AVX-512 or AVX2, one register of queries (16 in a zmm, 8 in a ymm) at
+//! a time: the column maxima ([`column_max`]), then the exponentials and column sums
+//! ([`exp_columns`] for the f32 `P`, [`exp_pairs`] for the bf16 pairs of keys of the `vdpbf16ps`
+//! kernel).
 //!
 //! Contract: the values are those of the row-by-row loops they replace, bit for bit (same
-//! arguments and exponential, `simd::softmax_exp` / `exp2_coarse`, same order of the sums per query, a masked pair contributes an exact 0), so the
-//! telemetry copies, which keep the row-by-row loops for their per-key hooks, stay bit-identical.
+//! arguments and exponential, `simd::softmax_exp` / `exp2_coarse`, same order of the sums per
+//! query, a masked pair contributes an exact 0), so the telemetry copies, which keep the
+//! row-by-row loops for their per-key hooks, stay bit-identical. Keys live on every lane of a
+//! block (a full tile's, a partial tile's dense run) skip the per-key lane masks.
 //! Why per column: the running maximum, the exponent base and the column sum of 16 queries stay
 //! in registers for the whole tile, and a partial tile applies its bitmask as a lane mask while
 //! exponentiating (no separate `-inf` pass, no separate max pass, no span bookkeeping per key).
@@ -466,9 +469,9 @@ impl<L: Lanes> ExpBlock<'_, L> {
 
 /// The bf16 `P` of the `vdpbf16ps` kernel: for every pair of keys `jp < ⌈nk/2⌉` and query `i` of
 /// the padded tile, `pp[jp·tq + i]` holds `p(2jp)` (low half) and `p(2jp + 1)` rounded to bf16,
-/// `p(j) = 2^(s[j·tq + i]·(sc·log2 e) − u[i]·log2 e)` (`exp2_coarse`: P is rounded to bf16) for a live pair and `0` otherwise (key `nk`, lanes `nq..`,
-/// masked pairs and rows outside the block's key range included); `col[i] = Σ_jp (p0 + p1)` in
-/// ascending `jp` from 0.
+/// `p(j) = 2^(s[j·tq + i]·(sc·log2 e) − u[i]·log2 e)` (`exp2_coarse`: P is rounded to bf16) for a
+/// live pair and `0` otherwise (key `nk`, lanes `nq..`, masked pairs and rows outside the block's
+/// key range included); `col[i] = Σ_jp (p0 + p1)` in ascending `jp` from 0.
 ///
 /// # Safety
 /// The CPU must have AVX-512F/BW/DQ, AVX512-BF16 and FMA.

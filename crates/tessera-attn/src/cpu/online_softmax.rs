@@ -62,8 +62,8 @@ pub(crate) fn update_max<S: Simd>(
 /// [`update_max`]) and sum `l`: returns the factor that turns the accumulated `orow` into O, and
 /// the row's LSE (the sink joins the denominator). The sum was taken against `m·B` rounded once
 /// in the copy's base `B`, so the LSE adds that reference back exactly (`fl(m·B)/B` in f64; `m`
-/// when `B = 1`): the rounding of the reference cancels. A row with no allowed key gets O = 0 (`orow` is
-/// zeroed) and LSE = σ, or -inf without a sink.
+/// when `B = 1`): the rounding of the reference cancels. A row with no allowed key gets O = 0
+/// (`orow` is zeroed) and LSE = σ, or -inf without a sink.
 #[inline]
 pub(crate) fn finish_row<S: Simd>(
     l: f32,
