@@ -508,10 +508,11 @@ pub(crate) unsafe fn exp_pairs(
             );
             // Pairs whose keys are both live on every lane (a full tile's all, a partial
             // tile's dense run) go without per-key masks; the sum runs in pair order throughout.
+            // A run reaching key `nk` takes the last pair too (its missing second key of an odd
+            // `nk` is masked either way).
             let (d0, d1) = live.dense(i0 / SB);
             let jd0 = d0.div_ceil(2).min(np);
-            let jd1 = (d1 / 2).max(jd0);
-            let jd1 = if live.part.is_none() { np } else { jd1 };
+            let jd1 = if d1 >= live.nk { np } else { d1 / 2 }.max(jd0);
             let block = Block {
                 s: s.as_ptr().add(i0),
                 tq,
