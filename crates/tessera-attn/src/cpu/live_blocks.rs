@@ -200,6 +200,34 @@ impl LiveBlocks {
         }
     }
 
+    /// Key rows `0..mk` in maximal runs of consecutive `step`-row blocks ([`RB`] or [`SB`]) that
+    /// share one column range ([`Self::cols_of`]), as `(r0, r1, c0, c1)`; runs with an empty
+    /// range are left out. One product per run gives the product room to block rows: a narrow
+    /// column range needs many rows to keep enough independent accumulators in flight.
+    pub(crate) fn col_runs(
+        &self,
+        id: u32,
+        mk: usize,
+        step: usize,
+    ) -> impl Iterator<Item = (usize, usize, usize, usize)> + '_ {
+        let mut r0 = 0;
+        std::iter::from_fn(move || {
+            while r0 < mk {
+                let cols = self.cols_of(id, r0, step);
+                let mut r1 = (r0 + step).min(mk);
+                while r1 < mk && self.cols_of(id, r1, step) == cols {
+                    r1 = (r1 + step).min(mk);
+                }
+                let start = r0;
+                r0 = r1;
+                if cols.0 < cols.1 {
+                    return Some((start, r1, cols.0, cols.1));
+                }
+            }
+            None
+        })
+    }
+
     /// The key range of query rows `i0..i0 + step`: [`Self::group_keys`] for `step` = [`RB`],
     /// [`Self::keys`] for `step` = [`SB`] (`i0` a multiple of `step`).
     #[inline(always)]
@@ -315,6 +343,29 @@ mod tests {
                     for g in 0..tk.div_ceil(RB) {
                         let want = cols_of(g * RB..(g * RB + RB).min(tk));
                         assert_eq!(live.group_cols(id, g), want, "columns of group {g}");
+                    }
+                    // Column runs: consecutive, maximal, and every block with a nonempty range
+                    // inside exactly one run of that range.
+                    let mk = tk.div_ceil(RB) * RB;
+                    for step in [RB, SB] {
+                        let runs: Vec<_> = live.col_runs(id, mk, step).collect();
+                        let mut covered = vec![false; mk.div_ceil(step)];
+                        for (i, &(r0, r1, c0, c1)) in runs.iter().enumerate() {
+                            assert!(r0 < r1 && r1 <= mk && c0 < c1, "run {i}");
+                            assert!(r0 % step == 0 && (r1 % step == 0 || r1 == mk), "run {i}");
+                            for r in (r0..r1).step_by(step) {
+                                assert_eq!(live.cols_of(id, r, step), (c0, c1), "run {i}");
+                                covered[r / step] = true;
+                            }
+                            if let Some(&(_, p1, p0c, p1c)) = i.checked_sub(1).map(|p| &runs[p]) {
+                                assert!(p1 <= r0, "runs in order");
+                                assert!(p1 < r0 || (p0c, p1c) != (c0, c1), "run {i} is maximal");
+                            }
+                        }
+                        for (b, &c) in covered.iter().enumerate() {
+                            let (c0, c1) = live.cols_of(id, b * step, step);
+                            assert_eq!(c, c0 < c1, "block {b} of {step}");
+                        }
                     }
                     // Dense runs: every key inside allowed for every row of the block, and no
                     // longer run exists.

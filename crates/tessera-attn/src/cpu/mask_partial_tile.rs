@@ -68,6 +68,17 @@ impl MasksT {
         }
     }
 
+    /// Key rows `j0..` of mask `id` as bytes and the row stride in bytes: on a little-endian
+    /// target (the x86-64 kernels that use it), bit `i` of a row is bit `i % 8` of byte `i / 8`.
+    pub(crate) fn bytes_from(&self, id: u32, j0: usize) -> (&[u8], usize) {
+        let rows = &self.data[(id as usize * self.rows + j0) * self.words
+            ..(id as usize + 1) * self.rows * self.words];
+        // SAFETY: any u64 storage is valid as bytes; the length covers the same memory.
+        let view =
+            unsafe { std::slice::from_raw_parts(rows.as_ptr().cast::<u8>(), rows.len() * 8) };
+        (view, self.words * 8)
+    }
+
     #[inline(always)]
     pub(crate) fn row(&self, id: u32, j: usize) -> &[u64] {
         let o = (id as usize * self.rows + j) * self.words;

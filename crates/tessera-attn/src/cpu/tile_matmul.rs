@@ -523,40 +523,24 @@ mod tests {
         }
     }
 
+    /// One copy's `gemm` (`cm: None`) or `gemm_colmax` (`Some`), as the check below calls it.
     #[cfg(target_arch = "x86_64")]
-    #[test]
-    fn avx2_register_block_is_bit_identical_to_sequential_fmas() {
-        use super::super::simd::Avx2;
-        if !(is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")) {
-            println!("skipped: no AVX2+FMA on this CPU");
-            return;
-        }
-        #[target_feature(enable = "avx2,fma")]
-        #[allow(clippy::too_many_arguments)]
-        fn run<const ACC: bool, const AT: bool>(
-            m: usize,
-            n: usize,
-            k: usize,
-            a: &[f32],
-            lda: usize,
-            b: &[f32],
-            c: &mut [f32],
-            ldc: usize,
-            cm: Option<&mut [f32]>,
-        ) {
-            match cm {
-                Some(cm) => gemm_colmax::<Avx2>(m, n, k, a, lda, b, n, c, ldc, cm),
-                None => gemm::<Avx2, ACC, AT>(m, n, k, a, lda, b, n, c, ldc),
-            }
-        }
-        // Rows 8, 12, 16 and 20 end their 6-row blocks with 2, 0, 4 and 2 rows.
-        for &(m, n, k) in &[
-            (4, 32, 9),
-            (8, 16, 37),
-            (12, 48, 64),
-            (16, 32, 5),
-            (20, 128, 64),
-        ] {
+    type Run<'a> = &'a dyn Fn(
+        (bool, bool),
+        (usize, usize, usize),
+        &[f32],
+        usize,
+        &[f32],
+        &mut [f32],
+        usize,
+        Option<&mut [f32]>,
+    );
+
+    /// `run` against sequential FMAs in each element's k order, bit for bit, with and without
+    /// accumulation and transposed A, and its fused column max with a NaN row ignored.
+    #[cfg(target_arch = "x86_64")]
+    fn check_sequential_fmas(cases: &[(usize, usize, usize)], run: Run<'_>) {
+        for &(m, n, k) in cases {
             let (lda, ldc) = (m.max(k) + 1, n + 3);
             let a: Vec<f32> = (0..k.max(m) * lda)
                 .map(|i| ((i * 7 % 13) as f32) * 0.37 - 2.1)
@@ -578,23 +562,7 @@ mod tests {
                     }
                 }
                 let mut got = c0.clone();
-                // SAFETY: AVX2 and FMA were detected above.
-                unsafe {
-                    match (acc, at) {
-                        (false, false) => {
-                            run::<false, false>(m, n, k, &a, lda, &b, &mut got, ldc, None)
-                        }
-                        (true, true) => {
-                            run::<true, true>(m, n, k, &a, lda, &b, &mut got, ldc, None)
-                        }
-                        (false, true) => {
-                            run::<false, true>(m, n, k, &a, lda, &b, &mut got, ldc, None)
-                        }
-                        (true, false) => {
-                            run::<true, false>(m, n, k, &a, lda, &b, &mut got, ldc, None)
-                        }
-                    }
-                }
+                run((acc, at), (m, n, k), &a, lda, &b, &mut got, ldc, None);
                 let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                 assert_eq!(
                     bits(&got),
@@ -602,13 +570,20 @@ mod tests {
                     "m={m} n={n} k={k} acc={acc} at={at}"
                 );
             }
-            // The fused column max, with a NaN row ignored as in the generic block.
             let mut a_nan = a.clone();
             a_nan[0] = f32::NAN;
             let mut got = c0.clone();
             let mut cm = vec![f32::NEG_INFINITY; n];
-            // SAFETY: AVX2 and FMA were detected above.
-            unsafe { run::<false, false>(m, n, k, &a_nan, lda, &b, &mut got, ldc, Some(&mut cm)) };
+            run(
+                (false, false),
+                (m, n, k),
+                &a_nan,
+                lda,
+                &b,
+                &mut got,
+                ldc,
+                Some(&mut cm),
+            );
             for (x, &g) in cm.iter().enumerate() {
                 let want = (0..m)
                     .map(|r| got[r * ldc + x])
@@ -617,5 +592,82 @@ mod tests {
                 assert_eq!(g.to_bits(), want.to_bits(), "column {x}");
             }
         }
+    }
+
+    /// A [`Run`] over copy `$isa`, compiled with `$features`.
+    #[cfg(target_arch = "x86_64")]
+    macro_rules! copy_run {
+        ($isa:ty, $features:literal) => {{
+            #[target_feature(enable = $features)]
+            #[allow(clippy::too_many_arguments)]
+            fn run(
+                (acc, at): (bool, bool),
+                (m, n, k): (usize, usize, usize),
+                a: &[f32],
+                lda: usize,
+                b: &[f32],
+                c: &mut [f32],
+                ldc: usize,
+                cm: Option<&mut [f32]>,
+            ) {
+                match (cm, acc, at) {
+                    (Some(cm), ..) => gemm_colmax::<$isa>(m, n, k, a, lda, b, n, c, ldc, cm),
+                    (None, false, false) => {
+                        gemm::<$isa, false, false>(m, n, k, a, lda, b, n, c, ldc)
+                    }
+                    (None, true, true) => gemm::<$isa, true, true>(m, n, k, a, lda, b, n, c, ldc),
+                    (None, false, true) => gemm::<$isa, false, true>(m, n, k, a, lda, b, n, c, ldc),
+                    (None, true, false) => gemm::<$isa, true, false>(m, n, k, a, lda, b, n, c, ldc),
+                }
+            }
+            // SAFETY: callers run this only after detecting the features.
+            move |f: (bool, bool),
+                  d: (usize, usize, usize),
+                  a: &[f32],
+                  lda: usize,
+                  b: &[f32],
+                  c: &mut [f32],
+                  ldc: usize,
+                  cm: Option<&mut [f32]>| unsafe { run(f, d, a, lda, b, c, ldc, cm) }
+        }};
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn avx2_register_block_is_bit_identical_to_sequential_fmas() {
+        use super::super::simd::Avx2;
+        if !(is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")) {
+            println!("skipped: no AVX2+FMA on this CPU");
+            return;
+        }
+        // Rows 8, 12, 16 and 20 end their 6-row blocks with 2, 0, 4 and 2 rows.
+        let cases = [
+            (4, 32, 9),
+            (8, 16, 37),
+            (12, 48, 64),
+            (16, 32, 5),
+            (20, 128, 64),
+        ];
+        check_sequential_fmas(&cases, &copy_run!(Avx2, "avx2,fma"));
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn avx512_row_blocks_are_bit_identical_to_sequential_fmas() {
+        use super::super::simd::Avx512;
+        if !(is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("fma")) {
+            println!("skipped: no AVX-512F+FMA on this CPU");
+            return;
+        }
+        // Every column tail after whole 64-column blocks (16, 32, 48, none).
+        let cases = [
+            (4, 16, 9),
+            (12, 16, 37),
+            (28, 80, 13),
+            (8, 96, 64),
+            (16, 112, 5),
+            (20, 128, 64),
+        ];
+        check_sequential_fmas(&cases, &copy_run!(Avx512, "avx512f,avx512bw,avx512vl,fma"));
     }
 }

@@ -5,11 +5,14 @@
 //! with leading dimension `ldc`.
 //!
 //! Contract: `m` is a multiple of [`RB`], `n` a multiple of 16, `n <= ldb`, `n <= ldc`; slices are
-//! checked against the extents up front, then the register-blocked micro-kernel (`RB` rows × up
-//! to 64 columns of f32 accumulators, one broadcast pair of A per row, contiguous B rows) runs
-//! without bounds checks. With `MAX`, `cm[x] = max(cm[x], max_r C[r][x])` is fused into the store
-//! (finite inputs only). Products of bf16 values are exact in f32, so the result differs from an
-//! f32 product of the same (bf16) inputs only by summation order.
+//! checked against the extents up front, then the register-blocked micro-kernel (`RB` rows × 64
+//! columns of f32 accumulators; a last 16, 32 or 48 columns in blocks of up to 16, 8 or 8 rows,
+//! so that enough independent accumulators cover the `vdpbf16ps` latency; one broadcast pair of
+//! A per row, contiguous B rows) runs without bounds checks. Each element's sum runs in the same
+//! order whatever its block. With `MAX`, `cm[x] = max(cm[x], max_r C[r][x])` is fused into the
+//! store (NaN ignored); [`dot_gemm_masked_max`] takes the max over the rows a bitmask allows (a
+//! partial score tile's). Products of bf16 values are exact in f32, so the result differs from
+//! an f32 product of the same (bf16) inputs only by summation order.
 //! The caller must run on a CPU with AVX-512F/BW/VL, FMA and AVX512-BF16.
 
 use super::tile_matmul::RB;
@@ -43,7 +46,7 @@ fn as_bh(x: __m512i) -> __m512bh {
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")]
 #[allow(clippy::needless_range_loop, clippy::too_many_arguments)]
-unsafe fn micro<const ACC: bool, const MAX: bool, const NV: usize>(
+unsafe fn micro<const ACC: bool, const MAX: bool, const R: usize, const NV: usize>(
     np: usize,
     a: *const u32,
     ars: usize,
@@ -53,11 +56,12 @@ unsafe fn micro<const ACC: bool, const MAX: bool, const NV: usize>(
     c: *mut f32,
     ldc: usize,
     cm: *mut f32,
+    (mb, ms): (*const u8, usize),
 ) {
     unsafe {
-        let mut acc = [[_mm512_setzero_ps(); NV]; RB];
+        let mut acc = [[_mm512_setzero_ps(); NV]; R];
         if ACC {
-            for r in 0..RB {
+            for r in 0..R {
                 for x in 0..NV {
                     acc[r][x] = _mm512_loadu_ps(c.add(r * ldc + 16 * x));
                 }
@@ -68,14 +72,14 @@ unsafe fn micro<const ACC: bool, const MAX: bool, const NV: usize>(
             for x in 0..NV {
                 bv[x] = _mm512_loadu_si512(b.add(p * ldb + 16 * x).cast());
             }
-            for r in 0..RB {
+            for r in 0..R {
                 let ab = as_bh(_mm512_set1_epi32(*a.add(r * ars + p * aps) as i32));
                 for x in 0..NV {
                     acc[r][x] = _mm512_dpbf16_ps(acc[r][x], ab, as_bh(bv[x]));
                 }
             }
         }
-        for r in 0..RB {
+        for r in 0..R {
             for x in 0..NV {
                 _mm512_storeu_ps(c.add(r * ldc + 16 * x), acc[r][x]);
             }
@@ -83,8 +87,13 @@ unsafe fn micro<const ACC: bool, const MAX: bool, const NV: usize>(
         if MAX {
             for x in 0..NV {
                 let mut mx = _mm512_loadu_ps(cm.add(16 * x));
-                for r in 0..RB {
-                    mx = _mm512_max_ps(acc[r][x], mx);
+                for r in 0..R {
+                    mx = if mb.is_null() {
+                        _mm512_max_ps(acc[r][x], mx)
+                    } else {
+                        let k = mb.add(r * ms + 2 * x).cast::<u16>().read_unaligned();
+                        _mm512_mask_max_ps(mx, k, acc[r][x], mx)
+                    };
                 }
                 _mm512_storeu_ps(cm.add(16 * x), mx);
             }
@@ -112,6 +121,75 @@ pub(crate) unsafe fn dot_gemm<const ACC: bool, const MAX: bool>(
     ldc: usize,
     cm: &mut [f32],
 ) {
+    let none = (std::ptr::null(), 0);
+    // SAFETY: the caller's contract; no mask.
+    unsafe { drive::<ACC, MAX>(m, n, np, a, ars, aps, b, ldb, c, ldc, cm, none) }
+}
+
+/// `C = A·B` with the column max of the *allowed* entries fused into the store:
+/// `cm[x] = max(cm[x], max { C[r][x] : bit x % 16 of the 16-bit word at byte r·stride + 2·⌊x/16⌋
+/// of `bits` }` (NaN ignored), the masked column max of a partial score tile read from its
+/// transposed bitmask while the products are still in registers.
+///
+/// # Safety
+/// The CPU must have AVX-512F/BW/VL, FMA and AVX512-BF16. (Extents are checked.)
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")]
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn dot_gemm_masked_max(
+    m: usize,
+    n: usize,
+    np: usize,
+    (a, ars): (&[u32], usize),
+    (b, ldb): (&[u32], usize),
+    (c, ldc): (&mut [f32], usize),
+    cm: &mut [f32],
+    (bits, stride): (&[u8], usize),
+) {
+    assert!(
+        m == 0 || n == 0 || bits.len() >= (m - 1) * stride + n / 8,
+        "dot_gemm: mask too short"
+    );
+    // SAFETY: the caller's contract; the mask's extent is checked above.
+    unsafe {
+        drive::<false, true>(
+            m,
+            n,
+            np,
+            a,
+            ars,
+            1,
+            b,
+            ldb,
+            c,
+            ldc,
+            cm,
+            (bits.as_ptr(), stride),
+        )
+    }
+}
+
+/// [`dot_gemm`] with an optional lane mask for the fused max (`mask.0` null: none).
+///
+/// # Safety
+/// As [`dot_gemm`]; a non-null mask must cover `m` rows of `n / 8` bytes.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn drive<const ACC: bool, const MAX: bool>(
+    m: usize,
+    n: usize,
+    np: usize,
+    a: &[u32],
+    ars: usize,
+    aps: usize,
+    b: &[u32],
+    ldb: usize,
+    c: &mut [f32],
+    ldc: usize,
+    cm: &mut [f32],
+    (mb, ms): (*const u8, usize),
+) {
     assert!(
         m.is_multiple_of(RB) && n.is_multiple_of(16) && n <= ldb && n <= ldc,
         "dot_gemm: m={m} n={n} ldb={ldb} ldc={ldc}"
@@ -130,27 +208,67 @@ pub(crate) unsafe fn dot_gemm<const ACC: bool, const MAX: bool>(
     assert!(c.len() >= (m - 1) * ldc + n, "dot_gemm: C too short");
     assert!(!MAX || cm.len() >= n, "dot_gemm: column max too short");
     let (ap, bp, cp, mp) = (a.as_ptr(), b.as_ptr(), c.as_mut_ptr(), cm.as_mut_ptr());
+    let wide = n / 64 * 64;
+    // SAFETY (all blocks below): the asserts above bound every (row < m, column < n,
+    // pair < np) access.
+    let block = |r: usize, x: usize| unsafe {
+        (
+            ap.add(r * ars),
+            bp.add(x),
+            cp.add(r * ldc + x),
+            mp.wrapping_add(x),
+            // A null mask (no masked max) stays null.
+            (
+                if mb.is_null() {
+                    mb
+                } else {
+                    mb.wrapping_add(r * ms + x / 8)
+                },
+                ms,
+            ),
+        )
+    };
     let mut r = 0;
     while r < m {
-        let mut x = 0;
-        // SAFETY: the asserts above bound every (row < m, column < n, pair < np) access.
-        unsafe {
-            let ar = ap.add(r * ars);
-            let cr = cp.add(r * ldc);
-            while x + 64 <= n {
-                let (b0, c0, m0) = (bp.add(x), cr.add(x), mp.wrapping_add(x));
-                micro::<ACC, MAX, 4>(np, ar, ars, aps, b0, ldb, c0, ldc, m0);
-                x += 64;
-            }
-            let (b0, c0, m0) = (bp.add(x), cr.add(x), mp.wrapping_add(x));
-            match n - x {
-                48 => micro::<ACC, MAX, 3>(np, ar, ars, aps, b0, ldb, c0, ldc, m0),
-                32 => micro::<ACC, MAX, 2>(np, ar, ars, aps, b0, ldb, c0, ldc, m0),
-                16 => micro::<ACC, MAX, 1>(np, ar, ars, aps, b0, ldb, c0, ldc, m0),
-                _ => {}
-            }
+        for x in (0..wide).step_by(64) {
+            let (ar, b0, c0, m0, k0) = block(r, x);
+            // SAFETY: see `block`.
+            unsafe { micro::<ACC, MAX, RB, 4>(np, ar, ars, aps, b0, ldb, c0, ldc, m0, k0) };
         }
         r += RB;
+    }
+    // The last 16, 32 or 48 columns keep 16, 16 or 24 accumulators in flight with blocks of 16,
+    // 8 or 8 rows (as many as `m` allows): `RB` rows of one or two vectors are 4 or 8
+    // dependent chains, fewer than the two pipes' `vdpbf16ps` latency needs. Every element's
+    // sum runs in the same order whatever the block, so results do not depend on it.
+    let (x, mut r) = (wide, 0);
+    macro_rules! rows {
+        ($rows:literal, $nv:literal) => {
+            while r + $rows <= m {
+                let (ar, b0, c0, m0, k0) = block(r, x);
+                // SAFETY: see `block`.
+                unsafe {
+                    micro::<ACC, MAX, $rows, $nv>(np, ar, ars, aps, b0, ldb, c0, ldc, m0, k0)
+                };
+                r += $rows;
+            }
+        };
+    }
+    match n - wide {
+        16 => {
+            rows!(16, 1);
+            rows!(8, 1);
+            rows!(4, 1);
+        }
+        32 => {
+            rows!(8, 2);
+            rows!(4, 2);
+        }
+        48 => {
+            rows!(8, 3);
+            rows!(4, 3);
+        }
+        _ => {}
     }
 }
 
@@ -196,6 +314,169 @@ mod tests {
             }
             for (&x, &o) in c.iter().zip(&out) {
                 assert_eq!(round_bits(x), o as u32, "{x:e}");
+            }
+        }
+    }
+
+    /// `x` as bf16 bits (exact for the small values used here).
+    fn bits(x: f32) -> u16 {
+        half::bf16::from_f32(x).to_bits()
+    }
+
+    #[test]
+    fn row_blocks_do_not_change_the_bits_and_integer_sums_are_exact() {
+        if !(is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512bw")
+            && is_x86_feature_detected!("avx512vl")
+            && is_x86_feature_detected!("avx512dq")
+            && is_x86_feature_detected!("avx512bf16")
+            && is_x86_feature_detected!("fma"))
+        {
+            println!("skipped: no AVX512-BF16 on this CPU");
+            return;
+        }
+        // Last 16 / 32 / 48 columns in blocks of 16, 8, 4 rows (m = 28: 16 + 8 + 4).
+        for &(m, n, np) in &[
+            (4, 16, 5),
+            (28, 16, 32),
+            (12, 80, 7),
+            (24, 96, 32),
+            (20, 112, 3),
+            (8, 48, 32),
+            (16, 128, 9),
+        ] {
+            let (ars, ldb, ldc) = (np + 1, n + 16, n + 5);
+            for integers in [true, false] {
+                let val = |i: usize, mul: usize, md: usize| {
+                    let v = ((i * mul) % md) as f32 - (md / 2) as f32;
+                    if integers {
+                        v
+                    } else {
+                        v * 0.37 + 0.11
+                    }
+                };
+                let word = |i: usize, mul: usize, md: usize| {
+                    pair(bits(val(2 * i, mul, md)), bits(val(2 * i + 1, mul, md)))
+                };
+                let a: Vec<u32> = (0..m * ars).map(|i| word(i, 7, 9)).collect();
+                let b: Vec<u32> = (0..np * ldb).map(|i| word(i, 5, 11)).collect();
+                let c0: Vec<f32> = (0..m * ldc).map(|i| (i % 7) as f32).collect();
+                let f =
+                    |w: u32, hi: bool| f32::from_bits(if hi { w & 0xFFFF_0000 } else { w << 16 });
+                for acc in [false, true] {
+                    let (mut whole, mut blocks) = (c0.clone(), c0.clone());
+                    let mut cm = vec![f32::NEG_INFINITY; n];
+                    // SAFETY: the features were detected above; extents are checked inside.
+                    unsafe {
+                        match acc {
+                            false => dot_gemm::<false, true>(
+                                m, n, np, &a, ars, 1, &b, ldb, &mut whole, ldc, &mut cm,
+                            ),
+                            true => dot_gemm::<true, false>(
+                                m,
+                                n,
+                                np,
+                                &a,
+                                ars,
+                                1,
+                                &b,
+                                ldb,
+                                &mut whole,
+                                ldc,
+                                &mut [],
+                            ),
+                        }
+                        for r in (0..m).step_by(RB) {
+                            let (a_r, c_r) = (&a[r * ars..], &mut blocks[r * ldc..]);
+                            match acc {
+                                false => dot_gemm::<false, false>(
+                                    RB,
+                                    n,
+                                    np,
+                                    a_r,
+                                    ars,
+                                    1,
+                                    &b,
+                                    ldb,
+                                    c_r,
+                                    ldc,
+                                    &mut [],
+                                ),
+                                true => dot_gemm::<true, false>(
+                                    RB,
+                                    n,
+                                    np,
+                                    a_r,
+                                    ars,
+                                    1,
+                                    &b,
+                                    ldb,
+                                    c_r,
+                                    ldc,
+                                    &mut [],
+                                ),
+                            }
+                        }
+                    }
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&whole), bits(&blocks), "m={m} n={n} np={np} acc={acc}");
+                    for r in 0..m {
+                        for x in 0..n {
+                            let got = whole[r * ldc + x];
+                            if integers {
+                                let mut want = if acc { c0[r * ldc + x] as f64 } else { 0.0 };
+                                for p in 0..np {
+                                    let (aw, bw) = (a[r * ars + p], b[p * ldb + x]);
+                                    want += f(aw, false) as f64 * f(bw, false) as f64
+                                        + f(aw, true) as f64 * f(bw, true) as f64;
+                                }
+                                assert_eq!(got as f64, want, "m={m} n={n} ({r},{x})");
+                            }
+                        }
+                        for x in n..ldc {
+                            assert_eq!(whole[r * ldc + x], c0[r * ldc + x], "wrote outside n");
+                        }
+                    }
+                    if !acc {
+                        for (x, &g) in cm.iter().enumerate() {
+                            let want = (0..m)
+                                .map(|r| whole[r * ldc + x])
+                                .fold(f32::NEG_INFINITY, f32::max);
+                            assert_eq!(g, want, "column max {x}");
+                        }
+                        // The masked max: a pseudo-random mask with a stride wider than a row.
+                        let stride = n / 8 + 3;
+                        let mask: Vec<u8> = (0..m * stride)
+                            .map(|i| (i.wrapping_mul(0x9E37_79B9) >> 7) as u8)
+                            .collect();
+                        let live =
+                            |r: usize, x: usize| mask[r * stride + x / 8] >> (x % 8) & 1 == 1;
+                        let mut cm = vec![f32::NEG_INFINITY; n];
+                        cm[0] = 1e30;
+                        let mut c = c0.clone();
+                        // SAFETY: the features were detected above.
+                        unsafe {
+                            dot_gemm_masked_max(
+                                m,
+                                n,
+                                np,
+                                (&a, ars),
+                                (&b, ldb),
+                                (&mut c, ldc),
+                                &mut cm,
+                                (&mask, stride),
+                            )
+                        };
+                        assert_eq!(bits(&c), bits(&whole), "masked max: products");
+                        for (x, &g) in cm.iter().enumerate() {
+                            let want = (0..m)
+                                .filter(|&r| live(r, x))
+                                .map(|r| whole[r * ldc + x])
+                                .fold(if x == 0 { 1e30 } else { f32::NEG_INFINITY }, f32::max);
+                            assert_eq!(g, want, "masked column max {x}");
+                        }
+                    }
+                }
             }
         }
     }

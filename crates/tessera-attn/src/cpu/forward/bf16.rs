@@ -10,7 +10,9 @@
 //! the scale is folded into the exponent (`exp(scale·s − m)`), the online softmax runs in f32
 //! exactly as in the f32 kernel, and `P` is rounded to bf16 pairs along the keys (`[tk/2 × tq]`)
 //! for `O += P·V` by `vdpbf16ps` (f32 accumulators in `O`). The column sums `l` use the f32 `P`.
-//! Partial tiles use the same live sub-block spans as the f32 kernel ([`crate::cpu::live_blocks`]).
+//! Partial tiles use the same live sub-block spans as the f32 kernel ([`crate::cpu::live_blocks`]),
+//! one product per run of key groups sharing a column range, with the masked column max taken
+//! from the product's registers (no pass over `Sᵀ` for it).
 //!
 //! Telemetry: `item` is generic over [`crate::cpu::forward::TileObserver`] like the f32 kernel
 //! (production: `NoTelemetry`, hooks compiled out). An observing copy gets every hook with the
@@ -64,7 +66,7 @@ mod imp {
     use crate::cpu::online_softmax::{self, column_max, finish_row};
     use crate::cpu::simd::{self, Avx512, Simd};
     use crate::cpu::tile_matmul::{round_up, RB};
-    use crate::cpu::tile_matmul_bf16::{dot_gemm, pair, round_bits};
+    use crate::cpu::tile_matmul_bf16::{dot_gemm, dot_gemm_masked_max, pair, round_bits};
     use crate::cpu::workspace::{grown, Bufs, Rest};
     use crate::cpu::{Isa, Prep, Src};
     use crate::{AttnInputs, AttnOptions, Dims, ForwardOut};
@@ -477,20 +479,33 @@ mod imp {
             } else if full {
                 dot_gemm::<false, false>(mk, nqp, dpair, kp, kld, 1, qp, tq, s, tq, col);
             } else {
-                for g in 0..mk / RB {
-                    let (c0, c1) = cx.live.group_cols(e.mask, g);
-                    if c0 < c1 {
-                        let (r0, r1) = (g * RB, g * RB + RB);
+                for (r0, r1, c0, c1) in cx.live.col_runs(e.mask, mk, RB) {
+                    let (a, b) = (&kp[r0 * kld..], &qp[c0..]);
+                    let c = &mut s[r0 * tq + c0..];
+                    if by_column {
+                        // The masked column max while the products are in registers.
+                        let (bits, stride) = cx.masks_t.bytes_from(e.mask, r0);
+                        dot_gemm_masked_max(
+                            r1 - r0,
+                            c1 - c0,
+                            dpair,
+                            (a, kld),
+                            (b, tq),
+                            (c, tq),
+                            &mut col[c0..],
+                            (&bits[c0 / 8..], stride),
+                        );
+                    } else {
                         dot_gemm::<false, false>(
                             r1 - r0,
                             c1 - c0,
                             dpair,
-                            &kp[r0 * kld..],
+                            a,
                             kld,
                             1,
-                            &qp[c0..],
+                            b,
                             tq,
-                            &mut s[r0 * tq + c0..],
+                            c,
                             tq,
                             &mut [],
                         );
@@ -515,10 +530,13 @@ mod imp {
                 }
                 sc = 1.0;
             }
-            if !fused_max && by_column {
+            // The max was fused into the product for full tiles without padding key rows and,
+            // masked, for partial tiles walked by column.
+            let fused = fused_max || (!full && by_column);
+            if !fused && by_column {
                 // SAFETY: this kernel runs only where the CPU has AVX-512F.
                 unsafe { column_softmax::column_max::<Avx512>(s, tq, tile, col) };
-            } else if !fused_max {
+            } else if !fused {
                 for j in 0..nk {
                     let (a, bb) = span(j);
                     column_max(&s[j * tq..j * tq + bb], &mut col[..bb], a);
@@ -526,7 +544,7 @@ mod imp {
             }
             // The fused max is of the unscaled logits; the pass above saw them scaled in place
             // when a softcap is on.
-            let cfac = if fused_max { cx.scale } else { sc };
+            let cfac = if fused { cx.scale } else { sc };
             for (c, r) in col[..nq].iter_mut().zip(raw_max[..nq].iter_mut()) {
                 *c *= cfac;
                 *r = if *c > *r { *c } else { *r };

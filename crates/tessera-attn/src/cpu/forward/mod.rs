@@ -397,22 +397,18 @@ pub(super) fn item_with<S: Simd, T: TileObserver>(
         } else if full {
             gemm::<S, false, false>(mk, nqp, dqk, ka, lda, qt, tq, s, tq);
         } else {
-            for r0 in (0..mk).step_by(step) {
-                let (c0, c1) = cx.live.cols_of(e.mask, r0, step);
-                if c0 < c1 {
-                    let r1 = (r0 + step).min(mk);
-                    gemm::<S, false, false>(
-                        r1 - r0,
-                        c1 - c0,
-                        dqk,
-                        &ka[r0 * lda..],
-                        lda,
-                        &qt[c0..],
-                        tq,
-                        &mut s[r0 * tq + c0..],
-                        tq,
-                    );
-                }
+            for (r0, r1, c0, c1) in cx.live.col_runs(e.mask, mk, step) {
+                gemm::<S, false, false>(
+                    r1 - r0,
+                    c1 - c0,
+                    dqk,
+                    &ka[r0 * lda..],
+                    lda,
+                    &qt[c0..],
+                    tq,
+                    &mut s[r0 * tq + c0..],
+                    tq,
+                );
             }
             for j in (0..nk).filter(|_| !by_column) {
                 let (a, b) = span(j);
