@@ -20,6 +20,7 @@
 //! bf16 adds ≤ 2⁻⁹ relative error per term (FlashAttention rounds them the same way), well inside
 //! the 1e-2 bf16 tolerance. Deterministic: fixed loop order, no atomics.
 
+use super::super::load_tile::transpose16_words;
 use super::super::simd::Avx512;
 use super::super::simd::{self, x512::exp2_coarse_in};
 use super::super::tile_matmul::{round_up, RB};
@@ -29,6 +30,7 @@ use super::{key_blocks, p_ds_block, p_ds_full, query_blocks, store_dkv, BwdCtx, 
 use crate::Dims;
 use half::bf16;
 use std::arch::x86_64::*;
+use tessera_plan::PartialMasks;
 
 /// The bf16 inputs of a backward call (storage and layout).
 pub(crate) struct Inputs<'a> {
@@ -303,11 +305,34 @@ unsafe fn pack_kv(
 ) {
     let dh = dim.div_ceil(2);
     let nkp = round_up(nk, 16);
-    // Whole pairs (both halves inside the row): one masked gather per 16 keys and pair.
+    // Whole pairs (both halves inside the row).
     let whole = dim / 2;
     assert!(nk > 0 && off + (nk - 1) * sl + dim <= x.len() && (dh - 1) * tk + nkp <= t.len());
     assert!(nk * sl < 1 << 30);
     let base = x.as_ptr().wrapping_add(off).cast::<i32>();
+    // With an even row stride a pair is a 32-bit word of its row at a fixed word stride, so
+    // whole 16-key × 16-pair blocks move by register transposes (measured: the gathers cost
+    // ~27k ticks per 128-key K+V item on Zen 4); the rest goes by gathers.
+    let (rows16, pairs16) = if sl.is_multiple_of(2) {
+        (nk / 16 * 16, whole / 16 * 16)
+    } else {
+        (0, 0)
+    };
+    for j0 in (0..rows16).step_by(16) {
+        for dp0 in (0..pairs16).step_by(16) {
+            // SAFETY: rows `j0..j0 + 16 <= nk`, words `dp0..dp0 + 16 <= dim / 2` of each lie
+            // inside `x` (asserted above; unaligned loads), and their places `dp·tk + j` inside
+            // `t`; AVX-512F is part of this function's features.
+            unsafe {
+                transpose16_words(
+                    base.add(j0 * sl / 2 + dp0).cast(),
+                    sl / 2,
+                    t.as_mut_ptr().add(dp0 * tk + j0),
+                    tk,
+                )
+            };
+        }
+    }
     let lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     for j0 in (0..nkp).step_by(16) {
         let live = nk.saturating_sub(j0).min(16);
@@ -317,7 +342,8 @@ unsafe fn pack_kv(
             _mm512_add_epi32(lanes, _mm512_set1_epi32(j0 as i32)),
             _mm512_set1_epi32(sl as i32),
         );
-        for dp in 0..whole {
+        let done = if j0 < rows16 { pairs16 } else { 0 };
+        for dp in done..whole {
             let idx = _mm512_add_epi32(rows, _mm512_set1_epi32(2 * dp as i32));
             // SAFETY: masked-off lanes are not read; live lanes read elements 2dp, 2dp + 1 of
             // rows `< nk`, inside `x` by the assert above.
@@ -418,20 +444,21 @@ unsafe fn round_pairs(
     }
 }
 
-/// A full tile without softcap in one pass: `P` and `dS` of rows `0..mq` over keys `0..nkp`
-/// (`nkp = ⌈nk/16⌉·16`), exactly as `p_ds_row::<Avx512, false, true>` computes them for rows `< nq`
-/// and keys `< nk` (0 elsewhere), straight from `S`, `dP` into the bf16 pairs [`round_pairs`]
-/// makes, without writing them back to `S`, `dP` first.
+/// `P` and `dS` without softcap in one pass, straight from `S`, `dP` into the bf16 pairs
+/// [`round_pairs`] makes (without writing them back to `S`, `dP` first), for rows
+/// `i0..i0 + m` (`i0`, `m` even) over keys `0..nkp` (`nkp = ⌈nk/16⌉·16`): exactly as
+/// `p_ds_row::<Avx512, false, true>` computes them for rows `< nq`, keys `< nk` inside `n0..n1`
+/// (multiples of 16) and, with `PART`, pairs the partial mask `bits` allows; 0 elsewhere. A full
+/// tile (`!PART`, no mask) passes `n0..n1 = 0..nkp`; a partial block skips the arithmetic of the
+/// 16-key chunks with nothing live.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")]
 #[allow(clippy::too_many_arguments)]
-unsafe fn p_ds_pairs(
-    s: &[f32],
-    dp: &[f32],
-    tk: usize,
-    nq: usize,
-    nk: usize,
-    mq: usize,
+unsafe fn p_ds_pairs<const PART: bool>(
+    (s, dp, tk): (&[f32], &[f32], usize),
+    (i0, m, nq): (usize, usize, usize),
+    (n0, n1, nk): (usize, usize, usize),
+    bits: Option<(&PartialMasks, u32)>,
     sc: f32,
     lse: &[f32],
     delta: &[f32],
@@ -440,31 +467,57 @@ unsafe fn p_ds_pairs(
     dsk: &mut [u32],
 ) {
     let nkp = round_up(nk, 16);
-    assert!(mq.is_multiple_of(2) && nq <= mq && nkp <= tk && lse.len() >= nq);
-    assert!(delta.len() >= nq && mq * tk <= s.len() && mq * tk <= dp.len());
-    assert!(mq / 2 * tk <= pq.len() && mq / 2 * tk <= dsq.len() && mq * tk / 2 <= dsk.len());
+    let end = i0 + m;
+    assert!(i0.is_multiple_of(2) && m.is_multiple_of(2) && nq.min(end) <= lse.len());
+    assert!(n0.is_multiple_of(16) && n1.is_multiple_of(16) && n0 <= n1 && n1 <= nkp);
+    assert!(nkp <= tk && nq.min(end) <= delta.len() && end * tk <= s.len());
+    assert!(end * tk <= dp.len() && end / 2 * tk <= pq.len() && end / 2 * tk <= dsq.len());
+    assert!(end * tk / 2 <= dsk.len() && PART == bits.is_some());
+    assert!(bits.is_none_or(|(p, id)| (i0..end.min(nq)).all(|i| p.row(id, i).len() * 64 >= nkp)));
     // 16-bit lane 2x takes lane x (row i), lane 2x+1 takes lane 16+x (row i+1).
     let idx: [u16; 32] = std::array::from_fn(|w| (w / 2 + 16 * (w % 2)) as u16);
-    // SAFETY: the asserts above bound every access (rows `< mq`, keys `< nkp <= tk`); `idx` is
-    // 64 bytes. No closures here: they would not inherit this function's target features.
+    // Lanes of keys `j..j + 16` of row `i` (lanes `rm` of the row exist): below `nk` and, with
+    // a mask, allowed by it. (No vector arithmetic: a closure would not inherit this function's
+    // target features.)
+    let lanes = |row: &[u64], rm: __mmask16, j: usize| -> __mmask16 {
+        if PART && (j < n0 || j >= n1 || rm == 0) {
+            return 0;
+        }
+        let allowed = if PART {
+            (row[j / 64] >> (j % 64)) as u16
+        } else {
+            0xFFFF
+        };
+        rm & key_lanes(nk, j) & allowed
+    };
+    // The mask row of query `i` (empty without a mask or for a padding row).
+    let mask_row = |i: usize| match bits {
+        Some((p, id)) if i < nq => p.row(id, i),
+        _ => &[][..],
+    };
+    // SAFETY: the asserts above bound every access (rows `< end`, keys `< nkp <= tk`); `idx` is
+    // 64 bytes.
     unsafe {
         let perm = _mm512_loadu_si512(idx.as_ptr().cast());
         let sc = _mm512_set1_ps(sc * simd::LOG2E);
-        for i in (0..mq).step_by(2) {
+        for i in (i0..end).step_by(2) {
             let o = i / 2 * tk;
             let (r0, m0) = Row::new(s, dp, tk, i, nq, lse, delta);
             let (r1, m1) = Row::new(s, dp, tk, i + 1, nq, lse, delta);
+            let (b0, b1) = (mask_row(i), mask_row(i + 1));
+            // Over all keys: zeros outside `n0..n1` (measured faster than a separate zero fill
+            // with the pass over `n0..n1` alone).
             let mut j = 0;
             while j < nkp {
-                let (k0, k1) = (key_lanes(nk, j), key_lanes(nk, j + 16));
-                let (p0, d0) = p_ds16(&r0, j, m0 & k0, sc);
-                let (p1, d1) = p_ds16(&r1, j, m1 & k0, sc);
+                let (p0, d0) = p_ds16::<PART>(&r0, j, lanes(b0, m0, j), sc);
+                let (p1, d1) = p_ds16::<PART>(&r1, j, lanes(b1, m1, j), sc);
                 _mm512_storeu_si512(pq.as_mut_ptr().add(o + j).cast(), pairs(perm, p0, p1));
                 _mm512_storeu_si512(dsq.as_mut_ptr().add(o + j).cast(), pairs(perm, d0, d1));
                 if j + 32 <= nkp {
-                    let (p2, d2) = p_ds16(&r0, j + 16, m0 & k1, sc);
-                    let (p3, d3) = p_ds16(&r1, j + 16, m1 & k1, sc);
-                    let at = o + j + 16;
+                    let k = j + 16;
+                    let (p2, d2) = p_ds16::<PART>(&r0, k, lanes(b0, m0, k), sc);
+                    let (p3, d3) = p_ds16::<PART>(&r1, k, lanes(b1, m1, k), sc);
+                    let at = o + k;
                     _mm512_storeu_si512(pq.as_mut_ptr().add(at).cast(), pairs(perm, p2, p3));
                     _mm512_storeu_si512(dsq.as_mut_ptr().add(at).cast(), pairs(perm, d2, d3));
                     // Pairs of consecutive keys: the conversion's own order.
@@ -541,7 +594,16 @@ fn key_lanes(nk: usize, j: usize) -> __mmask16 {
 /// Lanes `m` of the row's `S` and `dP` from `j` must be readable; AVX-512F/DQ and FMA.
 #[inline]
 #[target_feature(enable = "avx512f,avx512dq,fma")]
-unsafe fn p_ds16(r: &Row, j: usize, m: __mmask16, sc2: __m512) -> (__m512, __m512) {
+unsafe fn p_ds16<const SKIP: bool>(
+    r: &Row,
+    j: usize,
+    m: __mmask16,
+    sc2: __m512,
+) -> (__m512, __m512) {
+    // Partial tiles skip the arithmetic of chunks with no live lane.
+    if SKIP && m == 0 {
+        return (_mm512_setzero_ps(), _mm512_setzero_ps());
+    }
     // SAFETY: the caller's contract; masked-off lanes are not read.
     unsafe {
         let x = _mm512_maskz_loadu_ps(m, r.s.add(j));
@@ -631,7 +693,8 @@ unsafe fn item(cx: &BwdCtx<'_>, inp: &Inputs<'_>, ws: &mut Ws, it: DkvItem<'_>) 
                 dot_gemm::<false, false>(mq, nkp, qh, qd, qh, 1, ktp, tk, s, tk, &mut []);
                 dot_gemm::<false, false>(mq, nkp, vh, dod, vh, 1, vt, tk, dp, tk, &mut []);
                 if cx.softcap.is_none() {
-                    p_ds_pairs(s, dp, tk, nq, nk, mq, cx.scale, lse, delta, pq, dsq, dsk);
+                    let (st, rows, keys) = ((&s[..], &dp[..], tk), (0, mq, nq), (0, nkp, nk));
+                    p_ds_pairs::<false>(st, rows, keys, None, cx.scale, lse, delta, pq, dsq, dsk);
                 } else {
                     p_ds_full::<Avx512, true>(cx, cx.scale, s, dp, tk, nq, nk, lse, delta);
                     round_pairs(s, dp, tk, 0, mq, nkp, pq, dsq, dsk);
@@ -672,8 +735,15 @@ unsafe fn item(cx: &BwdCtx<'_>, inp: &Inputs<'_>, ws: &mut Ws, it: DkvItem<'_>) 
                 );
                 dot_gemm::<false, false>(m, n1 - n0, vh, da, vh, 1, &vt[n0..], tk, db, tk, &mut []);
                 let (sc, d) = (cx.scale, delta);
-                p_ds_block::<Avx512, true>(cx, e.mask, sc, s, dp, tk, nkp, &qb, nq, lse, d);
-                round_pairs(s, dp, tk, i0, m, nkp, pq, dsq, dsk);
+                if cx.softcap.is_none() {
+                    // One pass from S, dP to the pairs, the mask as lane masks.
+                    let (st, bits) = ((&s[..], &dp[..], tk), Some((&plan.partials, e.mask)));
+                    let (rows, keys) = ((i0, m, nq), (n0, n1, nk));
+                    p_ds_pairs::<true>(st, rows, keys, bits, sc, lse, d, pq, dsq, dsk);
+                } else {
+                    p_ds_block::<Avx512, true>(cx, e.mask, sc, s, dp, tk, nkp, &qb, nq, lse, d);
+                    round_pairs(s, dp, tk, i0, m, nkp, pq, dsq, dsk);
+                }
                 let (jp0, jp1) = (span.r0 / 2, span.r1.div_ceil(2));
                 dot_gemm::<false, false>(
                     m,
@@ -731,8 +801,17 @@ mod tests {
         let (mut pq, mut dsq, mut dsk) = (vec![7u32; words], vec![7u32; words], vec![7u32; words]);
         // SAFETY: AVX512-BF16 and AVX512-BW were detected above (AVX-512F/VL with them).
         unsafe {
-            p_ds_pairs(
-                &s, &dp, tk, nq, nk, mq, sc, &lse, &delta, &mut pq, &mut dsq, &mut dsk,
+            p_ds_pairs::<false>(
+                (&s, &dp, tk),
+                (0, mq, nq),
+                (0, round_up(nk, 16), nk),
+                None,
+                sc,
+                &lse,
+                &delta,
+                &mut pq,
+                &mut dsq,
+                &mut dsk,
             )
         };
         let (mut s2, mut dp2) = (s.clone(), dp.clone());
@@ -777,6 +856,139 @@ mod tests {
                 "dS pairs {i}"
             );
         }
+        for r in 0..mq {
+            let w = r * tk / 2;
+            assert_eq!(
+                dsk[w..w + nkp / 2],
+                dsk2[w..w + nkp / 2],
+                "dS key pairs {r}"
+            );
+        }
+    }
+
+    /// K/V packing (pairs along D, keys contiguous) against the element-wise layout: even row
+    /// strides (transposed blocks plus gathered tails), odd strides and odd D (gathers), ragged
+    /// key counts; the padding keys are zero.
+    #[test]
+    fn kv_packing_matches_the_elementwise_layout() {
+        if !(is_x86_feature_detected!("avx512bf16") && is_x86_feature_detected!("avx512bw")) {
+            println!("skipped: no AVX512-BF16 on this CPU");
+            return;
+        }
+        let tk = 64;
+        for &(nk, dim, sl, off) in &[
+            (64usize, 64usize, 64usize, 0usize),
+            (64, 64, 512, 3),
+            (37, 72, 80, 5),
+            (16, 32, 33, 1),
+            (50, 71, 90, 2),
+            (5, 40, 40, 0),
+        ] {
+            let x: Vec<bf16> = (0..off + nk * sl + dim)
+                .map(|i| bf16::from_bits((i as u16).wrapping_mul(40503) | 1))
+                .collect();
+            let dh = dim.div_ceil(2);
+            let mut t = vec![0xDEAD_BEEFu32; dh * tk];
+            // SAFETY: AVX512-BF16 and AVX512-BW were detected above (AVX-512F/VL with them).
+            unsafe { pack_kv(&x, off, sl, nk, dim, tk, &mut t, None) };
+            let nkp = round_up(nk, 16);
+            for dp in 0..dh {
+                for j in 0..nkp {
+                    let want = if j >= nk {
+                        0
+                    } else {
+                        let e = |c: usize| {
+                            if c < dim {
+                                bits(&x[off + j * sl + c])
+                            } else {
+                                0
+                            }
+                        };
+                        pair(e(2 * dp), e(2 * dp + 1))
+                    };
+                    assert_eq!(
+                        t[dp * tk + j],
+                        want,
+                        "nk={nk} dim={dim} sl={sl} ({dp}, {j})"
+                    );
+                }
+            }
+        }
+    }
+
+    /// A partial block in one pass equals `p_ds_block` then `round_pairs` (the softcap path) bit
+    /// for bit: masked pairs, keys outside the block's columns and padding rows all 0, the other
+    /// rows' pairs untouched.
+    #[test]
+    fn one_pass_partial_block_equals_the_masked_two_passes() {
+        if !(is_x86_feature_detected!("avx512bf16") && is_x86_feature_detected!("avx512bw")) {
+            println!("skipped: no AVX512-BF16 on this CPU");
+            return;
+        }
+        let (tk, nq, nk, sc) = (128, 27, 117, 0.125f32);
+        let mq = round_up(nq, RB);
+        let v = |i: usize, k: u32| ((i as u32).wrapping_mul(2_654_435_761) ^ k) % 4001;
+        let mut partials = PartialMasks::new(tessera_plan::TileShape { q: 32, kv: tk });
+        partials.data = (0..2 * 32 * 2)
+            .map(|i| (v(i, 11) as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ v(i, 13) as u64)
+            .collect();
+        let s: Vec<f32> = (0..mq * tk).map(|i| v(i, 7) as f32 * 0.01 - 20.0).collect();
+        let dp: Vec<f32> = (0..mq * tk).map(|i| v(i, 3) as f32 * 1e-3 - 2.0).collect();
+        let lse: Vec<f32> = (0..nq).map(|i| v(i, 5) as f32 * 0.002).collect();
+        let delta: Vec<f32> = (0..nq).map(|i| v(i, 9) as f32 * 1e-4).collect();
+        let words = mq / 2 * tk;
+        // Rows 16..mq (a block with padding rows) over keys 32..112 (the last keys of the tile,
+        // 112..117, outside the block's columns).
+        let (i0, m, n0, n1) = (16, mq - 16, 32, 112);
+        let (mut pq, mut dsq, mut dsk) = (vec![7u32; words], vec![7u32; words], vec![7u32; words]);
+        // SAFETY: AVX512-BF16 and AVX512-BW were detected above (AVX-512F/VL with them).
+        unsafe {
+            p_ds_pairs::<true>(
+                (&s, &dp, tk),
+                (i0, m, nq),
+                (n0, n1, nk),
+                Some((&partials, 1)),
+                sc,
+                &lse,
+                &delta,
+                &mut pq,
+                &mut dsq,
+                &mut dsk,
+            )
+        };
+        let (mut s2, mut dp2) = (s.clone(), dp.clone());
+        for i in i0..i0 + m {
+            let (sr, dr) = (
+                &mut s2[i * tk..(i + 1) * tk],
+                &mut dp2[i * tk..(i + 1) * tk],
+            );
+            if i < nq {
+                super::super::p_ds::<Avx512, true>(
+                    None,
+                    sc,
+                    &mut sr[n0..n1],
+                    &mut dr[n0..n1],
+                    lse[i],
+                    delta[i],
+                );
+            }
+            for j in 0..tk {
+                if i >= nq || j < n0 || j >= n1 || j >= nk || !partials.allowed(1, i, j) {
+                    (sr[j], dr[j]) = (0.0, 0.0);
+                }
+            }
+        }
+        assert!(
+            s2[i0 * tk..nq * tk].iter().any(|&p| p > 0.0),
+            "nothing allowed"
+        );
+        let (mut pq2, mut dsq2, mut dsk2) =
+            (vec![7u32; words], vec![7u32; words], vec![7u32; words]);
+        let nkp = round_up(nk, 16);
+        // SAFETY: as above.
+        unsafe { round_pairs(&s2, &dp2, tk, i0, m, nkp, &mut pq2, &mut dsq2, &mut dsk2) };
+        assert_eq!(pq, pq2, "P pairs");
+        assert_eq!(dsq, dsq2, "dS pairs");
         for r in 0..mq {
             let w = r * tk / 2;
             assert_eq!(
