@@ -5,16 +5,19 @@
 //!
 //! Layout (bf16 pairs as `u32`, see [`super::super::tile_matmul_bf16`]):
 //! - per visited q tile, zero-padded to `tq` queries: Q and dO with pairs along D
-//!   (`[tq × ⌈D/2⌉]`, the A side of `S = Q·Kᵀ`, `dP = dO·Vᵀ`) and with pairs of consecutive
-//!   queries (`[tq/2 × Dp]`, the B side of `dK += dSᵀ·Q`, `dV += Pᵀ·dO`); re-packing per visit
-//!   costs ~1/64 of the visit's products, while packing all of Q and dO once per call meant
-//!   32 MB of fresh pages per 8K call (measured slower on sparse masks);
+//!   (`[tq × ⌈D/2⌉]`, the A side of `S = Q·Kᵀ`, `dP = dO·Vᵀ`; read in place, the rows' own
+//!   32-bit words, when every row starts on a word and every tile's rows are whole register
+//!   blocks) and with pairs of consecutive queries (`[tq/2 × Dp]`, the B side of
+//!   `dK += dSᵀ·Q`, `dV += Pᵀ·dO`); re-packing per visit costs ~1/64 of the visit's products,
+//!   while packing all of Q and dO once per call meant 32 MB of fresh pages per 8K call
+//!   (measured slower on sparse masks);
 //! - once per item (kv tile): K and V with pairs along D, keys contiguous (`[⌈D/2⌉ × tk]`, by
-//!   masked gathers), and K with pairs of consecutive keys (`[tk/2 × Dqkp]`, the B side of
-//!   `dS·K`);
+//!   16 × 16 word transposes, masked gathers for the rest), and K with pairs of consecutive keys
+//!   (`[tk/2 × Dqkp]`, the B side of `dS·K`);
 //! - per active tile: `S` and `dP` in f32 (the scale is applied in the elementwise pass, not to a
 //!   bf16 K), then `P` and `dS` rounded to bf16 pairs along the queries (for `dV`, `dK`) and `dS`
-//!   along the keys (for the dQ slot).
+//!   along the keys (for the dQ slot), in one pass from `S`, `dP` (a partial tile's mask as lane
+//!   masks) except under a softcap.
 //!
 //! Accuracy: products of bf16 values are exact in f32 and accumulate in f32; rounding P and dS to
 //! bf16 adds ≤ 2⁻⁹ relative error per term (FlashAttention rounds them the same way), well inside
@@ -38,6 +41,26 @@ pub(crate) struct Inputs<'a> {
     k: &'a [bf16],
     v: &'a [bf16],
     d_o: &'a [bf16],
+    /// Q and dO as their own 32-bit words (pairs along D) and the row stride in words, when
+    /// their layout lets the products read them in place (see [`in_place`]).
+    q_words: Option<(&'a [u32], usize)>,
+    do_words: Option<(&'a [u32], usize)>,
+}
+
+/// `x` as 32-bit words when every row of `src` starts on a word (storage aligned, even
+/// strides), `dim` is even (a row is whole pairs) and `rows_whole` (every tile's product rows,
+/// a multiple of `RB`, are real rows: nothing past the tensor is read).
+fn in_place<'a>(
+    x: &'a [bf16],
+    src: &super::super::Src<'_>,
+    dim: usize,
+    rows_whole: bool,
+) -> Option<(&'a [u32], usize)> {
+    // SAFETY: u16-backed bf16 and u32 are plain integers; `align_to` only yields the aligned
+    // middle part.
+    let (pre, words, _) = unsafe { x.align_to::<u32>() };
+    (pre.is_empty() && dim.is_multiple_of(2) && src.strides_even() && rows_whole)
+        .then_some((words, src.ld() / 2))
 }
 
 /// Row strides up to this many elements keep a kv tile's gather offsets inside `i32`.
@@ -214,11 +237,15 @@ impl<'a> Inputs<'a> {
         if cx.k.ld().max(cx.v.ld()) > MAX_GATHER_STRIDE || cx.plan.tile.kv > 256 {
             return None;
         }
+        let (q, d_o) = (cx.q.bf16()?, cx.d_o.bf16()?);
+        let rows_whole = cx.plan.tile.q.is_multiple_of(RB) && cx.d.q_len.is_multiple_of(RB);
         Some(Inputs {
-            q: cx.q.bf16()?,
+            q,
             k: cx.k.bf16()?,
             v: cx.v.bf16()?,
-            d_o: cx.d_o.bf16()?,
+            d_o,
+            q_words: in_place(q, &cx.q, cx.d.d_qk, rows_whole),
+            do_words: in_place(d_o, &cx.d_o, cx.d.d_v, rows_whole),
         })
     }
 }
@@ -684,14 +711,36 @@ unsafe fn item(cx: &BwdCtx<'_>, inp: &Inputs<'_>, ws: &mut Ws, it: DkvItem<'_>) 
             let nq = q1 - q0;
             let mq = round_up(nq, RB);
             let oq = cx.q.row(b, h, q0);
-            pack_rows(inp.q, oq, cx.q.ld(), nq, dqk, dqkp, qd, qq);
+            // Pairs along D in place when the layout allows, else packed; pairs of queries
+            // always packed.
+            let qa: &[u32] = match inp.q_words {
+                Some((w, _)) => {
+                    pack_row_pairs_x512(inp.q, oq, cx.q.ld(), nq, dqk, dqkp, qq);
+                    &w[oq / 2..]
+                }
+                None => {
+                    pack_rows(inp.q, oq, cx.q.ld(), nq, dqk, dqkp, qd, qq);
+                    qd
+                }
+            };
+            let qars = inp.q_words.map_or(qh, |(_, ld)| ld);
             let od = cx.d_o.row(b, h, q0);
-            pack_rows(inp.d_o, od, cx.d_o.ld(), nq, dv, dvp, dod, doq);
+            let da: &[u32] = match inp.do_words {
+                Some((w, _)) => {
+                    pack_row_pairs_x512(inp.d_o, od, cx.d_o.ld(), nq, dv, dvp, doq);
+                    &w[od / 2..]
+                }
+                None => {
+                    pack_rows(inp.d_o, od, cx.d_o.ld(), nq, dv, dvp, dod, doq);
+                    dod
+                }
+            };
+            let dars = inp.do_words.map_or(vh, |(_, ld)| ld);
             let lse = &cx.lse[bh * d.q_len + q0..bh * d.q_len + q1];
             let delta = &cx.delta[bh * d.q_len + q0..bh * d.q_len + q1];
             if e.is_full() {
-                dot_gemm::<false, false>(mq, nkp, qh, qd, qh, 1, ktp, tk, s, tk, &mut []);
-                dot_gemm::<false, false>(mq, nkp, vh, dod, vh, 1, vt, tk, dp, tk, &mut []);
+                dot_gemm::<false, false>(mq, nkp, qh, qa, qars, 1, ktp, tk, s, tk, &mut []);
+                dot_gemm::<false, false>(mq, nkp, vh, da, dars, 1, vt, tk, dp, tk, &mut []);
                 if cx.softcap.is_none() {
                     let (st, rows, keys) = ((&s[..], &dp[..], tk), (0, mq, nq), (0, nkp, nk));
                     p_ds_pairs::<false>(st, rows, keys, None, cx.scale, lse, delta, pq, dsq, dsk);
@@ -719,13 +768,13 @@ unsafe fn item(cx: &BwdCtx<'_>, inp: &Inputs<'_>, ws: &mut Ws, it: DkvItem<'_>) 
                 };
                 let (n0, n1) = (span.n0, span.n1);
                 let (sb, db) = (&mut s[i0 * tk + n0..], &mut dp[i0 * tk + n0..]);
-                let (qa, da) = (&qd[i0 * qh..], &dod[i0 * vh..]);
+                let (qa, da) = (&qa[i0 * qars..], &da[i0 * dars..]);
                 dot_gemm::<false, false>(
                     m,
                     n1 - n0,
                     qh,
                     qa,
-                    qh,
+                    qars,
                     1,
                     &ktp[n0..],
                     tk,
@@ -733,7 +782,19 @@ unsafe fn item(cx: &BwdCtx<'_>, inp: &Inputs<'_>, ws: &mut Ws, it: DkvItem<'_>) 
                     tk,
                     &mut [],
                 );
-                dot_gemm::<false, false>(m, n1 - n0, vh, da, vh, 1, &vt[n0..], tk, db, tk, &mut []);
+                dot_gemm::<false, false>(
+                    m,
+                    n1 - n0,
+                    vh,
+                    da,
+                    dars,
+                    1,
+                    &vt[n0..],
+                    tk,
+                    db,
+                    tk,
+                    &mut [],
+                );
                 let (sc, d) = (cx.scale, delta);
                 if cx.softcap.is_none() {
                     // One pass from S, dP to the pairs, the mask as lane masks.
