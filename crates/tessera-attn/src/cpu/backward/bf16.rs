@@ -840,6 +840,36 @@ unsafe fn item(cx: &BwdCtx<'_>, inp: &Inputs<'_>, ws: &mut Ws, it: DkvItem<'_>) 
 mod tests {
     use super::*;
 
+    /// `round_pairs` of rows `i0..i0 + m`, keys `0..nkp` of the two-pass `P`, `dS` (`s2`, `dp2`)
+    /// equals the one-pass pairs `got` over keys `0..nkp` of every row (rows outside the block
+    /// hold the buffers' initial 7 on both sides).
+    fn assert_two_passes_give(
+        (s2, dp2, tk): (&[f32], &[f32], usize),
+        (i0, m, nkp): (usize, usize, usize),
+        (pq, dsq, dsk): (&[u32], &[u32], &[u32]),
+    ) {
+        let (mut pq2, mut dsq2, mut dsk2) = (
+            vec![7u32; pq.len()],
+            vec![7u32; dsq.len()],
+            vec![7u32; dsk.len()],
+        );
+        // SAFETY: only reached after the callers' AVX512-BF16/BW checks.
+        unsafe { round_pairs(s2, dp2, tk, i0, m, nkp, &mut pq2, &mut dsq2, &mut dsk2) };
+        for i in 0..pq.len() / tk {
+            let row = i * tk..i * tk + nkp;
+            assert_eq!(pq[row.clone()], pq2[row.clone()], "P pairs {i}");
+            assert_eq!(dsq[row.clone()], dsq2[row], "dS pairs {i}");
+        }
+        for r in 0..dsk.len() / (tk / 2) {
+            let w = r * tk / 2;
+            assert_eq!(
+                dsk[w..w + nkp / 2],
+                dsk2[w..w + nkp / 2],
+                "dS key pairs {r}"
+            );
+        }
+    }
+
     /// The one-pass full tile equals the two passes it replaces (`p_ds_row` in place, then
     /// `round_pairs`) bit for bit: ragged rows and keys (a 16-key tail), logits whose exponent
     /// underflows (dS forced to 0) and an LSE below the logits (the cap at 88).
@@ -897,34 +927,11 @@ mod tests {
                 dr.fill(0.0);
             }
         }
-        let (mut pq2, mut dsq2, mut dsk2) =
-            (vec![7u32; words], vec![7u32; words], vec![7u32; words]);
-        let nkp = round_up(nk, 16);
-        // SAFETY: as above.
-        unsafe { round_pairs(&s2, &dp2, tk, 0, mq, nkp, &mut pq2, &mut dsq2, &mut dsk2) };
         assert!(s2.iter().any(|&p| p > 1e30), "no capped logit");
         let live = |i: usize| &s2[i * tk..i * tk + nk];
         assert!((0..nq).any(|i| live(i).contains(&0.0)), "no underflow");
-        for i in 0..mq / 2 {
-            assert_eq!(
-                pq[i * tk..i * tk + nkp],
-                pq2[i * tk..i * tk + nkp],
-                "P pairs {i}"
-            );
-            assert_eq!(
-                dsq[i * tk..i * tk + nkp],
-                dsq2[i * tk..i * tk + nkp],
-                "dS pairs {i}"
-            );
-        }
-        for r in 0..mq {
-            let w = r * tk / 2;
-            assert_eq!(
-                dsk[w..w + nkp / 2],
-                dsk2[w..w + nkp / 2],
-                "dS key pairs {r}"
-            );
-        }
+        let nkp = round_up(nk, 16);
+        assert_two_passes_give((&s2, &dp2, tk), (0, mq, nkp), (&pq, &dsq, &dsk));
     }
 
     /// K/V packing (pairs along D, keys contiguous) against the element-wise layout: even row
@@ -1043,21 +1050,8 @@ mod tests {
             s2[i0 * tk..nq * tk].iter().any(|&p| p > 0.0),
             "nothing allowed"
         );
-        let (mut pq2, mut dsq2, mut dsk2) =
-            (vec![7u32; words], vec![7u32; words], vec![7u32; words]);
         let nkp = round_up(nk, 16);
-        // SAFETY: as above.
-        unsafe { round_pairs(&s2, &dp2, tk, i0, m, nkp, &mut pq2, &mut dsq2, &mut dsk2) };
-        assert_eq!(pq, pq2, "P pairs");
-        assert_eq!(dsq, dsq2, "dS pairs");
-        for r in 0..mq {
-            let w = r * tk / 2;
-            assert_eq!(
-                dsk[w..w + nkp / 2],
-                dsk2[w..w + nkp / 2],
-                "dS key pairs {r}"
-            );
-        }
+        assert_two_passes_give((&s2, &dp2, tk), (i0, m, nkp), (&pq, &dsq, &dsk));
     }
 }
 
