@@ -66,7 +66,9 @@ mod imp {
     use crate::cpu::online_softmax::{self, column_max, finish_row};
     use crate::cpu::simd::{self, Avx512, Simd};
     use crate::cpu::tile_matmul::{round_up, RB};
-    use crate::cpu::tile_matmul_bf16::{dot_gemm, dot_gemm_masked_max, pair, round_bits};
+    use crate::cpu::tile_matmul_bf16::{
+        dot_gemm, dot_gemm_acc_groups, dot_gemm_masked_max, pair, round_bits,
+    };
     use crate::cpu::workspace::{grown, Bufs, Rest};
     use crate::cpu::{Isa, Prep, Src};
     use crate::{AttnInputs, AttnOptions, Dims, ForwardOut};
@@ -636,26 +638,22 @@ mod imp {
                     &mut [],
                 );
             } else {
-                for g in 0..mq / RB {
+                // Each query group over its own key range, in one call.
+                let pairs = |g: usize| {
                     let (r0, r1) = cx.live.group_keys(e.mask, g);
                     if r0 < r1 {
-                        let i0 = g * RB;
-                        let (jp0, jp1) = (r0 / 2, r1.div_ceil(2));
-                        dot_gemm::<true, false>(
-                            RB,
-                            dvp,
-                            jp1 - jp0,
-                            &pp[jp0 * tq + i0..],
-                            1,
-                            tq,
-                            &vp[jp0 * dvp..],
-                            dvp,
-                            &mut o[i0 * dvp..],
-                            dvp,
-                            &mut [],
-                        );
+                        (r0 / 2, r1.div_ceil(2))
+                    } else {
+                        (0, 0)
                     }
-                }
+                };
+                dot_gemm_acc_groups(
+                    (mq / RB, dvp, nk.div_ceil(2)),
+                    pairs,
+                    (pp, 1, tq),
+                    (vp, dvp),
+                    (o, dvp),
+                );
             }
             for f in cx.fix.get(blk).map_or(&[][..], |v| &v[..]) {
                 let row = &pp[f.jp * tq..f.jp * tq + nq];
