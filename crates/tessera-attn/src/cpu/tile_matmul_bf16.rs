@@ -101,6 +101,33 @@ unsafe fn micro<const ACC: bool, const MAX: bool, const R: usize, const NV: usiz
     }
 }
 
+/// The extents the unchecked loops rely on (module docs): `m` a multiple of [`RB`], `n` of 16,
+/// `n <= ldb`, `n <= ldc`; A holds rows `< m` over pairs `< np`, B rows `< np` of `n` columns, C
+/// rows `< m` of `n` columns.
+fn check(
+    (m, n, np): (usize, usize, usize),
+    (a, ars, aps): (&[u32], usize, usize),
+    (b, ldb): (&[u32], usize),
+    (c, ldc): (&[f32], usize),
+) {
+    assert!(
+        m.is_multiple_of(RB) && n.is_multiple_of(16) && n <= ldb && n <= ldc,
+        "dot_gemm: m={m} n={n} ldb={ldb} ldc={ldc}"
+    );
+    if m == 0 || n == 0 {
+        return;
+    }
+    assert!(c.len() >= (m - 1) * ldc + n, "dot_gemm: C too short");
+    assert!(
+        np == 0 || a.len() > (m - 1) * ars + (np - 1) * aps,
+        "dot_gemm: A too short"
+    );
+    assert!(
+        np == 0 || b.len() >= (np - 1) * ldb + n,
+        "dot_gemm: B too short"
+    );
+}
+
 /// `C = A·B` (`ACC = false`) or `C += A·B` (`ACC = true`) over `np` pairs; see the module docs.
 ///
 /// # Safety
@@ -188,19 +215,10 @@ pub(crate) unsafe fn dot_gemm_acc_groups(
     (c, ldc): (&mut [f32], usize),
 ) {
     let m = groups * RB;
-    assert!(
-        n.is_multiple_of(16) && n <= ldb && n <= ldc,
-        "dot_gemm: n={n}"
-    );
+    check((m, n, np), (a, ars, aps), (b, ldb), (c, ldc));
     if m == 0 || n == 0 || np == 0 {
         return;
     }
-    assert!(
-        a.len() > (m - 1) * ars + (np - 1) * aps,
-        "dot_gemm: A too short"
-    );
-    assert!(b.len() >= (np - 1) * ldb + n, "dot_gemm: B too short");
-    assert!(c.len() >= (m - 1) * ldc + n, "dot_gemm: C too short");
     let (ap, bp, cp) = (a.as_ptr(), b.as_ptr(), c.as_mut_ptr());
     let (none, wide) = ((std::ptr::null(), 0), n / 64 * 64);
     let nul = std::ptr::null_mut();
@@ -266,22 +284,10 @@ unsafe fn drive<const ACC: bool, const MAX: bool>(
     cm: &mut [f32],
     (mb, ms): (*const u8, usize),
 ) {
-    assert!(
-        m.is_multiple_of(RB) && n.is_multiple_of(16) && n <= ldb && n <= ldc,
-        "dot_gemm: m={m} n={n} ldb={ldb} ldc={ldc}"
-    );
+    check((m, n, np), (a, ars, aps), (b, ldb), (c, ldc));
     if m == 0 || n == 0 || (ACC && np == 0) {
         return;
     }
-    assert!(
-        np == 0 || a.len() > (m - 1) * ars + (np - 1) * aps,
-        "dot_gemm: A too short"
-    );
-    assert!(
-        np == 0 || b.len() >= (np - 1) * ldb + n,
-        "dot_gemm: B too short"
-    );
-    assert!(c.len() >= (m - 1) * ldc + n, "dot_gemm: C too short");
     assert!(!MAX || cm.len() >= n, "dot_gemm: column max too short");
     let (ap, bp, cp, mp) = (a.as_ptr(), b.as_ptr(), c.as_mut_ptr(), cm.as_mut_ptr());
     let wide = n / 64 * 64;
