@@ -3,7 +3,8 @@
 //! or K is masked to an exact 0 or propagates through P; non-finite V entries are packed as 0 and
 //! added back exactly for the queries whose bf16 P weight on that key is nonzero.
 //!
-//! Layout: K and V are packed once per call into bf16 pairs (`u32` = two bf16), per kv tile:
+//! Layout: K and V are packed into bf16 pairs (`u32` = two bf16) per kv tile, each tile once per
+//! call by the first item that visits it (so it is read next while still in cache):
 //! K `[tkp × ⌈Dqk/2⌉]` (pairs along D), V `[tkp/2 × Dvp]` (pairs of consecutive keys). Per item
 //! the unscaled Q tile is packed `[⌈Dqk/2⌉ × tq]` (pairs along D, queries contiguous). For each kv
 //! tile: `Sᵀ = K·Qᵀ` by `vdpbf16ps` (f32 accumulation; rows = keys, 4 × 64 register blocks),
@@ -73,8 +74,9 @@ mod imp {
     use crate::cpu::{Isa, Prep, Src};
     use crate::{AttnInputs, AttnOptions, Dims, ForwardOut};
     use half::bf16;
-    use rayon::prelude::*;
     use std::arch::x86_64::*;
+    use std::marker::PhantomData;
+    use std::sync::OnceLock;
     use tessera_core::Result;
     use tessera_plan::Plan;
 
@@ -90,15 +92,20 @@ mod imp {
         dvp: usize,
         q: Src<'a>,
         qx: &'a [bf16],
-        /// Packed K, when K is not read in place.
-        kp: &'a [u32],
+        kx: &'a [bf16],
+        /// Packed K, when K is not read in place (`tkp × dpair` words per kv block).
+        kp: PackBuf<'a>,
         /// K read in place as its own 32-bit words (pairs along D) and the row stride in
         /// words, when its layout allows (see `Ctx::new`); then `kp` is empty.
         k_words: Option<(&'a [u32], usize)>,
         ks: Src<'a>,
-        vp: &'a [u32],
-        /// Per kv block, the non-finite V entries (empty when V is finite).
-        fix: Vec<Vec<Fixup>>,
+        vs: Src<'a>,
+        vx: &'a [bf16],
+        /// Packed V (`tkp / 2 × dvp` words per kv block).
+        vp: PackBuf<'a>,
+        /// Per kv block (batch, kv head, kv tile): set once the block is packed, by the first
+        /// item that visits it ([`Ctx::block`]), to the block's non-finite V entries.
+        blocks: Vec<OnceLock<Vec<Fixup>>>,
         masks_t: &'a MasksT,
         live: &'a LiveBlocks,
         scale: f32,
@@ -113,6 +120,52 @@ mod imp {
         half: usize,
         col: usize,
         val: f32,
+    }
+
+    /// A workspace buffer of packed kv blocks shared by the workers of one call. Each block's
+    /// words are written once, inside that block's `OnceLock` initialisation ([`Ctx::block`]),
+    /// and read only after it returned, which orders the writes before every read.
+    struct PackBuf<'a> {
+        ptr: *mut u32,
+        len: usize,
+        _buf: PhantomData<&'a mut [u32]>,
+    }
+
+    // SAFETY: the buffer is exclusively borrowed for `'a`; blocks are disjoint, each written by
+    // one thread inside its `OnceLock` initialisation and read only after it (see `PackBuf`).
+    unsafe impl Sync for PackBuf<'_> {}
+    // SAFETY: as above; the pointer is only a view of the borrowed buffer.
+    unsafe impl Send for PackBuf<'_> {}
+
+    impl<'a> PackBuf<'a> {
+        fn new(buf: &'a mut [u32]) -> Self {
+            PackBuf {
+                ptr: buf.as_mut_ptr(),
+                len: buf.len(),
+                _buf: PhantomData,
+            }
+        }
+
+        /// Words `r` to write.
+        ///
+        /// # Safety
+        /// Only inside the `OnceLock` initialisation of the block that owns `r`.
+        #[allow(clippy::mut_from_ref)]
+        unsafe fn write(&self, r: std::ops::Range<usize>) -> &mut [u32] {
+            assert!(r.start <= r.end && r.end <= self.len, "PackBuf: range");
+            // SAFETY: in bounds (asserted); no other reference to the range exists (caller).
+            unsafe { std::slice::from_raw_parts_mut(self.ptr.add(r.start), r.len()) }
+        }
+
+        /// Words `r` to read.
+        ///
+        /// # Safety
+        /// Only after the `OnceLock` of the block that owns `r` was initialised.
+        unsafe fn read(&self, r: std::ops::Range<usize>) -> &[u32] {
+            assert!(r.start <= r.end && r.end <= self.len, "PackBuf: range");
+            // SAFETY: in bounds (asserted); written before and never again (caller).
+            unsafe { std::slice::from_raw_parts(self.ptr.add(r.start), r.len()) }
+        }
     }
 
     /// A per-worker workspace.
@@ -204,7 +257,8 @@ mod imp {
     pub(crate) const FALLBACK: Isa = Isa::Avx512;
 
     impl<'a> Ctx<'a> {
-        /// Packs K and V (bf16 inputs, checked by the caller) into the workspace's buffers.
+        /// The call's state over bf16 inputs (checked by the caller), with the workspace's
+        /// buffers for packed K and V; no block is packed yet ([`Ctx::block`]).
         pub(crate) fn new(
             prep: Prep<'a>,
             d: &Dims,
@@ -228,8 +282,7 @@ mod imp {
             let tkp = round_up(plan.tile.kv, 16);
             let dpair = d.d_qk.div_ceil(2);
             let dvp = round_up(d.d_v, 16);
-            let nkt = plan.kv_tiles;
-            let blocks = d.batch * d.heads_kv * nkt;
+            let blocks = d.batch * d.heads_kv * plan.kv_tiles;
             // K pairs along D are the rows' own 32-bit words: read K in place when every row
             // starts on a word and every tile's rows fill whole RB-row blocks (no zero padding
             // rows needed), which saves a copy of K per call.
@@ -242,94 +295,12 @@ mod imp {
                 && plan.tile.kv.is_multiple_of(RB)
                 && d.kv_len.is_multiple_of(RB))
             .then_some((words, ks.ld() / 2));
-            // Pack V (and K unless read in place) once: per kv tile, zero padded to tkp keys.
-            let kp = grown(
-                kpack,
-                if k_words.is_some() {
-                    0
-                } else {
-                    blocks * tkp * dpair
-                },
-            );
-            let vp = grown(vpack, blocks * (tkp / 2) * dvp);
-            let (dqk, dv, hkv) = (d.d_qk, d.d_v, d.heads_kv);
-            let mut k_chunks: Vec<&mut [u32]> = kp.chunks_mut(tkp * dpair).collect();
-            k_chunks.resize_with(blocks, Default::default);
-            // Whether every V value is finite, found while packing (no separate pass over V).
-            let v_finite = k_chunks
-                .into_par_iter()
-                .zip(vp.par_chunks_mut(tkp / 2 * dvp))
-                .enumerate()
-                .map(|(blk, (kd, vd))| {
-                    let (bg, kt) = (blk / nkt, blk % nkt);
-                    let (b, g) = (bg / hkv, bg % hkv);
-                    let (k0, k1) = plan.kv_range(kt);
-                    let nk = k1 - k0;
-                    let bits = |x: &bf16| x.to_bits();
-                    // Padding keys are zero (the buffer is reused: clear them explicitly).
-                    vd[nk.div_ceil(2) * dvp..].fill(0);
-                    // An empty chunk: K is read in place.
-                    if !kd.is_empty() {
-                        kd[nk * dpair..].fill(0);
-                        for j in 0..nk {
-                            let off = ks.row(b, g, k0 + j);
-                            let (src, dst) =
-                                (&kx[off..off + dqk], &mut kd[j * dpair..(j + 1) * dpair]);
-                            // Pairs along D are the row's own bytes: a straight (vectorized) copy.
-                            for (o, p) in dst.iter_mut().zip(src.chunks_exact(2)) {
-                                *o = pair(bits(&p[0]), bits(&p[1]));
-                            }
-                            if dqk % 2 == 1 {
-                                dst[dpair - 1] = pair(bits(&src[dqk - 1]), 0);
-                            }
-                        }
-                    }
-                    let mut finite = true;
-                    for jp in 0..nk.div_ceil(2) {
-                        let off0 = vs.row(b, g, k0 + 2 * jp);
-                        let dst = &mut vd[jp * dvp..(jp + 1) * dvp];
-                        dst[dv..].fill(0);
-                        let v1 = (2 * jp + 1 < nk).then(|| {
-                            let off1 = vs.row(b, g, k0 + 2 * jp + 1);
-                            &vx[off1..off1 + dv]
-                        });
-                        // SAFETY: this kernel runs only where the CPU has AVX-512F/BW/VL.
-                        finite &= unsafe { pack_v_pair(&vx[off0..off0 + dv], v1, &mut dst[..dv]) };
-                    }
-                    finite
-                })
-                .reduce(|| true, |a, b| a & b);
-            // Non-finite V values (only V matters: a non-finite logit from Q or K is masked to an
-            // exact 0 or propagates through P, as in the f32 kernel) are packed as 0 and added back
-            // per tile for the queries whose bf16 P weight on that key is nonzero, so 0·NaN never
-            // appears and rows that cannot attend the key keep the bits of a clean run.
-            let mut fix: Vec<Vec<Fixup>> = Vec::new();
-            if !v_finite {
-                fix = vec![Vec::new(); blocks];
-                for bg in 0..d.batch * hkv {
-                    for row in 0..d.kv_len {
-                        let off = vs.row(bg / hkv, bg % hkv, row);
-                        for (col, x) in vx[off..off + dv].iter().enumerate() {
-                            if x.is_finite() {
-                                continue;
-                            }
-                            let kt = row / plan.tile.kv;
-                            let j = row - plan.kv_range(kt).0;
-                            let blk = bg * nkt + kt;
-                            let half = j % 2;
-                            let w = &mut vp[(blk * (tkp / 2) + j / 2) * dvp + col];
-                            *w &= if half == 0 { 0xFFFF_0000 } else { 0x0000_FFFF };
-                            fix[blk].push(Fixup {
-                                jp: j / 2,
-                                half,
-                                col,
-                                val: x.to_f32(),
-                            });
-                        }
-                    }
-                }
-            }
-            let cx = Ctx {
+            let k_words_len = if k_words.is_some() {
+                0
+            } else {
+                blocks * tkp * dpair
+            };
+            Ok(Ctx {
                 plan,
                 d: *d,
                 tq,
@@ -338,18 +309,105 @@ mod imp {
                 dvp,
                 q: qs,
                 qx,
-                kp,
+                kx,
+                kp: PackBuf::new(grown(kpack, k_words_len)),
                 k_words,
                 ks,
-                vp,
-                fix,
+                vs,
+                vx,
+                vp: PackBuf::new(grown(vpack, blocks * (tkp / 2) * dvp)),
+                blocks: (0..blocks).map(|_| OnceLock::new()).collect(),
                 masks_t: &prep.data.masks_t,
                 live: &prep.data.live,
                 scale: options.scale_for(d.d_qk),
                 softcap: options.softcap,
                 sinks: options.sinks.as_deref(),
+            })
+        }
+
+        /// Kv block `blk` (batch, kv head, kv tile) packed, by this call if no item did it
+        /// before (a packed block is read by the items that visit it next, while it is still
+        /// in cache; the blocks no item visits are never packed); returns its non-finite V
+        /// entries.
+        fn block(&self, blk: usize) -> &[Fixup] {
+            self.blocks[blk].get_or_init(|| self.pack_block(blk))
+        }
+
+        /// Packs kv block `blk`: K (unless read in place) as pairs along D, V as pairs of keys,
+        /// both zero padded to `tkp` keys. Non-finite V values (only V matters: a non-finite
+        /// logit from Q or K is masked to an exact 0 or propagates through P, as in the f32
+        /// kernel) are packed as 0 and returned, to be added back per tile for the queries
+        /// whose bf16 P weight on that key is nonzero, so 0·NaN never appears and rows that
+        /// cannot attend the key keep the bits of a clean run. Call only from [`Ctx::block`].
+        fn pack_block(&self, blk: usize) -> Vec<Fixup> {
+            let (plan, d) = (self.plan, &self.d);
+            let (tkp, dpair, dvp) = (self.tkp, self.dpair, self.dvp);
+            let (dqk, dv, nkt) = (d.d_qk, d.d_v, plan.kv_tiles);
+            let (bg, kt) = (blk / nkt, blk % nkt);
+            let (b, g) = (bg / d.heads_kv, bg % d.heads_kv);
+            let (k0, k1) = plan.kv_range(kt);
+            let nk = k1 - k0;
+            let bits = |x: &bf16| x.to_bits();
+            if self.k_words.is_none() {
+                // SAFETY: inside block `blk`'s initialisation; the range is that block's.
+                let kd = unsafe { self.kp.write(blk * tkp * dpair..(blk + 1) * tkp * dpair) };
+                // Padding keys are zero (the buffer is reused: clear them explicitly).
+                kd[nk * dpair..].fill(0);
+                for j in 0..nk {
+                    let off = self.ks.row(b, g, k0 + j);
+                    let (src, dst) = (
+                        &self.kx[off..off + dqk],
+                        &mut kd[j * dpair..(j + 1) * dpair],
+                    );
+                    // Pairs along D are the row's own bytes: a straight (vectorized) copy.
+                    for (o, p) in dst.iter_mut().zip(src.chunks_exact(2)) {
+                        *o = pair(bits(&p[0]), bits(&p[1]));
+                    }
+                    if dqk % 2 == 1 {
+                        dst[dpair - 1] = pair(bits(&src[dqk - 1]), 0);
+                    }
+                }
+            }
+            // SAFETY: as above.
+            let vd = unsafe {
+                self.vp
+                    .write(blk * (tkp / 2) * dvp..(blk + 1) * (tkp / 2) * dvp)
             };
-            Ok(cx)
+            vd[nk.div_ceil(2) * dvp..].fill(0);
+            let (vs, vx) = (self.vs, self.vx);
+            let mut finite = true;
+            for jp in 0..nk.div_ceil(2) {
+                let off0 = vs.row(b, g, k0 + 2 * jp);
+                let dst = &mut vd[jp * dvp..(jp + 1) * dvp];
+                dst[dv..].fill(0);
+                let v1 = (2 * jp + 1 < nk).then(|| {
+                    let off1 = vs.row(b, g, k0 + 2 * jp + 1);
+                    &vx[off1..off1 + dv]
+                });
+                // SAFETY: this kernel runs only where the CPU has AVX-512F/BW/VL.
+                finite &= unsafe { pack_v_pair(&vx[off0..off0 + dv], v1, &mut dst[..dv]) };
+            }
+            let mut fix = Vec::new();
+            if finite {
+                return fix;
+            }
+            for j in 0..nk {
+                let off = vs.row(b, g, k0 + j);
+                for (col, x) in vx[off..off + dv].iter().enumerate() {
+                    if x.is_finite() {
+                        continue;
+                    }
+                    let half = j % 2;
+                    vd[(j / 2) * dvp + col] &= if half == 0 { 0xFFFF_0000 } else { 0x0000_FFFF };
+                    fix.push(Fixup {
+                        jp: j / 2,
+                        half,
+                        col,
+                        val: x.to_f32(),
+                    });
+                }
+            }
+            fix
         }
 
         /// A fresh per-worker workspace.
@@ -459,11 +517,19 @@ mod imp {
             let nk = k1 - k0;
             let mk = round_up(nk, RB);
             let blk = (b * d.heads_kv + kvh) * nkt + kt;
+            let fix = cx.block(blk);
+            // SAFETY (both reads): `cx.block(blk)` returned, so block `blk` is packed.
             let (kp, kld) = match cx.k_words {
                 Some((words, ld)) => (&words[cx.ks.row(b, kvh, k0) / 2..], ld),
-                None => (&cx.kp[blk * tkp * dpair..(blk + 1) * tkp * dpair], dpair),
+                None => (
+                    unsafe { cx.kp.read(blk * tkp * dpair..(blk + 1) * tkp * dpair) },
+                    dpair,
+                ),
             };
-            let vp = &cx.vp[blk * (tkp / 2) * dvp..(blk + 1) * (tkp / 2) * dvp];
+            let vp = unsafe {
+                cx.vp
+                    .read(blk * (tkp / 2) * dvp..(blk + 1) * (tkp / 2) * dvp)
+            };
             let full = e.is_full();
             let span = |j: usize| cx.live.row_span(full, e.mask, j, nq);
             // Full tiles without padding key rows get the raw column max fused into the product.
@@ -655,7 +721,7 @@ mod imp {
                     (o, dvp),
                 );
             }
-            for f in cx.fix.get(blk).map_or(&[][..], |v| &v[..]) {
+            for f in fix {
                 let row = &pp[f.jp * tq..f.jp * tq + nq];
                 for (i, &w) in row.iter().enumerate() {
                     let pb = (w >> (16 * f.half)) & 0xFFFF;
