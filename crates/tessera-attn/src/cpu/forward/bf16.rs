@@ -92,6 +92,7 @@ mod imp {
         dvp: usize,
         q: Src<'a>,
         qx: &'a [bf16],
+        /// K and V's bf16 storage (the rows `ks` and `vs` address), read when packing a block.
         kx: &'a [bf16],
         /// Packed K, when K is not read in place (`tkp × dpair` words per kv block).
         kp: PackBuf<'a>,
@@ -295,7 +296,8 @@ mod imp {
                 && plan.tile.kv.is_multiple_of(RB)
                 && d.kv_len.is_multiple_of(RB))
             .then_some((words, ks.ld() / 2));
-            let k_words_len = if k_words.is_some() {
+            // Words of packed K: none when K is read in place.
+            let kp_len = if k_words.is_some() {
                 0
             } else {
                 blocks * tkp * dpair
@@ -310,7 +312,7 @@ mod imp {
                 q: qs,
                 qx,
                 kx,
-                kp: PackBuf::new(grown(kpack, k_words_len)),
+                kp: PackBuf::new(grown(kpack, kp_len)),
                 k_words,
                 ks,
                 vs,
