@@ -22,7 +22,7 @@ use crate::plan::PyPlan;
 /// Workspaces of finished calls, reused by the next ones (one per concurrent call).
 static WORKSPACES: Mutex<Vec<CpuWorkspace>> = Mutex::new(Vec::new());
 
-fn take_workspace() -> CpuWorkspace {
+pub(crate) fn take_workspace() -> CpuWorkspace {
     WORKSPACES
         .lock()
         .ok()
@@ -30,7 +30,7 @@ fn take_workspace() -> CpuWorkspace {
         .unwrap_or_default()
 }
 
-fn give_workspace(ws: CpuWorkspace) {
+pub(crate) fn give_workspace(ws: CpuWorkspace) {
     if let Ok(mut v) = WORKSPACES.lock() {
         // Bounded: as many as calls ever ran at once, at most 8.
         if v.len() < 8 {
@@ -230,7 +230,11 @@ fn distinct(
     Ok(())
 }
 
-fn options(scale: Option<f32>, softcap: Option<f32>, sinks: Option<Vec<f32>>) -> AttnOptions {
+pub(crate) fn options(
+    scale: Option<f32>,
+    softcap: Option<f32>,
+    sinks: Option<Vec<f32>>,
+) -> AttnOptions {
     AttnOptions {
         scale,
         softcap,
@@ -351,7 +355,7 @@ pub const STAT_COLUMNS: usize = 9;
 
 /// One head's accumulator as a fixed-width row: valid rows, Σ sink mass, Σ learned-sink mass,
 /// Σ entropy, max logit, max |O|, Σ O², O element count, outliers.
-fn head_row(a: &tessera::telemetry::HeadAccum) -> [f64; STAT_COLUMNS] {
+pub(crate) fn head_row(a: &tessera::telemetry::HeadAccum) -> [f64; STAT_COLUMNS] {
     [
         a.valid_rows as f64,
         a.sink_mass_sum.value(),
@@ -395,6 +399,19 @@ fn telemetry_config(
     sink: bool,
     outlier: bool,
 ) -> PyResult<tessera::telemetry::TelemetryConfig> {
+    checked_telemetry_config(every, sink_tokens, epsilon, outlier_ratio, sink, outlier)
+        .map_err(to_py)
+}
+
+/// A telemetry configuration, validated as `Telemetry::new` validates it.
+pub(crate) fn checked_telemetry_config(
+    every: u64,
+    sink_tokens: usize,
+    epsilon: f64,
+    outlier_ratio: f64,
+    sink: bool,
+    outlier: bool,
+) -> tessera::Result<tessera::telemetry::TelemetryConfig> {
     let c = tessera::telemetry::TelemetryConfig {
         every,
         streams: tessera::telemetry::Streams { sink, outlier },
@@ -402,7 +419,7 @@ fn telemetry_config(
         epsilon,
         outlier_ratio,
     };
-    tessera::telemetry::Telemetry::new(c.clone()).map_err(to_py)?;
+    tessera::telemetry::Telemetry::new(c.clone())?;
     Ok(c)
 }
 

@@ -7,6 +7,7 @@
 
 mod attention;
 mod errors;
+mod ffi;
 mod mask;
 mod pack;
 mod plan;
@@ -39,6 +40,11 @@ fn _tessera(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(attention::attention_backward, m)?)?;
     m.add_function(wrap_pyfunction!(attention::attention_forward_logged, m)?)?;
     m.add_function(wrap_pyfunction!(attention::telemetry_records, m)?)?;
+    m.add_function(wrap_pyfunction!(ffi::ffi_targets, m)?)?;
+    m.add_function(wrap_pyfunction!(ffi::ffi_register, m)?)?;
+    m.add_function(wrap_pyfunction!(ffi::ffi_release, m)?)?;
+    m.add_function(wrap_pyfunction!(ffi::ffi_registered, m)?)?;
+    m.add_function(wrap_pyfunction!(ffi::ffi_registry_size, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("TELEMETRY_COLUMNS", attention::STAT_COLUMNS)?;
     m.add("isa", tessera::CpuBackend::new().paths().to_string())?;

@@ -33,7 +33,9 @@ pub struct PyPlan {
     pub(crate) mask: Option<Mask>,
     /// Where the plan came from: `memory`, `disk` (plan cache) or `built`.
     source: &'static str,
-    prepared: OnceLock<CpuPlan>,
+    /// Shared with the XLA FFI registry (`crate::ffi`), which runs kernels on this plan
+    /// without the GIL.
+    pub(crate) prepared: Arc<OnceLock<CpuPlan>>,
 }
 
 impl PyPlan {
@@ -42,18 +44,26 @@ impl PyPlan {
             inner,
             mask,
             source,
-            prepared: OnceLock::new(),
+            prepared: Arc::new(OnceLock::new()),
         }
     }
 
     /// The plan prepared for the CPU kernels (built on first use, then reused by every call).
     pub(crate) fn prepared(&self) -> PyResult<&CpuPlan> {
-        if let Some(p) = self.prepared.get() {
-            return Ok(p);
-        }
-        let p = CpuBackend::new().prepare(&self.inner).map_err(to_py)?;
-        Ok(self.prepared.get_or_init(|| p))
+        prepare_once(&self.prepared, &self.inner).map_err(to_py)
     }
+}
+
+/// `plan` prepared for the CPU kernels in `cell`: built by the first caller, reused after.
+pub(crate) fn prepare_once<'a>(
+    cell: &'a OnceLock<CpuPlan>,
+    plan: &Arc<Plan>,
+) -> tessera::Result<&'a CpuPlan> {
+    if let Some(p) = cell.get() {
+        return Ok(p);
+    }
+    let p = CpuBackend::new().prepare(plan)?;
+    Ok(cell.get_or_init(|| p))
 }
 
 /// The largest batch and head counts the mask's data implies (1 when it implies none).

@@ -1,36 +1,698 @@
-"""JAX integration: plans as Splash attention ``MaskInfo``.
+"""JAX integration: ``tessera.jax.attention``, one op on every device JAX runs on (SPEC §12).
 
-Splash (``jax.experimental.pallas.ops.tpu.splash_attention``) turns a dense mask into
-``MaskInfo`` by evaluating it block by block (``process_mask``, lru-cached). Tessera builds the
-same arrays from its plan directly, at any length, without a dense ``[Lq, Lkv]`` mask::
+On CPU the op runs Tessera's kernels through XLA FFI custom calls (forward, backward and the
+telemetry forward), zero-copy on XLA's buffers; on TPU it runs Splash with the plan's
+``MaskInfo`` (see :mod:`tessera._splash`). Example::
 
-    import jax.numpy as jnp, tessera, tessera.jax
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+    import jax, jax.numpy as jnp, numpy as np, tessera, tessera.jax as tj
+    ids = np.repeat(np.arange(4), 256)                           # 4 documents in 1024 tokens
+    plan = tessera.plan(tessera.causal() & tessera.document(ids), q_len=1024, heads=8)
 
-    plan = tessera.plan(tessera.causal() & tessera.document(ids), q_len=L, heads=H,
-                        block=(512, 512))
-    fwd, dkv = tessera.jax.mask_info(plan)             # equal to process_mask / _dkv's
-    kernel = sk.SplashAttentionKernel(
-        fwd, None, dkv, mask_value=sk.DEFAULT_MASK_VALUE, is_mqa=False,
-        block_sizes=sk.BlockSizes.get_default(), residual_checkpoint_name=None,
-        save_residuals=False, mask_function=None, attn_logits_soft_cap=None,
-        interpret=True,                                  # on CPU; omit on TPU
-    )
-    out = kernel(q * (1 / d ** 0.5), k, v)              # q [H, L, D]: Splash does not scale q
+    @jax.jit
+    def loss(q, k, v, plan):                                     # the plan is an argument
+        return tj.attention(q, k, v, plan, softcap=30.0).square().mean()
 
-``mask_info`` returns Splash's own ``MaskInfo`` type (a NamedTuple) whose arrays are jax arrays
-(numpy with ``as_numpy=True``), with the integer dtypes Splash's downcast picks. Splash has no
-batch dimension (one kernel per row, usually under ``vmap``): a plan whose mask differs per batch
-row gives each row's infos with ``batch_row=``.
+    q = jnp.ones((2, 8, 1024, 64)); k = v = jnp.ones((2, 2, 1024, 64))   # GQA: 2 kv heads
+    g = jax.grad(loss, argnums=(0, 1, 2))(q, k, v, plan)
+
+Plans reach compiled code as data. A :class:`tessera.Plan` is a JAX pytree whose only leaf is
+its handle (``int32 [2]``, 62 random bits: JAX has no int64 arrays without x64) and whose static
+part is its shapes, so calling a jitted step with another plan of the same shapes neither
+retraces nor recompiles, and no plan constant is baked into the executable (the persistent
+compilation cache hits across processes). Pass plans as arguments: a plan *closed over* by a
+jitted function becomes a constant of that trace.
+
+The handle registry holds a plan while its :class:`tessera.Plan` object lives; a handle whose
+plan was freed, or a made-up one, is an error raised by the custom call (never a read of freed
+memory). Keep the Plan alive until the outputs of the steps that use it are ready.
+
+Layouts: ``layout="bhld"`` (default) takes ``q [B, Hq, Lq, Dqk]``, ``k [B, Hkv, Lkv, Dqk]``,
+``v [B, Hkv, Lkv, Dv]`` like ``tessera.torch``; ``layout="blhd"`` takes ``[B, L, H, D]``, the
+``[B, T, N, H]`` of ``jax.nn.dot_product_attention``, read in place through strides. Outputs come
+in the same layout as the inputs.
 """
 
 from __future__ import annotations
 
-from typing import Any, Tuple
+import functools
+import math
+import threading
+import weakref
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
-from . import Plan, _int_arg
+import numpy as np
 
-__all__ = ["mask_info"]
+from . import Plan, _int_arg, _tessera
+
+__all__ = [
+    "attention",
+    "plan_ref",
+    "PlanRef",
+    "Telemetry",
+    "cp_attention",
+    "cp_handles",
+    "scatter",
+    "gather",
+    "mask_info",
+    "LAYOUTS",
+    "BACKENDS",
+]
+
+LAYOUTS = ("bhld", "blhd")
+BACKENDS = ("auto", "ffi", "splash")
+
+_TARGET_FWD = "tessera_attention_fwd"
+_TARGET_FWD_LOGGED = "tessera_attention_fwd_logged"
+_TARGET_BWD = "tessera_attention_bwd"
+_STAT_COLUMNS = _tessera.TELEMETRY_COLUMNS
+
+# -- registration -----------------------------------------------------------------------------
+
+_lock = threading.Lock()
+_targets_registered = False
+
+
+def _register_targets() -> None:
+    """Registers the FFI handlers with XLA's CPU platform (once per process)."""
+    global _targets_registered
+    if _targets_registered:
+        return
+    import jax
+
+    with _lock:
+        if not _targets_registered:
+            for name, capsule in _tessera.ffi_targets().items():
+                jax.ffi.register_ffi_target(name, capsule, platform="cpu")
+            _targets_registered = True
+
+
+_handles: "weakref.WeakKeyDictionary[Plan, np.ndarray]" = weakref.WeakKeyDictionary()
+
+
+def _split(h: int) -> np.ndarray:
+    return np.array([h >> 31, h & (2**31 - 1)], dtype=np.int32)
+
+
+def _handle_of(plan: Plan) -> np.ndarray:
+    """The plan's FFI handle words, registering the plan on first use; the registry entry goes
+    when the Plan object is collected."""
+    with _lock:
+        words = _handles.get(plan)
+        if words is None:
+            h = _tessera.ffi_register(plan._p)
+            weakref.finalize(plan, _tessera.ffi_release, h)
+            words = _split(h)
+            words.setflags(write=False)
+            _handles[plan] = words
+    return words
+
+
+# -- plans as pytrees -------------------------------------------------------------------------
+
+
+class _Meta(NamedTuple):
+    """The static part of a plan: what a compiled step is specialised on."""
+
+    shape: Tuple[int, int, int, int]  # (B, H, Lq, Lkv)
+    block: Tuple[int, int]
+    groups: Tuple[int, int]  # (B', H'): 1 where the mask does not vary
+    telemetry: bool  # whether the sink keys are known (a mask; not a CP local plan)
+
+
+def _meta(plan: Plan) -> _Meta:
+    return _Meta(tuple(plan.shape), tuple(plan.block), tuple(plan.groups), plan._p.mask is not None)
+
+
+class PlanRef:
+    """A plan as JAX sees it: the handle words (concrete, or traced inside ``jit``), the static
+    shapes, and optionally the plan's stable-shape Splash ``MaskInfo`` (``splash``, a pytree)."""
+
+    __slots__ = ("handle", "meta", "splash", "plan")
+
+    def __init__(self, handle: Any, meta: _Meta, splash: Any = None, plan: Optional[Plan] = None):
+        self.handle = handle
+        self.meta = meta
+        self.splash = splash
+        self.plan = plan  # the Plan itself when concrete (keeps it alive), else None
+
+    @property
+    def shape(self) -> Tuple[int, int, int, int]:
+        return self.meta.shape
+
+    def __repr__(self) -> str:
+        b, h, lq, lkv = self.meta.shape
+        return f"tessera.jax.PlanRef(B={b}, H={h}, Lq={lq}, Lkv={lkv}, block={self.meta.block})"
+
+
+def _flatten_ref(r: PlanRef):
+    return (r.handle, r.splash), r.meta
+
+
+def _unflatten_ref(meta: _Meta, children) -> PlanRef:
+    handle, splash = children
+    return PlanRef(handle, meta, splash)
+
+
+def _flatten_plan(p: Plan):
+    return _flatten_ref(plan_ref(p))
+
+
+_pytrees_registered = False
+
+
+def _register_pytrees() -> None:
+    global _pytrees_registered
+    if _pytrees_registered:
+        return
+    import jax
+
+    with _lock:
+        if not _pytrees_registered:
+            jax.tree_util.register_pytree_node(PlanRef, _flatten_ref, _unflatten_ref)
+            jax.tree_util.register_pytree_node(Plan, _flatten_plan, _unflatten_ref)
+            _pytrees_registered = True
+
+
+def _default_splash() -> bool:
+    import jax
+
+    return jax.default_backend() == "tpu"
+
+
+def plan_ref(plan: Plan, *, splash: Optional[bool] = None, max_partial_blocks: Optional[int] = None) -> PlanRef:
+    """``plan`` as the pytree a jitted step takes. With ``splash=True`` (the default on TPU) it
+    also carries the plan's Splash ``MaskInfo`` in stable shapes (full grid, partial blocks
+    padded to ``max_partial_blocks``, default the next power of two), so that plans of equal
+    shapes share one compiled Splash step."""
+    if isinstance(plan, PlanRef):
+        return plan
+    if not isinstance(plan, Plan):
+        raise TypeError(f"plan: expected a tessera.Plan, got {type(plan).__name__}")
+    info = None
+    if splash if splash is not None else _default_splash():
+        from . import _splash
+
+        info = _splash.splash_info(plan, max_partial_blocks=max_partial_blocks)
+    return PlanRef(_handle_of(plan), _meta(plan), info, plan)
+
+
+def _as_ref(plan: Any) -> PlanRef:
+    if isinstance(plan, PlanRef):
+        return plan
+    if isinstance(plan, Plan):
+        return plan_ref(plan, splash=False)
+    raise TypeError(f"plan: expected a tessera.Plan (or the PlanRef it becomes under jit), got {type(plan).__name__}")
+
+
+# -- telemetry --------------------------------------------------------------------------------
+
+
+class Telemetry:
+    """Gated telemetry for ``tessera.jax.attention`` (SPEC §6), device side first.
+
+    ``Telemetry(every=N)`` is a pytree whose leaf is the step (pass ``tel.at(step)`` into the
+    jitted step; a traced step is fine). With ``telemetry=tel`` the op also returns the step's
+    per-head summary, ``float32 [Hq, 9, 2]``: a ``lax.cond`` on the traced step runs the
+    telemetry kernel on logging steps and the plain kernel (zeros for the summary) otherwise, so
+    no Python branch looks at a live value. Under ``shard_map``, :func:`reduce_summary` (done by
+    :func:`cp_attention`) combines summaries across devices with ``psum``/``pmax`` before they
+    leave them. On the host, :meth:`collect` keeps the device arrays of a step (no read) and
+    :meth:`read` reads them once and returns the records of SPEC §6 (the JSON-lines schema of
+    ``tessera telemetry plot``)."""
+
+    def __init__(
+        self,
+        every: int = 100,
+        *,
+        sink_tokens: int = 1,
+        epsilon: float = 0.3,
+        outlier_ratio: float = 6.0,
+        streams: Sequence[str] = ("sink", "outlier"),
+        step: Any = 0,
+    ) -> None:
+        every = _int_arg("Telemetry", "every", every, 0)
+        sink_tokens = _int_arg("Telemetry", "sink_tokens", sink_tokens, 0)
+        bad = [s for s in streams if s not in ("sink", "outlier")]
+        if bad:
+            raise ValueError(f"streams: unknown stream(s) {bad}; expected 'sink' and/or 'outlier'")
+        if not (0.0 <= float(epsilon) <= 1.0):
+            raise ValueError(f"epsilon: expected a value in [0, 1], got {epsilon}")
+        if not (float(outlier_ratio) >= 0.0 and math.isfinite(float(outlier_ratio))):
+            raise ValueError(f"outlier_ratio: expected a finite value >= 0, got {outlier_ratio}")
+        self.config = _TelConfig(
+            int(every), int(sink_tokens), float(epsilon), float(outlier_ratio),
+            "sink" in streams, "outlier" in streams,
+        )
+        self.step = step
+        self._pending: List[Tuple[int, int, bool, Any]] = []
+
+    @property
+    def every(self) -> int:
+        return self.config.every
+
+    def at(self, step: Any) -> "Telemetry":
+        """This telemetry at ``step`` (an int or a traced integer scalar)."""
+        t = Telemetry.__new__(Telemetry)
+        t.config = self.config
+        t.step = step
+        t._pending = self._pending
+        return t
+
+    def should_log(self, step: int) -> bool:
+        """Whether ``step`` is a logging step (host side, for :meth:`collect`)."""
+        return self.config.every > 0 and int(step) % self.config.every == 0
+
+    def collect(self, step: int, summaries: Dict[int, Any], learned_sinks: bool = False) -> None:
+        """Keeps ``{layer: summary}`` of ``step`` (device arrays, not read) when it is a logging
+        step; ``learned_sinks`` says whether the layers used sink logits."""
+        step = _int_arg("collect", "step", step, 0)
+        if not self.should_log(step):
+            return
+        for layer, s in sorted(summaries.items()):
+            layer = _int_arg("collect", "layer", layer, 0, 2**32)
+            self._pending.append((step, layer, bool(learned_sinks), s))
+
+    def read(self) -> List[Dict[str, Any]]:
+        """The records of every collected (step, layer) since the last read: the one host read."""
+        import json
+
+        if not self._pending:
+            return []
+        stats = np.stack([_stats64(np.asarray(s)) for *_, s in self._pending])
+        c = self.config
+        lines = _tessera.telemetry_records(
+            stats,
+            [p[0] for p in self._pending],
+            [p[1] for p in self._pending],
+            [p[2] for p in self._pending],
+            max(c.every, 1),
+            c.sink_tokens,
+            c.epsilon,
+            c.outlier_ratio,
+            c.sink_stream,
+            c.outlier_stream,
+        )
+        self._pending.clear()
+        return [json.loads(x) for x in lines]
+
+    def write_jsonl(self, path: Any) -> int:
+        """Appends the records of :meth:`read` to ``path`` (JSON lines); returns how many."""
+        import json
+
+        records = self.read()
+        with open(path, "a", encoding="utf-8") as f:
+            for r in records:
+                f.write(json.dumps(r) + "\n")
+        return len(records)
+
+
+class _TelConfig(NamedTuple):
+    every: int
+    sink_tokens: int
+    epsilon: float
+    outlier_ratio: float
+    sink_stream: bool
+    outlier_stream: bool
+
+
+def _flatten_tel(t: Telemetry):
+    return (t.step,), t.config
+
+
+def _unflatten_tel(config: _TelConfig, children) -> Telemetry:
+    t = Telemetry.__new__(Telemetry)
+    t.config = config
+    (t.step,) = children
+    t._pending = []
+    return t
+
+
+def _stats64(s: np.ndarray) -> np.ndarray:
+    """``float64 [Hq, 9]`` from the op's ``float32 [Hq, 9, 2]`` (hi, lo) pairs."""
+    s = np.asarray(s)
+    if s.ndim != 3 or s.shape[1:] != (_STAT_COLUMNS, 2):
+        raise ValueError(f"summary: expected float32 [Hq, {_STAT_COLUMNS}, 2], got shape {s.shape}")
+    hi = s[..., 0].astype(np.float64)
+    lo = s[..., 1].astype(np.float64)
+    return np.where(np.isfinite(hi), hi + lo, hi)
+
+
+# Which columns of a summary combine by max (max logit, max |O|); the others are sums.
+_MAX_COLUMNS = (4, 5)
+
+
+def reduce_summary(summary: Any, axis_name: Any) -> Any:
+    """Combines per-device summaries over the named mesh axes inside ``shard_map`` (sums of
+    numerators and denominators, maxima of maxima): the result is what one device attending to
+    every device's rows would report."""
+    import jax
+    import jax.numpy as jnp
+
+    is_max = np.zeros((_STAT_COLUMNS, 2), dtype=bool)
+    is_max[list(_MAX_COLUMNS), :] = True
+    summed = jax.lax.psum(jnp.where(is_max, 0.0, summary), axis_name)
+    # lo words of max columns are 0 (the maxima are float32 values)
+    maxed = jax.lax.pmax(jnp.where(is_max, summary, -jnp.inf), axis_name)
+    return jnp.where(is_max, maxed, summed)
+
+
+# -- the custom calls -------------------------------------------------------------------------
+
+
+class _Cfg(NamedTuple):
+    """Static options of one op call (hashable: part of the trace)."""
+
+    scale: float
+    softcap: Optional[float]
+    layout: str
+    return_lse: bool
+    has_sinks: bool
+    tel: Optional[_TelConfig]
+
+
+_BHLD_OF_BLHD = (0, 2, 1, 3)  # major-to-minor: [B, L, H, D] arrays stored as [B, H, L, D]
+_BHL_OF_BLH = (0, 2, 1)
+
+
+def _attrs(cfg: _Cfg) -> Dict[str, Any]:
+    return dict(
+        scale=np.float32(cfg.scale),
+        softcap=np.float32(cfg.softcap or 0.0),
+        layout=np.int64(0 if cfg.layout == "bhld" else 1),
+    )
+
+
+def _forward_call(q, k, v, handle, sinks, cfg: _Cfg, logged: bool):
+    import jax
+
+    _register_targets()
+    if cfg.layout == "bhld":
+        b, hq, lq, _ = q.shape
+        o_shape, lse_shape = (b, hq, lq, v.shape[3]), (b, hq, lq)
+        layouts = None
+    else:
+        b, lq, hq, _ = q.shape
+        o_shape, lse_shape = (b, lq, hq, v.shape[3]), (b, lq, hq)
+        layouts = [_BHLD_OF_BLHD, _BHL_OF_BLH, None]
+    outs = [
+        jax.ShapeDtypeStruct(o_shape, q.dtype),
+        jax.ShapeDtypeStruct(lse_shape, np.float32),
+        jax.ShapeDtypeStruct((b, hq), np.float32),
+    ]
+    attrs = _attrs(cfg)
+    target = _TARGET_FWD
+    if logged:
+        t = cfg.tel
+        outs.append(jax.ShapeDtypeStruct((hq, _STAT_COLUMNS, 2), np.float32))
+        if layouts is not None:
+            layouts.append(None)
+        attrs.update(
+            sink_tokens=np.int64(t.sink_tokens),
+            outlier_ratio=np.float64(t.outlier_ratio),
+            sink_stream=np.int64(t.sink_stream),
+            outlier_stream=np.int64(t.outlier_stream),
+        )
+        target = _TARGET_FWD_LOGGED
+    call = jax.ffi.ffi_call(target, outs, output_layouts=layouts, vmap_method="sequential")
+    return call(q, k, v, handle, sinks, **attrs)
+
+
+def _backward_call(q, k, v, o, lse, d_o, d_lse, handle, sinks, cfg: _Cfg):
+    import jax
+
+    _register_targets()
+    dt = q.dtype
+    outs = [
+        jax.ShapeDtypeStruct(q.shape, dt),
+        jax.ShapeDtypeStruct(k.shape, dt),
+        jax.ShapeDtypeStruct(v.shape, dt),
+        jax.ShapeDtypeStruct(sinks.shape, np.float32),
+    ]
+    in_layouts = out_layouts = None
+    if cfg.layout == "blhd":
+        in_layouts = [
+            None, None, None, _BHLD_OF_BLHD, _BHL_OF_BLH, None,
+            _BHL_OF_BLH if d_lse.ndim == 3 else None, None, None,
+        ]
+        out_layouts = [_BHLD_OF_BLHD, _BHLD_OF_BLHD, _BHLD_OF_BLHD, None]
+    call = jax.ffi.ffi_call(
+        _TARGET_BWD, outs, input_layouts=in_layouts, output_layouts=out_layouts,
+        vmap_method="sequential",
+    )
+    return call(q, k, v, o, lse, d_o, d_lse, handle, sinks, **_attrs(cfg))
+
+
+def _stats_shape(q, cfg: _Cfg) -> Tuple[int, ...]:
+    hq = q.shape[1] if cfg.layout == "bhld" else q.shape[2]
+    return (hq, _STAT_COLUMNS, 2)
+
+
+def _core_impl(q, k, v, handle, sinks, step, cfg: _Cfg):
+    """O, LSE and the telemetry summary (``[0]`` without telemetry) of one call."""
+    import jax
+    import jax.numpy as jnp
+
+    if cfg.tel is None:
+        o, lse, _ = _forward_call(q, k, v, handle, sinks, cfg, False)
+        return o, lse, jnp.zeros((0,), np.float32)
+    every = max(cfg.tel.every, 1)
+
+    def logged(args):
+        o, lse, _, stats = _forward_call(*args, cfg, True)
+        return o, lse, stats
+
+    def plain(args):
+        o, lse, _ = _forward_call(*args, cfg, False)
+        return o, lse, jnp.zeros(_stats_shape(q, cfg), np.float32)
+
+    if cfg.tel.every == 0:
+        return plain((q, k, v, handle, sinks))
+    is_logging = (jnp.asarray(step, jnp.int32) % every) == 0
+    return jax.lax.cond(is_logging, logged, plain, (q, k, v, handle, sinks))
+
+
+@functools.lru_cache(maxsize=None)
+def _core():
+    import jax
+    import jax.numpy as jnp
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+    def core(q, k, v, handle, sinks, step, cfg):
+        return _core_impl(q, k, v, handle, sinks, step, cfg)
+
+    def fwd(q, k, v, handle, sinks, step, cfg):
+        o, lse, stats = _core_impl(q, k, v, handle, sinks, step, cfg)
+        return (o, lse, stats), (q, k, v, handle, sinks, o, lse)
+
+    def bwd(cfg, res, cts):
+        q, k, v, handle, sinks, o, lse = res
+        d_o, d_lse, _ = cts
+        if not cfg.return_lse:
+            d_lse = jnp.zeros((0,), np.float32)
+        dq, dk, dv, dsinks = _backward_call(
+            q, k, v, o, lse, d_o.astype(q.dtype), d_lse.astype(np.float32), handle, sinks, cfg
+        )
+        return dq, dk, dv, None, dsinks, None
+
+    core.defvjp(fwd, bwd)
+    return core
+
+
+# -- checks -----------------------------------------------------------------------------------
+
+
+def _platform_of(x: Any) -> Optional[str]:
+    """The platform of a concrete array (None for tracers and host values)."""
+    devices = getattr(x, "devices", None)
+    if devices is None:
+        return None
+    try:
+        ds = devices()
+    except Exception:  # a tracer: no devices
+        return None
+    return next(iter(ds)).platform if ds else None
+
+
+def _check(q, k, v, ref: PlanRef, layout: str, sinks: Any) -> None:
+    import jax.numpy as jnp
+
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not hasattr(t, "shape") or not hasattr(t, "dtype"):
+            raise TypeError(f"{name}: expected a jax array, got {type(t).__name__}")
+        if len(t.shape) != 4:
+            raise ValueError(f"{name}: expected a 4-D array {_layout_name(layout)}, got shape {tuple(t.shape)}")
+        if 0 in t.shape:
+            raise ValueError(f"{name}: expected a non-empty array, got shape {tuple(t.shape)}")
+        if t.dtype not in (jnp.float32, jnp.bfloat16):
+            raise TypeError(f"{name}: expected dtype float32 or bfloat16, got {t.dtype}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"k, v: expected the dtype of q ({q.dtype}), got {k.dtype} and {v.dtype}")
+
+    def bhld(t):
+        return tuple(t.shape) if layout == "bhld" else (t.shape[0], t.shape[2], t.shape[1], t.shape[3])
+
+    (b, hq, lq, dqk), kb, vb = bhld(q), bhld(k), bhld(v)
+    pb, ph, plq, plkv = ref.meta.shape
+    gb, gh = ref.meta.groups
+    batch_ok = pb == b or (pb == 1 and gb == 1)
+    heads_ok = ph == hq or (ph == 1 and gh == 1)
+    if not (batch_ok and heads_ok) or (plq, plkv) != (lq, kb[2]):
+        raise ValueError(
+            f"plan: built for B={pb} H={ph} Lq={plq} Lkv={plkv}, but q/k give "
+            f"B={b} H={hq} Lq={lq} Lkv={kb[2]}"
+        )
+    if kb[0] != b or vb[0] != b or kb[1] != vb[1] or kb[2] != vb[2]:
+        raise ValueError(
+            f"k, v: expected {_layout_name(layout)} with B={b} and matching Hkv, Lkv; got "
+            f"{tuple(k.shape)} and {tuple(v.shape)}"
+        )
+    if kb[3] != dqk:
+        raise ValueError(f"k: expected head dim {dqk} (as q), got {kb[3]}")
+    if hq % kb[1] != 0:
+        raise ValueError(f"k: kv heads {kb[1]} must divide the query heads {hq} (GQA)")
+    if sinks is not None:
+        if not hasattr(sinks, "shape") or tuple(sinks.shape) != (hq,):
+            raise ValueError(f"sinks: expected an array of shape [{hq}] (one logit per query head)")
+        if not jnp.issubdtype(sinks.dtype, jnp.floating):
+            raise TypeError(f"sinks: expected a floating dtype, got {sinks.dtype}")
+
+
+def _layout_name(layout: str) -> str:
+    return "[B, H, L, D]" if layout == "bhld" else "[B, L, H, D]"
+
+
+def _scale_softcap(dqk: int, scale: Any, softcap: Any) -> Tuple[float, Optional[float]]:
+    if scale is None:
+        scale = 1.0 / math.sqrt(dqk)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer)):
+        raise TypeError(f"scale: expected a number, got {type(scale).__name__}")
+    scale = float(scale)
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale: expected a finite positive number, got {scale}")
+    if softcap is not None:
+        if isinstance(softcap, bool) or not isinstance(softcap, (int, float, np.floating, np.integer)):
+            raise TypeError(f"softcap: expected a number, got {type(softcap).__name__}")
+        softcap = float(softcap)
+        if not (math.isfinite(softcap) and softcap > 0):
+            raise ValueError(f"softcap: expected a finite positive number, got {softcap}")
+    return scale, softcap
+
+
+def _backend(backend: str, arrays: Sequence[Any]) -> str:
+    import jax
+
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    platforms = {p for p in map(_platform_of, arrays) if p is not None}
+    platform = next(iter(platforms)) if len(platforms) == 1 else jax.default_backend()
+    if platform not in ("cpu", "tpu"):
+        raise ValueError(
+            f"q: arrays on a {platform} device; tessera.jax.attention runs on CPU (Tessera's "
+            "kernels through XLA FFI) and TPU (Splash). On a GPU, use tessera.torch.attention "
+            "(FlexAttention) or plan.to_splash_mask_info() with your own kernel"
+        )
+    if backend == "auto":
+        return "splash" if platform == "tpu" else "ffi"
+    if backend == "ffi" and platform != "cpu":
+        raise ValueError(f"backend: 'ffi' runs Tessera's CPU kernels; the arrays are on {platform}")
+    return backend
+
+
+# -- the op -----------------------------------------------------------------------------------
+
+
+def attention(
+    q: Any,
+    k: Any,
+    v: Any,
+    plan: Any,
+    *,
+    scale: Optional[float] = None,
+    softcap: Optional[float] = None,
+    sinks: Any = None,
+    return_lse: bool = False,
+    telemetry: Optional[Telemetry] = None,
+    layer: int = 0,
+    layout: str = "bhld",
+    backend: str = "auto",
+) -> Any:
+    """Exact attention over ``plan`` (SPEC §4): ``softmax(scale·QKᵀ, masked)·V`` with optional
+    softcap ``c·tanh(s/c)`` and learned per-head sink logits (denominator only).
+
+    ``q``, ``k``, ``v`` in ``layout`` (``"bhld"``: ``[B, H, L, D]``; ``"blhd"``: ``[B, L, H, D]``),
+    float32 or bfloat16, ``Hkv`` dividing ``Hq`` (GQA), ``Dqk`` and ``Dv`` may differ. ``plan`` is a
+    :class:`tessera.Plan` or, inside ``jit``, what it becomes (:class:`PlanRef`). Returns ``O`` in
+    q's layout and dtype, and with ``return_lse`` the natural-log ``LSE`` (``[B, Hq, Lq]`` or
+    ``[B, Lq, Hq]``, float32); gradients flow to q, k, v, sinks and through the LSE. Rows with no
+    allowed key give ``O = 0`` (``LSE = -inf``). With ``telemetry`` (a :class:`Telemetry` at a
+    step) the result gains the step's summary (``float32 [Hq, 9, 2]``, zeros on non-logging
+    steps) as its last element. ``backend``: ``"auto"`` (FFI on CPU, Splash on TPU), ``"ffi"``
+    or ``"splash"`` (Pallas interpret mode off TPU).
+    """
+    import jax.numpy as jnp
+
+    _register_pytrees()
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
+    ref = _as_ref(plan)
+    _check(q, k, v, ref, layout, sinks)
+    dqk = q.shape[3]
+    scale, softcap = _scale_softcap(dqk, scale, softcap)
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse: expected a bool, got {type(return_lse).__name__}")
+    if telemetry is not None:
+        if not isinstance(telemetry, Telemetry):
+            raise TypeError(f"telemetry: expected a tessera.jax.Telemetry, got {type(telemetry).__name__}")
+        layer = _int_arg("attention", "layer", layer, 0, 2**32)
+        if not ref.meta.telemetry:
+            raise ValueError(
+                "telemetry: not available for a rank's local plan of a sharding; "
+                "use tessera.jax.cp_attention(..., telemetry=...)"
+            )
+    which = _backend(backend, (q, k, v))
+    if which == "splash":
+        return _splash_attention(q, k, v, ref, scale, softcap, sinks, return_lse, telemetry, layout)
+    handle = ref.handle
+    if isinstance(handle, np.ndarray) and not _tessera.ffi_registered(int(handle[0]) << 31 | int(handle[1])):
+        raise ValueError("plan: this handle names no live plan (freed, or not made by tessera.jax)")
+    sinks32 = jnp.zeros((0,), jnp.float32) if sinks is None else jnp.asarray(sinks).astype(jnp.float32)
+    cfg = _Cfg(scale, softcap, layout, return_lse, sinks is not None,
+               None if telemetry is None else telemetry.config)
+    step = 0 if telemetry is None else telemetry.step
+    o, lse, stats = _core()(q, k, v, jnp.asarray(handle, jnp.int32), sinks32, step, cfg)
+    out: Tuple[Any, ...] = (o, lse) if return_lse else (o,)
+    if telemetry is not None:
+        out = out + (jnp.asarray(stats),)
+    return out[0] if len(out) == 1 else out
+
+
+def _splash_attention(q, k, v, ref, scale, softcap, sinks, return_lse, telemetry, layout):
+    from . import _splash
+
+    if telemetry is not None:
+        raise NotImplementedError(
+            "telemetry: the Splash route has no telemetry kernel yet; log telemetry from the "
+            "CPU (FFI) route"
+        )
+    info = ref.splash
+    if info is None:
+        if ref.plan is None:
+            raise ValueError(
+                "plan: the Splash route needs the plan's MaskInfo inside jit; pass "
+                "tessera.jax.plan_ref(plan, splash=True) to the jitted function"
+            )
+        info = _splash.splash_info(ref.plan)
+    if layout == "blhd":
+        q, k, v = (x.transpose(0, 2, 1, 3) for x in (q, k, v))
+    out = _splash.splash_attention(
+        q, k, v, info, scale=scale, softcap=softcap, sinks=sinks, return_lse=return_lse
+    )
+    if layout == "blhd":
+        if return_lse:
+            o, lse = out
+            return o.transpose(0, 2, 1, 3), lse.transpose(0, 2, 1)
+        return out.transpose(0, 2, 1, 3)
+    return out
 
 
 def mask_info(
@@ -44,10 +706,11 @@ def mask_info(
     downcast_smem_data: bool = True,
     as_numpy: bool = False,
 ) -> Tuple[Any, Any]:
-    """The forward (and dQ) and the dKV ``MaskInfo`` of ``plan`` for one batch row, equal to
-    ``process_mask(MultiHeadMask(...), plan.block, ...)`` and ``process_mask_dkv(...)`` with the
-    same options. The options mean what they mean in Splash (``shrink_grid_dkv=False`` for the
-    fused backward kernel)."""
+    """The forward (and dQ) and the dKV Splash ``MaskInfo`` of ``plan`` for one batch row, equal
+    to ``process_mask(MultiHeadMask(...), plan.block, ...)`` and ``process_mask_dkv(...)`` with
+    the same options (``shrink_grid_dkv=False`` for the fused backward kernel). Splash has no
+    batch dimension: a plan whose mask differs per batch row gives each row's infos with
+    ``batch_row=``. Arrays are jax arrays (numpy with ``as_numpy=True``)."""
     from jax.experimental.pallas.ops.tpu.splash_attention.splash_attention_mask_info import (
         MaskInfo,
     )
@@ -80,3 +743,13 @@ def mask_info(
         )
 
     return info(fwd), info(dkv)
+
+
+def _on_import() -> None:
+    import jax
+
+    jax.tree_util.register_pytree_node(Telemetry, _flatten_tel, _unflatten_tel)
+    _register_pytrees()
+
+
+_on_import()
