@@ -160,8 +160,25 @@ const ERRC_INTERNAL: i32 = 13;
 /// What a handler needs of a plan, shared with the `PyPlan` it came from.
 struct Entry {
     plan: Arc<Plan>,
+    /// The planned mask; for a rank's local plan of a sharding, the global plan's mask.
     mask: Option<Mask>,
     prepared: Arc<OnceLock<CpuPlan>>,
+    /// For a local plan: the global position of each local key (`None`: padding) and the
+    /// global key count, so telemetry finds the sink keys of the permuted local K/V.
+    kv_positions: Option<(Vec<Option<usize>>, usize)>,
+}
+
+fn insert(entry: Entry) -> PyResult<i64> {
+    let mut r = registry()
+        .lock()
+        .map_err(|_| PyValueError::new_err("plan: the FFI plan registry is poisoned"))?;
+    loop {
+        let h = fresh_handle();
+        if let std::collections::hash_map::Entry::Vacant(v) = r.entry(h) {
+            v.insert(Arc::new(entry));
+            return Ok(h);
+        }
+    }
 }
 
 fn registry() -> &'static Mutex<HashMap<i64, Arc<Entry>>> {
@@ -184,21 +201,48 @@ fn fresh_handle() -> i64 {
 /// Registers `plan` for the FFI handlers; returns its handle (one per call).
 #[pyfunction]
 pub fn ffi_register(plan: PyRef<'_, PyPlan>) -> PyResult<i64> {
-    let entry = Arc::new(Entry {
+    insert(Entry {
         plan: plan.inner.clone(),
         mask: plan.mask.clone(),
         prepared: plan.prepared.clone(),
-    });
-    let mut r = registry()
-        .lock()
-        .map_err(|_| PyValueError::new_err("plan: the FFI plan registry is poisoned"))?;
-    loop {
-        let h = fresh_handle();
-        if let std::collections::hash_map::Entry::Vacant(v) = r.entry(h) {
-            v.insert(entry);
-            return Ok(h);
-        }
+        kv_positions: None,
+    })
+}
+
+/// Registers a rank's local plan `local` of a sharding of `global`, whose local key `j` is
+/// global key `kv_positions[j]` (`-1`: padding); returns its handle.
+#[pyfunction]
+pub fn ffi_register_local(
+    local: PyRef<'_, PyPlan>,
+    global: PyRef<'_, PyPlan>,
+    kv_positions: Vec<i64>,
+) -> PyResult<i64> {
+    let (lkv, gkv) = (local.inner.shape.kv_len, global.inner.shape.kv_len);
+    if kv_positions.len() != lkv {
+        return Err(PyValueError::new_err(format!(
+            "kv_positions: expected {lkv} positions (the local plan's keys), got {}",
+            kv_positions.len()
+        )));
     }
+    let positions = kv_positions
+        .iter()
+        .map(|&p| match usize::try_from(p) {
+            Ok(p) if p < gkv => Ok(Some(p)),
+            Ok(_) => Err(PyValueError::new_err(format!(
+                "kv_positions: {p} is past the global plan's {gkv} keys"
+            ))),
+            Err(_) if p == -1 => Ok(None),
+            Err(_) => Err(PyValueError::new_err(format!(
+                "kv_positions: {p} is neither a key position nor -1"
+            ))),
+        })
+        .collect::<PyResult<Vec<_>>>()?;
+    insert(Entry {
+        plan: local.inner.clone(),
+        mask: global.mask.clone(),
+        prepared: local.prepared.clone(),
+        kv_positions: Some((positions, gkv)),
+    })
 }
 
 /// Forgets `handle` (a no-op for an unknown one). Calls already running keep their plan.
@@ -605,17 +649,30 @@ unsafe fn logged_forward(
     )?;
     let Some(mask) = &entry.mask else {
         return Err(Failure::user(
-            "telemetry: not available for a rank's local plan of a sharding (its keys are \
-             permuted); cp_attention logs through the global plan's sink keys"
+            "telemetry: not available for this plan (a local plan of a sharding registered \
+             without its global plan)"
                 .into(),
         ));
     };
-    let flags = sink_key_flags(
-        document_kv_segments(mask),
-        inputs.q.shape[0],
-        entry.plan.shape.kv_len,
-        sink_tokens,
-    )?;
+    let batch = inputs.q.shape[0];
+    let flags = match &entry.kv_positions {
+        None => sink_key_flags(
+            document_kv_segments(mask),
+            batch,
+            entry.plan.shape.kv_len,
+            sink_tokens,
+        )?,
+        Some((positions, global_kv)) => {
+            let global =
+                sink_key_flags(document_kv_segments(mask), batch, *global_kv, sink_tokens)?;
+            (0..batch)
+                .flat_map(|b| {
+                    let row = &global[b * global_kv..(b + 1) * global_kv];
+                    positions.iter().map(move |p| p.is_some_and(|p| row[p]))
+                })
+                .collect()
+        }
+    };
     let tel = tessera::attn::TelemetryInput::new(&flags, 0, 0, &config);
     let summary = CpuBackend::new().forward_with_telemetry_into(
         prepared,

@@ -42,6 +42,7 @@ fn _tessera(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(attention::telemetry_records, m)?)?;
     m.add_function(wrap_pyfunction!(ffi::ffi_targets, m)?)?;
     m.add_function(wrap_pyfunction!(ffi::ffi_register, m)?)?;
+    m.add_function(wrap_pyfunction!(ffi::ffi_register_local, m)?)?;
     m.add_function(wrap_pyfunction!(ffi::ffi_release, m)?)?;
     m.add_function(wrap_pyfunction!(ffi::ffi_registered, m)?)?;
     m.add_function(wrap_pyfunction!(ffi::ffi_registry_size, m)?)?;

@@ -136,12 +136,20 @@ impl PySharding {
         let v = self.inner.local_kv_tiles(rank, layout).map_err(to_py)?;
         Ok(i64s(py, v.into_iter().map(|t| t as usize)))
     }
-    /// Rank `rank`'s local plan in `mode` (GIL released while it is built).
-    fn local_plan(&self, py: Python<'_>, rank: usize, mode: &str) -> PyResult<PyPlan> {
+    /// Rank `rank`'s local plan in `mode`, against at least `kv_tiles` local K/V tiles (padding
+    /// past the rank's own; GIL released while it is built).
+    #[pyo3(signature = (rank, mode, kv_tiles=0))]
+    fn local_plan(
+        &self,
+        py: Python<'_>,
+        rank: usize,
+        mode: &str,
+        kv_tiles: usize,
+    ) -> PyResult<PyPlan> {
         let layout = KvLayout::parse(mode).map_err(to_py)?;
         let (s, p) = (self.inner.clone(), self.plan.clone());
         let lp = py
-            .detach(|| s.local_plan(&p, rank, layout))
+            .detach(|| s.local_plan_padded(&p, rank, layout, kv_tiles))
             .map_err(to_py)?;
         Ok(PyPlan::new(Arc::new(lp), None, "sharded"))
     }

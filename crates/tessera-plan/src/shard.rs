@@ -795,6 +795,19 @@ impl Sharding {
     /// Rank `rank`'s local plan: the global plan's rows of its q tiles, against its local K/V in
     /// `layout` (see the module doc). `plan` must be the plan this sharding was made from.
     pub fn local_plan(&self, plan: &Plan, rank: usize, layout: KvLayout) -> Result<Plan> {
+        self.local_plan_padded(plan, rank, layout, 0)
+    }
+
+    /// [`Sharding::local_plan`] against a local K/V of at least `kv_tiles` tiles: tiles past the
+    /// rank's own ones are padding that no work list visits. SPMD programs (one compiled step
+    /// for every rank) give every rank the same K/V length this way.
+    pub fn local_plan_padded(
+        &self,
+        plan: &Plan,
+        rank: usize,
+        layout: KvLayout,
+        kv_tiles: usize,
+    ) -> Result<Plan> {
         if plan.contract != self.contract {
             return Err(Error::invalid(
                 "plan",
@@ -811,7 +824,14 @@ impl Sharding {
         for (i, &t) in kv.iter().enumerate() {
             kv_local[t as usize] = i as u32;
         }
-        let (nq, nk) = (rows.len(), kv.len());
+        if kv_tiles > plan.kv_tiles.max(kv.len()) {
+            return Err(Error::invalid(
+                "kv_tiles",
+                format!("at most the plan's {} kv tiles", plan.kv_tiles),
+                kv_tiles,
+            ));
+        }
+        let (nq, nk) = (rows.len(), kv.len().max(kv_tiles));
         let mut mask_map = vec![u32::MAX; plan.partials.len()];
         let mut partials = PartialMasks::new(plan.tile);
         let mut head_plans = Vec::with_capacity(plan.head_plans.len());
@@ -888,6 +908,9 @@ impl Sharding {
         h.update(&self.fingerprint);
         h.update(&(rank as u64).to_le_bytes());
         h.update(layout.name().as_bytes());
+        if nk > kv.len() {
+            h.update(&(nk as u64).to_le_bytes());
+        }
         let mut local = Plan {
             format_version: plan.format_version,
             contract: ContractKey(*h.finalize().as_bytes()),

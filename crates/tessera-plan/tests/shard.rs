@@ -103,6 +103,42 @@ fn zigzag_and_contiguous_follow_their_definitions() {
 }
 
 #[test]
+fn padded_local_plans_add_only_empty_kv_tiles() {
+    for (m, b, h) in masks() {
+        let p = plan(&m, b, h, 512, 16);
+        let s = shard(&p, 4, Scheme::Balanced, CostModel::default()).unwrap();
+        for rank in 0..4 {
+            let lp = s.local_plan(&p, rank, KvLayout::Needed).unwrap();
+            let padded = s
+                .local_plan_padded(&p, rank, KvLayout::Needed, p.kv_tiles)
+                .unwrap();
+            assert_eq!(padded.kv_tiles, p.kv_tiles);
+            assert_eq!(padded.shape.kv_len, p.kv_tiles * 16);
+            // Padding is part of the contract (nothing to pad: the same plan).
+            assert_eq!(padded.contract == lp.contract, lp.kv_tiles == p.kv_tiles);
+            for bb in 0..b {
+                for hh in 0..h {
+                    for i in 0..lp.shape.q_len {
+                        for j in 0..padded.shape.kv_len {
+                            let want = j < lp.shape.kv_len && lp.allowed(bb, hh, i, j);
+                            assert_eq!(padded.allowed(bb, hh, i, j), want);
+                        }
+                    }
+                }
+            }
+            for (a, c) in lp.head_plans.iter().zip(&padded.head_plans) {
+                assert_eq!(a.fwd, c.fwd);
+                assert_eq!(c.bwd_offsets.len(), p.kv_tiles + 1);
+            }
+        }
+        // More tiles than the row has is refused.
+        assert!(s
+            .local_plan_padded(&p, 0, KvLayout::Needed, p.kv_tiles + 1)
+            .is_err());
+    }
+}
+
+#[test]
 fn local_plans_are_the_global_mask_on_the_rank_layout() {
     for (m, b, h) in masks() {
         let p = plan(&m, b, h, 512, 16);
