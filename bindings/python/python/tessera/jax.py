@@ -466,7 +466,8 @@ def _core_impl(q, k, v, handle, sinks, step, cfg: _Cfg):
 
     def plain(args):
         o, lse, _ = _forward_call(*args, cfg, False)
-        return o, lse, jnp.zeros(_stats_shape(q, cfg), np.float32)
+        (zeros,) = _varying([jnp.zeros(_stats_shape(q, cfg), np.float32)], args)
+        return o, lse, zeros
 
     if cfg.tel.every == 0:
         return plain((q, k, v, handle, sinks))
