@@ -706,7 +706,9 @@ def attention(
     o, lse, stats = _core()(q, k, v, jnp.asarray(handle, jnp.int32), sinks32, step, cfg)
     out: Tuple[Any, ...] = (o, lse) if return_lse else (o,)
     if telemetry is not None:
-        out = out + (jnp.asarray(stats),)
+        import jax
+
+        out = out + (jax.lax.stop_gradient(stats),)
     return out[0] if len(out) == 1 else out
 
 
@@ -948,10 +950,13 @@ def cp_attention(
     )
     if telemetry is None:
         return out
+    import jax
+
     *main, summary = out
-    summary = reduce_summary(summary, axis_name)
+    summary = reduce_summary(jax.lax.stop_gradient(summary), axis_name)
     if telemetry.config.outlier_stream:
-        counts = _cp_outliers(main[0], telemetry.config.outlier_ratio, layout, axis_name)
+        o = jax.lax.stop_gradient(main[0])
+        counts = _cp_outliers(o, telemetry.config.outlier_ratio, layout, axis_name)
         every = telemetry.config.every
         logging = (jnp.asarray(telemetry.step, jnp.int32) % max(every, 1) == 0) & (every > 0)
         summary = summary.at[:, 8, :].set(jnp.where(logging, counts, 0.0))
