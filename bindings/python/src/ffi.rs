@@ -209,15 +209,15 @@ pub fn ffi_register(plan: PyRef<'_, PyPlan>) -> PyResult<i64> {
     })
 }
 
-/// Registers a rank's local plan `local` of a sharding of `global`, whose local key `j` is
+/// Registers a rank's local plan `local` of a sharding of `global_plan`, whose local key `j` is
 /// global key `kv_positions[j]` (`-1`: padding); returns its handle.
 #[pyfunction]
 pub fn ffi_register_local(
     local: PyRef<'_, PyPlan>,
-    global: PyRef<'_, PyPlan>,
+    global_plan: PyRef<'_, PyPlan>,
     kv_positions: Vec<i64>,
 ) -> PyResult<i64> {
-    let (lkv, gkv) = (local.inner.shape.kv_len, global.inner.shape.kv_len);
+    let (lkv, gkv) = (local.inner.shape.kv_len, global_plan.inner.shape.kv_len);
     if kv_positions.len() != lkv {
         return Err(PyValueError::new_err(format!(
             "kv_positions: expected {lkv} positions (the local plan's keys), got {}",
@@ -239,7 +239,7 @@ pub fn ffi_register_local(
         .collect::<PyResult<Vec<_>>>()?;
     insert(Entry {
         plan: local.inner.clone(),
-        mask: global.mask.clone(),
+        mask: global_plan.mask.clone(),
         prepared: local.prepared.clone(),
         kv_positions: Some((positions, gkv)),
     })

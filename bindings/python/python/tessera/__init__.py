@@ -170,10 +170,13 @@ class Plan:
     """A plan: which tiles of ``[B, H, Lq, Lkv]`` are empty, full or partial, with the work
     lists the kernels walk. Made by :func:`plan`; reused across layers and steps."""
 
-    __slots__ = ("_p", "_handle", "_handle_tensor", "__weakref__")
+    __slots__ = ("_p", "_handle", "_handle_tensor", "_traced", "__weakref__")
 
     def __init__(self, native: "_tessera.Plan") -> None:
         self._p = native
+        # Set only on the stand-in JAX rebuilds inside a traced function (a `tessera.jax.PlanRef`
+        # holding the traced handle); see tessera.jax.
+        self._traced = None
         with _registry_lock:
             self._handle = next(_handles)
             _registry[self._handle] = self
@@ -188,17 +191,17 @@ class Plan:
     @property
     def shape(self) -> Tuple[int, int, int, int]:
         """``(B, H, Lq, Lkv)``."""
-        return self._p.shape
+        return self._traced.meta.shape if self._p is None else self._p.shape
 
     @property
     def block(self) -> Tuple[int, int]:
         """``(q, kv)`` tile sides."""
-        return self._p.block
+        return self._traced.meta.block if self._p is None else self._p.block
 
     @property
     def groups(self) -> Tuple[int, int]:
         """``(B', H')``: 1 where the mask does not vary along batch rows / heads."""
-        return self._p.groups
+        return self._traced.meta.groups if self._p is None else self._p.groups
 
     @property
     def mask(self) -> Mask:
@@ -229,6 +232,8 @@ class Plan:
         return self._p.flops(d_qk, d_v, backward)
 
     def __repr__(self) -> str:
+        if self._p is None:
+            return f"tessera.Plan(traced, shape={self.shape}, block={self.block})"
         return repr(self._p)
 
     # -- other engines ------------------------------------------------------------------

@@ -22,9 +22,10 @@ retraces nor recompiles, and no plan constant is baked into the executable (the 
 compilation cache hits across processes). Pass plans as arguments: a plan *closed over* by a
 jitted function becomes a constant of that trace.
 
-The handle registry holds a plan while its :class:`tessera.Plan` object lives; a handle whose
-plan was freed, or a made-up one, is an error raised by the custom call (never a read of freed
-memory). Keep the Plan alive until the outputs of the steps that use it are ready.
+The handle registry holds a plan while its :class:`tessera.Plan` object lives, and after that
+until every computation whose outputs are still held has finished (JAX dispatches
+asynchronously: ``step(x, tessera.plan(...))`` works). A handle whose plan is gone, or a made-up
+one, is an error raised by the custom call, never a read of freed memory.
 
 Layouts: ``layout="bhld"`` (default) takes ``q [B, Hq, Lq, Dqk]``, ``k [B, Hkv, Lkv, Dqk]``,
 ``v [B, Hkv, Lkv, Dv]`` like ``tessera.torch``; ``layout="blhd"`` takes ``[B, L, H, D]``, the
@@ -34,8 +35,11 @@ in the same layout as the inputs.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import math
+import queue
+import sys
 import threading
 import weakref
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
@@ -95,14 +99,73 @@ def _split(h: int) -> np.ndarray:
     return np.array([h >> 31, h & (2**31 - 1)], dtype=np.int32)
 
 
+_released: "queue.SimpleQueue[Optional[int]]" = queue.SimpleQueue()
+_reaper: Optional[threading.Thread] = None
+
+
+def _reap() -> None:
+    """Releases the handles of collected plans once every computation whose outputs are still
+    held has finished: JAX dispatches asynchronously, so a step that got a plan as an argument
+    may run after the Plan object is gone (``step(x, tessera.plan(...))``, or a loop rebinding
+    ``plan``). A computation whose outputs nobody holds is not waited for: if it ran after the
+    release, its custom call would fail cleanly ("names no live plan"), unobserved."""
+    import jax
+
+    stop = False
+    while not stop:
+        handles = [_released.get()]
+        while not _released.empty():
+            handles.append(_released.get())
+        stop = None in handles  # the exit sentinel: finish this round, then end
+        for a in jax.live_arrays():
+            try:
+                a.block_until_ready()
+            except Exception:  # deleted meanwhile, or a failed computation: nothing to wait for
+                pass
+        for h in handles:
+            if h is not None:
+                _tessera.ffi_release(h)
+
+
+def _release_later(h: int) -> None:
+    global _reaper
+    if _exiting or sys.is_finalizing():
+        # No computation starts any more: release now (the reaper must not call into JAX
+        # while the interpreter is torn down).
+        _tessera.ffi_release(h)
+        return
+    _released.put(h)
+    with _reaper_lock:
+        if _reaper is None:
+            _reaper = threading.Thread(target=_reap, name="tessera-jax-release", daemon=True)
+            _reaper.start()
+
+
+_reaper_lock = threading.Lock()
+_exiting = False
+
+
+@atexit.register
+def _stop_reaper() -> None:
+    """Ends the reaper before the interpreter's teardown (a daemon thread inside JAX's C++ at
+    that point aborts the process)."""
+    global _exiting
+    _exiting = True
+    with _reaper_lock:
+        reaper = _reaper
+    if reaper is not None:
+        _released.put(None)
+        reaper.join(timeout=10)
+
+
 def _handle_of(plan: Plan) -> np.ndarray:
     """The plan's FFI handle words, registering the plan on first use; the registry entry goes
-    when the Plan object is collected."""
+    after the Plan object is collected (see :func:`_reap`)."""
     with _lock:
         words = _handles.get(plan)
         if words is None:
             h = _tessera.ffi_register(plan._p)
-            weakref.finalize(plan, _tessera.ffi_release, h)
+            weakref.finalize(plan, _release_later, h)
             words = _split(h)
             words.setflags(write=False)
             _handles[plan] = words
@@ -156,7 +219,18 @@ def _unflatten_ref(meta: _Meta, children) -> PlanRef:
 
 
 def _flatten_plan(p: Plan):
-    return _flatten_ref(plan_ref(p))
+    return _flatten_ref(p._traced if p._p is None else plan_ref(p))
+
+
+def _unflatten_plan(meta: _Meta, children) -> Plan:
+    """A Plan stand-in around the (traced) handle: unflattening a Plan gives a Plan again, so
+    tree round trips and ahead-of-time compiled steps see the same pytree."""
+    p = Plan.__new__(Plan)
+    p._p = None
+    p._handle = None
+    p._handle_tensor = None
+    p._traced = _unflatten_ref(meta, children)
+    return p
 
 
 _pytrees_registered = False
@@ -171,7 +245,7 @@ def _register_pytrees() -> None:
     with _lock:
         if not _pytrees_registered:
             jax.tree_util.register_pytree_node(PlanRef, _flatten_ref, _unflatten_ref)
-            jax.tree_util.register_pytree_node(Plan, _flatten_plan, _unflatten_ref)
+            jax.tree_util.register_pytree_node(Plan, _flatten_plan, _unflatten_plan)
             _pytrees_registered = True
 
 
@@ -190,6 +264,8 @@ def plan_ref(plan: Plan, *, splash: Optional[bool] = None, max_partial_blocks: O
         return plan
     if not isinstance(plan, Plan):
         raise TypeError(f"plan: expected a tessera.Plan, got {type(plan).__name__}")
+    if plan._p is None:
+        return plan._traced
     info = None
     if splash if splash is not None else _default_splash():
         from . import _splash
@@ -202,7 +278,7 @@ def _as_ref(plan: Any) -> PlanRef:
     if isinstance(plan, PlanRef):
         return plan
     if isinstance(plan, Plan):
-        return plan_ref(plan, splash=False)
+        return plan._traced if plan._p is None else plan_ref(plan, splash=False)
     raise TypeError(f"plan: expected a tessera.Plan (or the PlanRef it becomes under jit), got {type(plan).__name__}")
 
 
@@ -845,7 +921,7 @@ def cp_plan(sharding: Any, mode: str = "allgather") -> CPPlan:
     ])
     for p, words in zip(local, handles):
         h = int(words[0]) << 31 | int(words[1])
-        weakref.finalize(p, _tessera.ffi_release, h)
+        weakref.finalize(p, _release_later, h)
     aux = _CPAux(metas.pop(), mode, r_n, t, per_pair, needed, sharding.tokens_per_rank)
     out = CPPlan(handles, send, recv, aux, local)
     sharding._local[key] = out
