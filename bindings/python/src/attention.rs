@@ -391,18 +391,6 @@ fn head_accum(r: &[f64]) -> tessera::telemetry::HeadAccum {
     a
 }
 
-fn telemetry_config(
-    every: u64,
-    sink_tokens: usize,
-    epsilon: f64,
-    outlier_ratio: f64,
-    sink: bool,
-    outlier: bool,
-) -> PyResult<tessera::telemetry::TelemetryConfig> {
-    checked_telemetry_config(every, sink_tokens, epsilon, outlier_ratio, sink, outlier)
-        .map_err(to_py)
-}
-
 /// A telemetry configuration, validated as `Telemetry::new` validates it.
 pub(crate) fn checked_telemetry_config(
     every: u64,
@@ -500,14 +488,15 @@ pub fn attention_forward_logged(
         sink_tokens,
     )
     .map_err(to_py)?;
-    let config = telemetry_config(
+    let config = checked_telemetry_config(
         1,
         sink_tokens,
         0.3,
         outlier_ratio,
         sink_stream,
         outlier_stream,
-    )?;
+    )
+    .map_err(to_py)?;
     let tel = tessera::attn::TelemetryInput::new(&flags, 0, 0, &config);
     let prepared = plan.prepared()?;
     let be = CpuBackend::new();
@@ -554,14 +543,15 @@ pub fn telemetry_records(
             learned_sinks.len()
         )));
     }
-    let config = telemetry_config(
+    let config = checked_telemetry_config(
         every,
         sink_tokens,
         epsilon,
         outlier_ratio,
         sink_stream,
         outlier_stream,
-    )?;
+    )
+    .map_err(to_py)?;
     let mut merged: Vec<AttnSummary> = Vec::new();
     for i in 0..n {
         let mut s = AttnSummary::new(steps[i], layers[i], hq, learned_sinks[i]);

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import threading
 import weakref
 from typing import Any, NamedTuple, Optional, Tuple, Union
@@ -55,6 +54,7 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ke
 from jax.experimental.pallas.ops.tpu.splash_attention.splash_attention_mask_info import MaskInfo
 
 from . import Plan
+from ._jaxargs import check_qkv, scale_softcap
 
 __all__ = ["SplashInfo", "splash_info", "splash_attention"]
 
@@ -277,58 +277,15 @@ def _block_sizes(bs: Any, tq: int, tk: int) -> Any:
     return bs
 
 
-def _real(name: str, x: Any) -> float:
-    if isinstance(x, bool) or not isinstance(x, (int, float, np.integer, np.floating)):
-        raise TypeError(f"{name}: expected a Python number (static under jit), got {type(x).__name__}")
-    x = float(x)
-    if not (math.isfinite(x) and x > 0):
-        raise ValueError(f"{name}: expected a finite positive number, got {x}")
-    return x
-
-
 def _check(q: Any, k: Any, v: Any, info: Any, sinks: Any) -> None:
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not (hasattr(t, "shape") and hasattr(t, "dtype")):
-            raise TypeError(f"{name}: expected a jax array, got {type(t).__name__}")
-        if len(t.shape) != 4:
-            raise ValueError(f"{name}: expected a 4-D array [B, H, L, D], got shape {tuple(t.shape)}")
-        if 0 in t.shape:
-            raise ValueError(f"{name}: expected a non-empty array [B, H, L, D], got shape {tuple(t.shape)}")
-        if t.dtype not in (jnp.float32, jnp.bfloat16):
-            raise TypeError(f"{name}: expected dtype float32 or bfloat16, got {t.dtype}")
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(f"k, v: expected the dtype of q ({q.dtype}), got {k.dtype} and {v.dtype}")
     if not isinstance(info, SplashInfo):
         raise TypeError(f"info: expected a tessera SplashInfo (tessera.jax splash_info(plan)), "
                         f"got {type(info).__name__}")
-    b, hq, lq, dqk = q.shape
-    pb, ph, plq, plkv = info.meta.shape
-    g, hh = info.meta.groups
-    # as tessera.torch: a plan of one row (head) of a uniform mask serves any batch (head count)
-    batch_ok = pb == b or (pb == 1 and g == 1)
-    heads_ok = ph == hq or (ph == 1 and hh == 1)
-    if not (batch_ok and heads_ok) or (plq, plkv) != (lq, k.shape[2]):
-        raise ValueError(f"info: built for a plan of B={pb} H={ph} Lq={plq} Lkv={plkv}, but q/k give "
-                         f"B={b} H={hq} Lq={lq} Lkv={k.shape[2]}")
-    if k.shape[0] != b or v.shape[0] != b or k.shape[1] != v.shape[1] or k.shape[2] != v.shape[2]:
-        raise ValueError(f"k, v: expected [B, Hkv, Lkv, D] with B={b} and matching Hkv, Lkv; got "
-                         f"{tuple(k.shape)} and {tuple(v.shape)}")
-    if k.shape[3] != dqk:
-        raise ValueError(f"k: expected head dim {dqk} (as q), got {k.shape[3]}")
-    if hq % k.shape[1] != 0:
-        raise ValueError(f"k: kv heads {k.shape[1]} must divide the query heads {hq} (GQA)")
+    check_qkv(q, k, v, info.meta.shape, info.meta.groups, "bhld", sinks, plan_arg="info")
     tq, tk = info.meta.block
     if tk % _LANES:
         raise ValueError(f"info: Splash needs kv tiles that are multiples of {_LANES}; the plan's "
                          f"tiles are {(tq, tk)} (plan with block=(tq, 128 or 256 or 512))")
-    if sinks is not None:
-        if not (hasattr(sinks, "shape") and hasattr(sinks, "dtype")):
-            raise TypeError(f"sinks: expected a jax array, got {type(sinks).__name__}")
-        if tuple(sinks.shape) != (hq,):
-            raise ValueError(f"sinks: expected shape [{hq}] (one logit per query head), got "
-                             f"{tuple(sinks.shape)}")
-        if not jnp.issubdtype(sinks.dtype, jnp.floating):
-            raise TypeError(f"sinks: expected a floating dtype, got {sinks.dtype}")
 
 
 def splash_attention(
@@ -357,8 +314,7 @@ def splash_attention(
             f"this JAX ({jax.__version__}) Splash lacks {', '.join(_MISSING)}, which the exact "
             "LSE gradient needs")
     _check(q, k, v, info, sinks)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else _real("scale", scale)
-    softcap = None if softcap is None else _real("softcap", softcap)
+    scale, softcap = scale_softcap(q.shape[-1], scale, softcap)
     if interpret is None:
         interpret = jax.default_backend() != "tpu"
     tq, tk = info.meta.block

@@ -47,6 +47,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 import numpy as np
 
 from . import Plan, _int_arg, _tessera
+from ._jaxargs import check_qkv, layout_name, scale_softcap
 
 __all__ = [
     "attention",
@@ -634,68 +635,7 @@ def _platform_of(x: Any) -> Optional[str]:
 
 
 def _check(q, k, v, ref: PlanRef, layout: str, sinks: Any) -> None:
-    import jax.numpy as jnp
-
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not hasattr(t, "shape") or not hasattr(t, "dtype"):
-            raise TypeError(f"{name}: expected a jax array, got {type(t).__name__}")
-        if len(t.shape) != 4:
-            raise ValueError(f"{name}: expected a 4-D array {_layout_name(layout)}, got shape {tuple(t.shape)}")
-        if 0 in t.shape:
-            raise ValueError(f"{name}: expected a non-empty array, got shape {tuple(t.shape)}")
-        if t.dtype not in (jnp.float32, jnp.bfloat16):
-            raise TypeError(f"{name}: expected dtype float32 or bfloat16, got {t.dtype}")
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(f"k, v: expected the dtype of q ({q.dtype}), got {k.dtype} and {v.dtype}")
-
-    def bhld(t):
-        return tuple(t.shape) if layout == "bhld" else (t.shape[0], t.shape[2], t.shape[1], t.shape[3])
-
-    (b, hq, lq, dqk), kb, vb = bhld(q), bhld(k), bhld(v)
-    pb, ph, plq, plkv = ref.meta.shape
-    gb, gh = ref.meta.groups
-    batch_ok = pb == b or (pb == 1 and gb == 1)
-    heads_ok = ph == hq or (ph == 1 and gh == 1)
-    if not (batch_ok and heads_ok) or (plq, plkv) != (lq, kb[2]):
-        raise ValueError(
-            f"plan: built for B={pb} H={ph} Lq={plq} Lkv={plkv}, but q/k give "
-            f"B={b} H={hq} Lq={lq} Lkv={kb[2]}"
-        )
-    if kb[0] != b or vb[0] != b or kb[1] != vb[1] or kb[2] != vb[2]:
-        raise ValueError(
-            f"k, v: expected {_layout_name(layout)} with B={b} and matching Hkv, Lkv; got "
-            f"{tuple(k.shape)} and {tuple(v.shape)}"
-        )
-    if kb[3] != dqk:
-        raise ValueError(f"k: expected head dim {dqk} (as q), got {kb[3]}")
-    if hq % kb[1] != 0:
-        raise ValueError(f"k: kv heads {kb[1]} must divide the query heads {hq} (GQA)")
-    if sinks is not None:
-        if not hasattr(sinks, "shape") or tuple(sinks.shape) != (hq,):
-            raise ValueError(f"sinks: expected an array of shape [{hq}] (one logit per query head)")
-        if not jnp.issubdtype(sinks.dtype, jnp.floating):
-            raise TypeError(f"sinks: expected a floating dtype, got {sinks.dtype}")
-
-
-def _layout_name(layout: str) -> str:
-    return "[B, H, L, D]" if layout == "bhld" else "[B, L, H, D]"
-
-
-def _scale_softcap(dqk: int, scale: Any, softcap: Any) -> Tuple[float, Optional[float]]:
-    if scale is None:
-        scale = 1.0 / math.sqrt(dqk)
-    if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer)):
-        raise TypeError(f"scale: expected a number, got {type(scale).__name__}")
-    scale = float(scale)
-    if not (math.isfinite(scale) and scale > 0):
-        raise ValueError(f"scale: expected a finite positive number, got {scale}")
-    if softcap is not None:
-        if isinstance(softcap, bool) or not isinstance(softcap, (int, float, np.floating, np.integer)):
-            raise TypeError(f"softcap: expected a number, got {type(softcap).__name__}")
-        softcap = float(softcap)
-        if not (math.isfinite(softcap) and softcap > 0):
-            raise ValueError(f"softcap: expected a finite positive number, got {softcap}")
-    return scale, softcap
+    check_qkv(q, k, v, ref.meta.shape, ref.meta.groups, layout, sinks)
 
 
 def _backend(backend: str, arrays: Sequence[Any]) -> str:
@@ -757,7 +697,7 @@ def attention(
     ref = _as_ref(plan)
     _check(q, k, v, ref, layout, sinks)
     dqk = q.shape[3]
-    scale, softcap = _scale_softcap(dqk, scale, softcap)
+    scale, softcap = scale_softcap(dqk, scale, softcap)
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse: expected a bool, got {type(return_lse).__name__}")
     if telemetry is not None:
@@ -1014,7 +954,7 @@ def cp_attention(
     for name, t in (("q", q), ("k", k), ("v", v)):
         if len(getattr(t, "shape", ())) != 4 or t.shape[seq_axis] != a.tokens_per_rank:
             raise ValueError(
-                f"{name}: expected this device's {_layout_name(layout)} with L = "
+                f"{name}: expected this device's {layout_name(layout)} with L = "
                 f"{a.tokens_per_rank} (tokens per rank), got shape {tuple(getattr(t, 'shape', ()))}"
             )
     kx = _exchange(k, cpp, axis_name, seq_axis)
@@ -1039,11 +979,8 @@ def cp_attention(
     return tuple(main) + (summary,)
 
 
-def scatter(x: Any, sharding: Any, axis: int = 1) -> Any:
-    """The whole row ``x`` (L at ``axis``) in sharded order: rank r's tokens are the r-th
-    ``L / R`` block, so splitting ``axis`` evenly over the mesh gives each device its tokens."""
-    import jax.numpy as jnp
-
+def _permutation(x: Any, sharding: Any, axis: int) -> np.ndarray:
+    """The sharded order of ``sharding``, checked against ``x``'s length at ``axis``."""
     from . import cp as _cp
 
     if not isinstance(sharding, _cp.Sharding):
@@ -1051,20 +988,22 @@ def scatter(x: Any, sharding: Any, axis: int = 1) -> Any:
     perm = sharding.permutation()
     if not -x.ndim <= axis < x.ndim or x.shape[axis] != len(perm):
         raise ValueError(f"x: expected length {len(perm)} at axis {axis}, got shape {tuple(x.shape)}")
-    return jnp.take(x, jnp.asarray(perm, jnp.int32), axis=axis)
+    return perm
+
+
+def scatter(x: Any, sharding: Any, axis: int = 1) -> Any:
+    """The whole row ``x`` (L at ``axis``) in sharded order: rank r's tokens are the r-th
+    ``L / R`` block, so splitting ``axis`` evenly over the mesh gives each device its tokens."""
+    import jax.numpy as jnp
+
+    return jnp.take(x, jnp.asarray(_permutation(x, sharding, axis), jnp.int32), axis=axis)
 
 
 def gather(x: Any, sharding: Any, axis: int = 1) -> Any:
     """The inverse of :func:`scatter`: a row in sharded order back in token order."""
     import jax.numpy as jnp
 
-    from . import cp as _cp
-
-    if not isinstance(sharding, _cp.Sharding):
-        raise TypeError(f"sharding: expected a tessera.cp.Sharding, got {type(sharding).__name__}")
-    perm = sharding.permutation()
-    if not -x.ndim <= axis < x.ndim or x.shape[axis] != len(perm):
-        raise ValueError(f"x: expected length {len(perm)} at axis {axis}, got shape {tuple(x.shape)}")
+    perm = _permutation(x, sharding, axis)
     inv = np.empty(len(perm), dtype=np.int32)
     inv[perm] = np.arange(len(perm), dtype=np.int32)
     return jnp.take(x, jnp.asarray(inv), axis=axis)
