@@ -1,10 +1,10 @@
 #![no_main]
-//! Fuzz target `cache_entry`: see `tessera::fuzz_entry::cache_entry` for the input layout and the contracts.
+//! Fuzz target `cache_entry`: see `tessera_fuzz_contract::cache_entry` for the input layout and the contracts.
 
 use libfuzzer_sys::fuzz_target;
-use tessera::fuzz_entry::TrackingAlloc;
+use tessera_fuzz_contract::TrackingAlloc;
 
 #[global_allocator]
 static ALLOC: TrackingAlloc = TrackingAlloc;
 
-fuzz_target!(|data: &[u8]| tessera::fuzz_entry::cache_entry(data));
+fuzz_target!(|data: &[u8]| tessera_fuzz_contract::cache_entry(data));

@@ -8,7 +8,7 @@
 //! refuses trees deeper than [`MAX_TREE_DEPTH`] before anything recursive (the planner) runs.
 
 use crate::data::{DenseMask, Segments};
-use crate::parse::MAX_DEPTH;
+use crate::parse::{dense_arg, MAX_DEPTH};
 use std::fmt::Write as _;
 use std::sync::Arc;
 use tessera_core::{Error, Result};
@@ -311,21 +311,21 @@ impl Mask {
             Mask::Dense(d) => {
                 if d.q_len() != q_len || d.kv_len() != kv_len {
                     return Err(Error::invalid(
-                        format!("dense({})", d.label()),
+                        format!("dense({})", dense_arg(d.label())),
                         format!("[.., {q_len}, {kv_len}] (Lq, Lkv)"),
                         format!("[.., {}, {}]", d.q_len(), d.kv_len()),
                     ));
                 }
                 if d.heads() != 1 && d.heads() != heads {
                     return Err(Error::invalid(
-                        format!("dense({})", d.label()),
+                        format!("dense({})", dense_arg(d.label())),
                         format!("1 or {heads} heads"),
                         d.heads(),
                     ));
                 }
                 if d.batch() != 1 && d.batch() != batch {
                     return Err(Error::invalid(
-                        format!("dense({})", d.label()),
+                        format!("dense({})", dense_arg(d.label())),
                         format!("1 or {batch} batch rows"),
                         d.batch(),
                     ));
@@ -533,7 +533,8 @@ fn hex8(d: &[u8; 32]) -> String {
 }
 
 /// The text form (parseable by [`crate::parse`] given the same data bindings), written from an
-/// explicit stack.
+/// explicit stack. `dense` names are quoted where the parser needs it (see [`crate::parse`]'s
+/// rule), so the text of a parsed mask parses back to the same mask and prints identically.
 impl std::fmt::Display for Mask {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         enum Item<'m> {
@@ -586,7 +587,7 @@ impl std::fmt::Display for Mask {
                 Mask::Chunk { size } => write!(f, "chunk({size})")?,
                 Mask::Prefix { len } => write!(f, "prefix({len})")?,
                 Mask::Document(_) => f.write_str("document")?,
-                Mask::Dense(d) => write!(f, "dense({})", d.label())?,
+                Mask::Dense(d) => write!(f, "dense({})", dense_arg(d.label()))?,
                 Mask::And(v) => list(&mut stack, m, v, " & "),
                 Mask::Or(v) => list(&mut stack, m, v, " | "),
                 Mask::Not(inner) => {

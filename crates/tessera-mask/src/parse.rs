@@ -8,8 +8,30 @@
 //! primary := '(' expr ')' | 'heads' '(' expr (',' expr)* ')' | leaf
 //! leaf    := full | causal ['(' [offset=]INT ')'] | window '(' [left=]INT [',' [right=]INT] ')'
 //!          | chunk '(' [size=]INT ')' | prefix '(' [len=]INT ')' | document | dense '(' PATH ')'
+//! PATH    := '"' (any char but '"' | '""')* '"' | "'" (any char but "'" | "''")* "'" | RAW
 //! ```
 //! Errors carry the 1-based column and what was expected there.
+//!
+//! # Names of `dense` data
+//!
+//! A `dense` name (its file path, or the key of the Python `dense={...}` mapping) is written
+//! one of three ways, and this is the one rule for what needs quoting:
+//!
+//! - **raw**: everything up to the `)` that closes `dense(`, with surrounding whitespace
+//!   trimmed. Parentheses inside must balance (`dense(a b(1).npy)`); commas, `&`, `|`, `!`,
+//!   inner quotes, backslashes and any other character are taken as they are.
+//! - **quoted** in `"` or `'`: every character up to the closing quote, whitespace included. The
+//!   quote character itself is written twice (`dense("say ""hi""")` names `say "hi"`); there
+//!   are no backslash escapes, a backslash is an ordinary character (`dense("C:\m\a.npy")`).
+//!   A doubled quote used to be a parse error, so this reads no earlier text differently.
+//! - an empty name is refused (a path names something).
+//!
+//! Printing (`Display` of [`Mask`]) writes a name raw when the raw reading gives it back
+//! exactly (non-empty, no leading or trailing whitespace, not starting with a quote,
+//! parentheses balanced) and otherwise in `"` with each `"` doubled, so every non-empty name
+//! prints to text that parses back to the same name, and printing a parsed mask is a fixpoint.
+//! (An empty name can only come from the typed API; it prints as `dense("")`, which the parser
+//! refuses.)
 
 use crate::data::{DenseMask, Segments};
 use crate::expr::Mask;
@@ -37,7 +59,7 @@ impl Resolver for NoData {
     }
     fn dense(&self, path: &str) -> Result<DenseMask> {
         Err(Error::invalid(
-            format!("dense({path})"),
+            format!("dense({})", dense_arg(path)),
             "a dense mask loader",
             "none available",
         ))
@@ -53,6 +75,11 @@ pub const MAX_LEN: usize = 1 << 20;
 
 /// Parses a mask expression, resolving data leaves through `resolver`. Input longer than
 /// [`MAX_LEN`] bytes or nested deeper than [`MAX_DEPTH`] is a parse error naming the limit.
+///
+/// A `dense` name is raw (up to the `)` closing `dense(`, trimmed, parentheses balanced) or
+/// quoted in `"` or `'` with the quote character doubled inside (`dense("say ""hi""")`); there
+/// are no backslash escapes. [`Mask`]'s `Display` quotes exactly the names whose raw reading
+/// would differ, so the printed form of a parsed mask parses back to it.
 pub fn parse(text: &str, resolver: &dyn Resolver) -> Result<Mask> {
     if text.len() > MAX_LEN {
         return Err(Error::Parse {
@@ -388,7 +415,8 @@ impl Parser<'_> {
             })
     }
 
-    /// A dense file path: quoted, or raw up to the matching ')'.
+    /// A dense file path: quoted (the quote doubled inside), or raw up to the matching ')'
+    /// (see the module doc).
     fn path(&mut self) -> Result<String> {
         if let Some(q @ ('"' | '\'')) = self.peek() {
             let start = self.pos;
@@ -397,7 +425,11 @@ impl Parser<'_> {
             while let Some(c) = self.peek() {
                 self.pos += 1;
                 if c == q {
-                    return Ok(s);
+                    if self.peek() != Some(q) {
+                        return Ok(s);
+                    }
+                    // A doubled quote stands for one.
+                    self.pos += 1;
                 }
                 s.push(c);
             }
@@ -419,4 +451,42 @@ impl Parser<'_> {
         }
         Ok(s.trim().to_string())
     }
+}
+
+/// `name` as the argument of `dense(...)` in the text form: raw when the parser's raw reading
+/// gives it back exactly, otherwise in `"` with every `"` doubled (see the module doc).
+pub(crate) fn dense_arg(name: &str) -> std::borrow::Cow<'_, str> {
+    if raw_reads_back(name) {
+        return std::borrow::Cow::Borrowed(name);
+    }
+    let mut s = String::with_capacity(name.len() + 2);
+    s.push('"');
+    for c in name.chars() {
+        if c == '"' {
+            s.push('"');
+        }
+        s.push(c);
+    }
+    s.push('"');
+    std::borrow::Cow::Owned(s)
+}
+
+/// Whether `name` written raw in `dense(...)` parses back to `name`: non-empty, not trimmed
+/// by the parser, not read as a quoted name, and not ended early (or never) by its parentheses.
+fn raw_reads_back(name: &str) -> bool {
+    if name.is_empty() || name.trim().len() != name.len() || name.starts_with(['"', '\'']) {
+        return false;
+    }
+    let mut depth = 0usize;
+    for c in name.chars() {
+        match c {
+            '(' => depth += 1,
+            ')' => match depth.checked_sub(1) {
+                Some(d) => depth = d,
+                None => return false,
+            },
+            _ => {}
+        }
+    }
+    depth == 0
 }

@@ -41,9 +41,6 @@
 //! # Ok::<(), tessera::Error>(())
 //! ```
 
-#[doc(hidden)]
-pub mod fuzz_entry;
-
 pub use tessera_attn as attn;
 pub use tessera_cache as cache;
 pub use tessera_conformance as conformance;

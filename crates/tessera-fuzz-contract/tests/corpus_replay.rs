@@ -1,10 +1,10 @@
 //! Replays the fuzz corpus under stable `cargo test`: every file in `tests/corpus/<target>/`
 //! (the minimised corpus and every input that ever crashed a target) goes through the same
-//! entry point the fuzz target calls (`tessera::fuzz_entry`), with the same allocation
+//! entry point the fuzz target calls (`tessera_fuzz_contract`), with the same allocation
 //! tracking, so a regression fails CI without nightly or cargo-fuzz.
 
 use std::path::PathBuf;
-use tessera::fuzz_entry::{TrackingAlloc, TARGETS};
+use tessera_fuzz_contract::{seeds, TrackingAlloc, TARGETS};
 
 #[global_allocator]
 static ALLOC: TrackingAlloc = TrackingAlloc;
@@ -43,7 +43,7 @@ fn every_corpus_input_meets_its_target_contract() {
 
 #[test]
 fn seed_inputs_meet_their_contracts() {
-    for (name, label, data) in tessera::fuzz_entry::seeds() {
+    for (name, label, data) in seeds() {
         let entry = TARGETS
             .iter()
             .find(|(n, _)| *n == name)
@@ -55,11 +55,11 @@ fn seed_inputs_meet_their_contracts() {
 }
 
 /// Writes the seed inputs into `tests/corpus/<target>/seed-*` (run by hand when the formats
-/// change: `cargo test -p tessera --test corpus_replay -- --ignored`).
+/// change: `cargo test -p tessera-fuzz-contract --test corpus_replay -- --ignored`).
 #[test]
 #[ignore]
 fn write_seed_corpus() {
-    for (name, label, data) in tessera::fuzz_entry::seeds() {
+    for (name, label, data) in seeds() {
         let dir = corpus_root().join(name);
         std::fs::create_dir_all(&dir).expect("corpus dir");
         std::fs::write(dir.join(label), data).expect("seed file");

@@ -1,24 +1,34 @@
-//! Entry points shared by the fuzz targets (`fuzz/fuzz_targets/*.rs`, cargo-fuzz on nightly)
-//! and the corpus replay test (`crates/tessera/tests/corpus_replay.rs`, stable `cargo test`):
-//! one function per input surface, taking arbitrary bytes.
+//! The fuzz contract of Tessera: one entry point per input surface, taking arbitrary bytes,
+//! shared by the cargo-fuzz targets (`fuzz/fuzz_targets/*.rs`, nightly; each is one line that
+//! calls an entry here) and the stable regression replay of `tests/corpus/<target>/`
+//! (`tests/corpus_replay.rs` of this crate, run by `cargo test --workspace`). The surfaces and
+//! the fuzzing done so far are described in `docs/reliability.md`.
 //!
 //! Contract: each entry drives one surface the way a user's input reaches it and **panics only
-//! when a contract is broken**: a user-facing failure must be a user error
-//! ([`Error::is_user_error`]), never [`Error::Internal`]; what is accepted must satisfy the
-//! surface's own contract (round trips, agreement with brute force, structural invariants); and
-//! under [`TrackingAlloc`] a reader must not allocate more than a small multiple of its input.
-//! Not part of the public API.
+//! when a contract is broken**:
+//!
+//! - a user-facing failure must be a user error ([`Error::is_user_error`]), with a message,
+//!   never [`Error::Internal`];
+//! - what is accepted must satisfy the surface's own contract (round trips, agreement with
+//!   brute force, structural invariants), documented on each entry with its input layout;
+//! - under [`TrackingAlloc`] (installed as the global allocator by every fuzz target and by
+//!   the replay test) a reader must not allocate more than a small multiple of its input.
+//!
+//! [`TARGETS`] names every entry by its fuzz target (and corpus directory); [`seeds`] gives
+//! valid starting inputs. This is test infrastructure (`publish = false`), not part of
+//! Tessera's API: it may `expect` on what an entry itself built, since a panic here *is* the
+//! report of a broken contract.
 
-use crate::export::{flex, splash, FlexArrays, SplashArrays};
-use crate::mask::{parse, DenseMask, Mask, Resolver, SegmentIds, Segments};
-use crate::plan::{build_plan, Plan, PlanShape, TileShape, TileState};
-use crate::{Error, Result};
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
 use std::io::Write;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
+use tessera_core::{Error, Result};
+use tessera_export::{flex, splash, FlexArrays, SplashArrays};
+use tessera_mask::{parse, DenseMask, Mask, Resolver, SegmentIds, Segments};
+use tessera_plan::{build_plan, Plan, PlanShape, TileShape, TileState};
 
 // ---------------------------------------------------------------------------------------------
 // Allocation tracking.
@@ -223,12 +233,12 @@ fn small_shape(b: &mut Bytes<'_>) -> (PlanShape, TileShape, u8) {
 
 /// Mask text → parse → print → parse → plan, on small shapes.
 ///
-/// Layout: 5 bytes of shape, tile and data seed, then the expression (UTF-8). Contracts: parse
-/// errors are user errors; a parsed tree is within [`crate::mask::MAX_TREE_DEPTH`]; its printed
-/// text parses to the same canonical form and prints identically (printing is a fixpoint);
-/// planning fails only with a user error, and a plan is consistent, agrees with
-/// [`Mask::allowed`] on every pair and tile (states exact, partial bitmasks equal), and counts
-/// the allowed pairs exactly.
+/// Layout: 6 bytes (batch, heads, query length, key length, tile, data seed), then the
+/// expression (UTF-8). Contracts: parse errors are user errors; a parsed tree is within
+/// [`tessera_mask::MAX_TREE_DEPTH`]; its printed text parses to the same canonical form and
+/// prints identically (printing is a fixpoint); planning fails only with a user error, and a
+/// plan is consistent, agrees with [`Mask::allowed`] on every pair and tile (states exact,
+/// partial bitmasks equal), and counts the allowed pairs exactly.
 pub fn mask_plan(data: &[u8]) {
     let mut b = Bytes(data);
     let (shape, tile, seed) = small_shape(&mut b);
@@ -247,7 +257,7 @@ pub fn mask_plan(data: &[u8]) {
         Err(e) => return user_error("parse", &e),
     };
     assert!(
-        mask.depth() <= crate::mask::MAX_TREE_DEPTH,
+        mask.depth() <= tessera_mask::MAX_TREE_DEPTH,
         "parsed tree too deep"
     );
     let printed = mask.to_string();
@@ -314,7 +324,7 @@ pub fn check_plan_against_mask(plan: &Plan, mask: &Mask) {
 // ---------------------------------------------------------------------------------------------
 // Tensor files.
 
-/// `.npy` bytes through every reader: [`crate::io::NpyArray::from_npy`], the tensor decoder
+/// `.npy` bytes through every reader: [`tessera_io::NpyArray::from_npy`], the tensor decoder
 /// (with and without `--dtype bf16`), and the streaming integer reader on a file.
 ///
 /// Contracts: errors are user errors; readers allocate at most a small multiple of the input;
@@ -322,7 +332,7 @@ pub fn check_plan_against_mask(plan: &Plan, mask: &Mask) {
 /// the same array; the streaming reader yields exactly its declared length, agreeing with the
 /// in-memory reader.
 pub fn npy(data: &[u8]) {
-    use crate::io::{decode_npy, open_npy_ints, NpyArray};
+    use tessera_io::{decode_npy, open_npy_ints, NpyArray};
     let path = Path::new("fuzz.npy");
     let arr = bounded("NpyArray::from_npy", data.len(), 2, || {
         NpyArray::from_npy(data, path)
@@ -335,16 +345,16 @@ pub fn npy(data: &[u8]) {
         }
         Err(e) => user_error("NpyArray::from_npy", e),
     }
-    for want in [None, Some(crate::DType::BF16)] {
+    for want in [None, Some(tessera_core::DType::BF16)] {
         match bounded("decode_npy", data.len(), 3, || decode_npy(data, path, want)) {
             Ok(t) => {
                 assert_eq!(t.numel(), t.shape().iter().product::<usize>());
                 let f = temp_file(".npy", b"");
-                crate::io::write_tensor(f.path(), &t).expect("write decoded tensor");
+                tessera_io::write_tensor(f.path(), &t).expect("write decoded tensor");
                 let back = std::fs::read(f.path()).expect("read back");
                 // Compared as bytes (NaN != NaN): decoding then writing is a fixpoint.
                 let again = decode_npy(&back, path, want).expect("decodes");
-                crate::io::write_tensor(f.path(), &again).expect("write again");
+                tessera_io::write_tensor(f.path(), &again).expect("write again");
                 assert!(
                     std::fs::read(f.path()).expect("read back") == back,
                     "npy tensor round trip"
@@ -379,7 +389,7 @@ pub fn npy(data: &[u8]) {
 /// allocates at most a small multiple of the input; accepted tensors re-encode to a file that
 /// decodes to the same tensors.
 pub fn safetensors(data: &[u8]) {
-    use crate::io::{decode_safetensors, encode_safetensors};
+    use tessera_io::{decode_safetensors, encode_safetensors};
     let path = Path::new("fuzz.safetensors");
     let tensors = match bounded("decode_safetensors", data.len(), 3, || {
         decode_safetensors(data, path)
@@ -394,11 +404,13 @@ pub fn safetensors(data: &[u8]) {
             "tensor {name}"
         );
     }
-    let named: Vec<(&str, &crate::Tensor)> = tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
+    let named: Vec<(&str, &tessera_core::Tensor)> =
+        tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
     let bytes = encode_safetensors(&named).expect("accepted tensors re-encode");
     let again = decode_safetensors(&bytes, path).expect("re-encoded file decodes");
     // Compared as bytes: NaN payloads must survive too, and NaN != NaN.
-    let named: Vec<(&str, &crate::Tensor)> = again.iter().map(|(n, t)| (n.as_str(), t)).collect();
+    let named: Vec<(&str, &tessera_core::Tensor)> =
+        again.iter().map(|(n, t)| (n.as_str(), t)).collect();
     let bytes_again = encode_safetensors(&named).expect("decoded tensors re-encode");
     assert!(
         bytes_again == bytes,
@@ -436,7 +448,7 @@ pub fn reference_plan() -> &'static Plan {
 /// [`Plan::check_consistent`] and every consumer (states, both exporters, the CPU kernels)
 /// runs on it without a panic.
 pub fn cache_entry(data: &[u8]) {
-    use crate::cache::entry;
+    use tessera_cache::entry;
     let reference = reference_plan();
     let key = reference.contract;
     let (mode, rest) = data.split_first().unwrap_or((&0, &[]));
@@ -452,7 +464,7 @@ pub fn cache_entry(data: &[u8]) {
         return;
     }
     let header = entry::Header {
-        version: crate::plan::PLAN_FORMAT_VERSION,
+        version: tessera_plan::PLAN_FORMAT_VERSION,
         key,
         payload_len: rest.len() as u64,
         checksum: *blake3::hash(rest).as_bytes(),
@@ -477,14 +489,14 @@ pub fn cache_entry(data: &[u8]) {
 
 /// One forward and backward of the CPU kernels on `plan`'s shapes (head dim 8).
 fn run_cpu(plan: Arc<Plan>) {
-    use crate::attn::{AttnInputs, AttnOptions, Backend, CpuBackend, GradInputs};
+    use tessera_attn::{AttnInputs, AttnOptions, Backend, CpuBackend, GradInputs};
     let s = plan.shape;
     let d = 8;
-    let x = |seed: usize, len: usize| -> crate::Tensor {
+    let x = |seed: usize, len: usize| -> tessera_core::Tensor {
         let v = (0..s.batch * s.heads * len * d)
             .map(|k| ((k * 7 + seed) % 13) as f32 / 13.0 - 0.5)
             .collect();
-        crate::Tensor::from_f32(vec![s.batch, s.heads, len, d], v).expect("shape")
+        tessera_core::Tensor::from_f32(vec![s.batch, s.heads, len, d], v).expect("shape")
     };
     let (q, k, v, d_o) = (x(1, s.q_len), x(2, s.kv_len), x(3, s.kv_len), x(4, s.q_len));
     let cpu = CpuBackend::new();
@@ -502,20 +514,20 @@ fn run_cpu(plan: Arc<Plan>) {
 // Packing.
 
 /// Packing options from two bytes: a row length of 2..=41 and a strategy.
-fn pack_config(b: &mut Bytes<'_>) -> crate::pack::PackConfig {
-    crate::pack::PackConfig {
+fn pack_config(b: &mut Bytes<'_>) -> tessera_pack::PackConfig {
+    tessera_pack::PackConfig {
         seq_len: 2 + b.below(40),
         strategy: if b.u8().is_multiple_of(2) {
-            crate::pack::Strategy::BestFit
+            tessera_pack::Strategy::BestFit
         } else {
-            crate::pack::Strategy::Greedy
+            tessera_pack::Strategy::Greedy
         },
         bos: 7,
     }
 }
 
 /// The pieces of packed rows (BOS included), row by row.
-fn pieces_of(p: &crate::pack::Packed) -> Vec<Vec<i32>> {
+fn pieces_of(p: &tessera_pack::Packed) -> Vec<Vec<i32>> {
     let mut out = Vec::new();
     for r in 0..p.rows {
         let row = r * p.seq_len..(r + 1) * p.seq_len;
@@ -535,7 +547,7 @@ fn pieces_of(p: &crate::pack::Packed) -> Vec<Vec<i32>> {
 
 /// Checks a packing of `docs` against the packer's contract: invariants, and the rows hold
 /// exactly the documents' pieces (in order for greedy).
-fn check_packing(p: &crate::pack::Packed, cfg: &crate::pack::PackConfig, docs: &[Vec<i32>]) {
+fn check_packing(p: &tessera_pack::Packed, cfg: &tessera_pack::PackConfig, docs: &[Vec<i32>]) {
     p.check(cfg.bos)
         .expect("packed rows satisfy every invariant");
     let content = cfg.seq_len - 1;
@@ -549,7 +561,7 @@ fn check_packing(p: &crate::pack::Packed, cfg: &crate::pack::PackConfig, docs: &
     }
     let mut got = pieces_of(p);
     assert_eq!(p.stats.pieces, want.len(), "piece count");
-    if cfg.strategy == crate::pack::Strategy::Greedy {
+    if cfg.strategy == tessera_pack::Strategy::Greedy {
         assert_eq!(got, want, "greedy keeps input order");
     } else {
         got.sort();
@@ -574,7 +586,7 @@ pub fn pack_jsonl(data: &[u8]) {
     let f = temp_file(".jsonl", b.0);
     let limit_factor = 16 * cfg.seq_len;
     let packed = match bounded("pack_jsonl", b.0.len(), limit_factor, || {
-        crate::pack::pack_jsonl(f.path(), &cfg)
+        tessera_pack::pack_jsonl(f.path(), &cfg)
     }) {
         Ok(p) => p,
         Err(e) => return user_error("pack_jsonl", &e),
@@ -610,13 +622,13 @@ pub fn pack_npy(data: &[u8]) {
     );
     let limit_factor = 16 * cfg.seq_len;
     let packed = match bounded("pack_npy", b.0.len(), limit_factor, || {
-        crate::pack::pack_npy(tf.path(), of.path(), &cfg)
+        tessera_pack::pack_npy(tf.path(), of.path(), &cfg)
     }) {
         Ok(p) => p,
         Err(e) => return user_error("pack_npy", &e),
     };
     let ints = |bytes: &[u8]| -> Vec<i64> {
-        crate::io::open_npy_ints(temp_file(".npy", bytes).path())
+        tessera_io::open_npy_ints(temp_file(".npy", bytes).path())
             .expect("accepted file opens")
             .map(|v| v.expect("accepted file reads"))
             .collect()
@@ -665,7 +677,7 @@ fn gen_mask(b: &mut Bytes<'_>, res: &FuzzData, depth: usize) -> Mask {
 /// The exporters: a plan of a generated mask exported for Flex and Splash, written as `.npz`,
 /// read back; then arbitrary bytes read as `.npz` exports.
 ///
-/// First byte even: 5 bytes of shape, then a mask tree. Contracts: both exports succeed, read
+/// First byte even: 6 bytes of shape, tile and data seed, then a mask tree. Contracts: both exports succeed, read
 /// back equal to what was written, and reproduce the token mask (padding never attends). First
 /// byte odd: the rest is an `.npz` file. Contracts: reading fails with a user error or yields
 /// arrays whose decoding and per-token lookup never panic; the reader allocates at most a
@@ -782,7 +794,7 @@ pub fn export(data: &[u8]) {
 /// errors; accepted records are valid, survive a write/read round trip, and plot (or fail with
 /// a user error) without a panic.
 pub fn telemetry_jsonl(data: &[u8]) {
-    use crate::telemetry::parse_jsonl;
+    use tessera_telemetry::parse_jsonl;
     let Ok(text) = std::str::from_utf8(data) else {
         return;
     };
@@ -799,7 +811,7 @@ pub fn telemetry_jsonl(data: &[u8]) {
     let again = parse_jsonl(&out, path).expect("written records parse");
     assert_eq!(again.len(), records.len());
     if !records.is_empty() {
-        if let Err(e) = crate::viz::telemetry_png(&records, "fuzz") {
+        if let Err(e) = tessera_viz::telemetry_png(&records, "fuzz") {
             user_error("telemetry_png", &e);
         }
     }
@@ -823,7 +835,7 @@ pub const TARGETS: &[(&str, Entry)] = &[
 /// Valid starting inputs for every target (written to `tests/corpus/` as the fuzzers' seeds by
 /// the ignored test `write_seed_corpus`, and replayed by the corpus test).
 pub fn seeds() -> Vec<(&'static str, String, Vec<u8>)> {
-    use crate::io::{NpyArray, NpyDType};
+    use tessera_io::{NpyArray, NpyDType};
     let mut out: Vec<(&'static str, String, Vec<u8>)> = Vec::new();
     let shape = [1u8, 1, 40, 33, 2, 3];
     for (k, e) in [
@@ -851,19 +863,25 @@ pub fn seeds() -> Vec<(&'static str, String, Vec<u8>)> {
     for (k, a) in arrays.iter().enumerate() {
         out.push(("npy", format!("seed-{k}"), a.to_npy()));
     }
-    let t = |shape: Vec<usize>, data: crate::TensorData| {
-        crate::Tensor::new(shape, data).expect("seed tensor")
+    let t = |shape: Vec<usize>, data: tessera_core::TensorData| {
+        tessera_core::Tensor::new(shape, data).expect("seed tensor")
     };
-    let st = crate::io::encode_safetensors(&[
+    let st = tessera_io::encode_safetensors(&[
         (
             "a",
-            &t(vec![2, 2], crate::TensorData::F32(vec![1.0, 2.0, 3.0, 4.0])),
+            &t(
+                vec![2, 2],
+                tessera_core::TensorData::F32(vec![1.0, 2.0, 3.0, 4.0]),
+            ),
         ),
-        ("ids", &t(vec![3], crate::TensorData::I64(vec![0, 0, 1]))),
+        (
+            "ids",
+            &t(vec![3], tessera_core::TensorData::I64(vec![0, 0, 1])),
+        ),
     ])
     .expect("seed safetensors");
     out.push(("safetensors", "seed-0".into(), st));
-    let entry = crate::cache::entry::encode(reference_plan()).expect("seed entry");
+    let entry = tessera_cache::entry::encode(reference_plan()).expect("seed entry");
     out.push((
         "cache_entry",
         "seed-raw".into(),
@@ -872,7 +890,7 @@ pub fn seeds() -> Vec<(&'static str, String, Vec<u8>)> {
     out.push((
         "cache_entry",
         "seed-payload".into(),
-        [&[1u8][..], &entry[crate::cache::entry::HEADER_LEN..]].concat(),
+        [&[1u8][..], &entry[tessera_cache::entry::HEADER_LEN..]].concat(),
     ));
     let jsonl = b"{\"tokens\": [1, 2, 3, 4, 5]}\n{\"text\": \"hello world\"}\n\n{\"text\": \"\"}\n";
     out.push((
