@@ -1,13 +1,14 @@
 # `make test`: every test, Rust and Python, on a machine with only Rust and Python 3.11.
 # The first run creates .venv here and installs what the Python tests need from PyPI (~2 min);
 # later runs reuse it. `make demo` runs the main job on built-in defaults; `make train` trains the
-# example GPT through Tessera (examples/README.md), after installing the example's extras.
+# example GPT through Tessera (examples/README.md), after installing the example's extras;
+# `make train-jax` trains the same GPT in plain JAX through tessera.jax.attention.
 
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PY_DEPS := numpy torch jax pytest maturin ml_dtypes safetensors
 
-.PHONY: test test-rust test-python python-package demo train
+.PHONY: test test-rust test-python python-package demo train train-jax
 
 test: test-rust test-python
 
@@ -36,3 +37,9 @@ train: python-package
 	$(PY) -m pip install -q -r examples/requirements.txt
 	cargo build --release
 	$(PY) examples/train_gpt.py
+
+# The same GPT in plain JAX through tessera.jax.attention, with the same extras and pictures.
+train-jax: python-package
+	$(PY) -m pip install -q -r examples/requirements.txt
+	cargo build --release
+	$(PY) examples/train_gpt_jax.py
