@@ -39,6 +39,8 @@ fn _tessera(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(attention::attention_backward, m)?)?;
     m.add_function(wrap_pyfunction!(attention::attention_forward_logged, m)?)?;
     m.add_function(wrap_pyfunction!(attention::telemetry_records, m)?)?;
+    m.add_function(wrap_pyfunction!(attention::telemetry_sink_flags, m)?)?;
+    m.add_function(wrap_pyfunction!(attention::outlier_candidates, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("TELEMETRY_COLUMNS", attention::STAT_COLUMNS)?;
     m.add("isa", tessera::CpuBackend::new().paths().to_string())?;
