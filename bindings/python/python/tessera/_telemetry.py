@@ -105,13 +105,13 @@ class Telemetry:
     """Attach once, log every ``every`` steps (``every=0``: never).
 
     ``group``: ``None`` (one process), or a ``torch.distributed`` process group, or several (for
-    example the CP group and the DP group): the records then cover every rank of their union,
-    reduced on device before the one host read, and :meth:`read` / :meth:`write_jsonl` are
-    collective. Every rank of the union constructs its ``Telemetry`` with its own groups (the
-    constructor makes the telemetry's own process group over the union, with the given groups'
-    timeout: a collective of those ranks), logs the same layers at the same steps, and calls
-    ``read`` / ``write_jsonl`` at the same cadence; the ranks must hold distinct rows (CP: each
-    its own query rows; DP: its own batch)."""
+    example this rank's CP group and its DP group): the records then cover every rank the groups
+    connect (the whole CP x DP grid), reduced on device before the one host read, and
+    :meth:`read` / :meth:`write_jsonl` are collective. Every one of those ranks constructs its
+    ``Telemetry`` with its own groups at the same point (the constructor makes the telemetry's own
+    process group over them, with the given groups' timeout: a collective of those ranks), logs
+    the same layers at the same steps, and calls ``read`` / ``write_jsonl`` at the same cadence;
+    the ranks must hold distinct rows (CP: each its own query rows; DP: its own batch)."""
 
     def __init__(
         self,
@@ -265,15 +265,12 @@ class Telemetry:
         self._check_not_per_rank()
         if not self._groups:
             return self._read_local()
+        # Reduce on a logging step, or when one passed since the last read: a function of the
+        # step counter, the same on every rank, so every rank takes part or none does.
         last_logged = (self.step // self.every) * self.every if self.every > 0 else -1
-        logged = last_logged > self._read_at
+        logged = self.should_log() or last_logged > self._read_at
         self._read_at = self.step
         if not logged:
-            if self._pending:  # only if attention logged after a read in the same step
-                raise RuntimeError(
-                    "telemetry: attention calls logged after this step's read(); read once per "
-                    "logging step, after its attention calls"
-                )
             return []
         return self._read_reduced()
 
