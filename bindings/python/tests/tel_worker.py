@@ -115,6 +115,7 @@ def run(rank: int, world: int, port: int, case_file: str, out_dir: str) -> None:
         path = os.path.join(out_dir, "dp.jsonl")
         res["dp_written"] = tel.write_jsonl(path)
         res["dp_read_calls"] = calls[n0:]
+        res["dp_again"] = tel.read()  # a logging step read twice: reduces nothing, returns []
 
         # -- CP x DP (4 ranks): CP pairs {0,1}, {2,3}; DP pairs {0,2}, {1,3} ---------------------
         if world == 4:

@@ -201,6 +201,7 @@ def test_data_parallel_records_equal_one_process_over_the_concatenated_batch(ran
     got = [json.loads(x) for x in dp_lines]
     assert [(r["step"], r["layer"]) for r in got] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert all(out[r]["dp_written"] == 4 for r in range(world))
+    assert all(out[r]["dp_again"] == [] for r in range(world))
     for g, w in zip(got, want):
         _close(g, w, f"DP step {w['step']} layer {w['layer']} R={world}")
         assert g["ranks"] == world and g["tokens"] == dp["rows"] * world * dp["L"]
@@ -238,3 +239,108 @@ def test_a_rank_that_skips_the_read_makes_the_others_raise_within_the_timeout(ra
         msg = out[r]["errors"]["skipped"]
         assert msg is not None and "telemetry reduction" in msg and "collective" in msg, (r, msg)
         assert out[r]["errors"]["skipped_s"] < SKIP_TIMEOUT + 3.0, out[r]["errors"]["skipped_s"]
+
+
+def test_naive_per_rank_outlier_counts_would_be_wrong(ranks):
+    """The CP records' outlier counts are the single-process ones, while summing each rank's
+    counts against its own part's RMS (what a per-rank kernel count gives) is not: the check
+    above is sensitive to the threshold being the whole slice's."""
+    world, spec, out, _ = ranks
+    differs = 0
+    for i, c in enumerate(spec["cases"]):
+        plan = tessera.plan(tessera.causal() & tessera.document(c["ids"]) if c["mask"] == "doc"
+                            else tessera.mask(c["mask"]), q_len=c["L"], heads=c["H"], batch=c["B"],
+                            block=c["block"])
+        o = tt.attention(c["q"], c["k"], c["v"], plan, softcap=c["softcap"], sinks=c["sinks"]).double()
+        sh = tessera.cp.shard(plan, world, c["scheme"])
+        naive = torch.zeros(c["H"], dtype=torch.int64)
+        for r in range(world):
+            part = o[:, :, torch.as_tensor(sh.positions(r))]
+            rms = part.square().mean((2, 3)).sqrt()[..., None, None]
+            naive += (part.abs() > CONFIG["outlier_ratio"] * rms).sum((0, 2, 3))
+        differs += naive.tolist() != out[0]["cp"][i]["out_outliers"]
+    assert differs > 0
+
+
+# -- in one process ------------------------------------------------------------------------------
+
+
+def test_outlier_candidates_hold_every_possible_outlier_and_few_others(rng):
+    from tessera import _tessera
+
+    b, h, lr, d, ratio = 2, 3, 40, 16, 2.5
+    o = torch.randn(b, h, lr, d, dtype=torch.float64)
+    o[..., 0] *= 6
+    o = o.float()
+    n = 4 * lr * d  # the whole slice has 4x this rank's part
+    sq, counts, cand = _tessera.outlier_candidates(o.numpy(), n, ratio)
+    of = o.double()
+    assert np.allclose(sq, of.square().sum((2, 3)).numpy(), rtol=1e-12)
+    bound = ratio * np.sqrt(sq / n)
+    want = [np.sort(of[i, j].abs().flatten().numpy()[of[i, j].abs().flatten().numpy() > bound[i, j]])
+            for i in range(b) for j in range(h)]
+    assert counts.flatten().tolist() == [len(w) for w in want]
+    got = np.split(cand.astype(np.float64), np.cumsum(counts.flatten())[:-1])
+    for g, w in zip(got, want):
+        assert np.array_equal(np.sort(g), w)
+    assert (counts < n / ratio**2).all()  # the bound on what a rank keeps
+    # bf16 (as its int16 pattern): the candidates of the same values in f32
+    ob = o.bfloat16()
+    sqb, cb, candb = _tessera.outlier_candidates(ob.view(torch.int16).numpy(), n, ratio)
+    sqf, cf, candf = _tessera.outlier_candidates(ob.float().numpy(), n, ratio)
+    assert np.array_equal(sqb, sqf) and np.array_equal(cb, cf) and np.array_equal(candb, candf)
+    # with the whole slice on this rank and the kernel's ratio, the count is the kernel's
+    plan = tessera.plan(tessera.causal(), q_len=lr, heads=h, block=16)
+    q, k, v = (torch.randn(b, h, lr, d) for _ in range(3))
+    v[..., 0] *= 8
+    tel = tessera.Telemetry(every=1, outlier_ratio=ratio)
+    out = tt.attention(q, k, v, plan, telemetry=tel)
+    (rec,) = tel.read()
+    sq, counts, cand = _tessera.outlier_candidates(out.numpy(), lr * d, ratio)
+    thr = ratio * np.sqrt(sq / (lr * d))
+    sid = np.repeat(np.arange(b * h), counts.flatten())
+    per_head = np.bincount((sid[cand > thr.flatten()[sid]]) % h, minlength=h)
+    assert per_head.tolist() == rec["out_outliers"]
+    assert rec["ranks"] == 1 and rec["tokens"] == b * lr
+    for kwargs, exc, needle in [
+        (dict(o=o.numpy(), slice_len=lr * d - 1, ratio=1.0), ValueError, "slice_len"),
+        (dict(o=o.numpy(), slice_len=n, ratio=-1.0), ValueError, "ratio"),
+        (dict(o=o.double().numpy(), slice_len=n, ratio=1.0), TypeError, "o"),
+        (dict(o=o[0].numpy(), slice_len=n, ratio=1.0), ValueError, "o"),
+    ]:
+        with pytest.raises(exc, match=needle):
+            _tessera.outlier_candidates(**kwargs)
+
+
+def test_telemetry_group_argument_errors():
+    with pytest.raises(TypeError, match="group"):
+        tessera.Telemetry(every=1, group="world")
+    with pytest.raises(TypeError, match="group"):
+        tessera.Telemetry(every=1, group=[object()])
+    with pytest.raises(ValueError, match="group"):
+        tessera.Telemetry(every=1, group=())
+
+
+def test_sink_flags_of_a_local_plan_must_be_given():
+    from tessera import _tessera
+
+    L = 128
+    ids = np.repeat(np.arange(4), 32)
+    plan = tessera.plan(tessera.causal() & tessera.document(ids), q_len=L, block=16)
+    flags = _tessera.telemetry_sink_flags(plan._p, 2, 2)
+    want = np.zeros((2, L), dtype=bool)
+    want[:, [0, 1, 32, 33, 64, 65, 96, 97]] = True
+    assert flags.dtype == bool and np.array_equal(flags, want)
+    sh = tessera.cp.shard(plan, 2, "zigzag")
+    lp = sh.local_plan(0)
+    with pytest.raises(ValueError, match="plan"):
+        _tessera.telemetry_sink_flags(lp._p, 1, 1)
+    q = torch.randn(1, 1, L // 2, 8)
+    kv = torch.randn(1, 1, L, 8)
+    args = [tessera.torch._np(x) for x in (q, kv, kv)]
+    o, lse, ml = np.zeros((1, 1, L // 2, 8), np.float32), np.zeros((1, 1, L // 2), np.float32), np.zeros((1, 1), np.float32)
+    stats = np.zeros((1, _tessera.TELEMETRY_COLUMNS))
+    with pytest.raises(ValueError, match="sink_flags"):
+        _tessera.attention_forward_logged(lp._p, *args, o, lse, ml, stats)
+    with pytest.raises(ValueError, match="sink_flags"):
+        _tessera.attention_forward_logged(lp._p, *args, o, lse, ml, stats, sink_flags=np.zeros((1, 5), bool))

@@ -259,9 +259,11 @@ class Telemetry:
     def read(self) -> List[Dict[str, Any]]:
         """The records of every logged (step, layer) since the last read: the one host read.
 
-        With a group, collective: every rank of the group calls it at the same cadence (a read
-        with no logging step since the last one is a no-op on every rank) and gets the reduced
-        records. A rank that does not call it makes the others raise within the group's timeout."""
+        With a group, collective: every rank of the group calls it at the same cadence and gets
+        the reduced records. It reduces on a logging step or when one passed since the last read
+        (a function of the step counter, alike on every rank); otherwise it sends nothing and
+        returns ``[]``. A rank that does not call it makes the others raise within the group's
+        timeout."""
         self._check_not_per_rank()
         if not self._groups:
             return self._read_local()
@@ -359,9 +361,11 @@ class Telemetry:
         mx[0], mx[1] = fp, -fp
         heads_max = mx[2 : 2 + 2 * total_h].view(total_h, 2)
         heads_max[:, 0] = float("-inf")
-        sums = torch.zeros(total_h * _SUM_COLS + 2 * len(keys), dtype=f64, device=dev)
+        # (+1: the ranks taking part, so that the buffer is never empty)
+        sums = torch.zeros(total_h * _SUM_COLS + 2 * len(keys) + 1, dtype=f64, device=dev)
+        sums[-1] = 1.0
         per_head = sums[: total_h * _SUM_COLS].view(total_h, _SUM_COLS)
-        per_rec = sums[total_h * _SUM_COLS :].view(len(keys), 2)
+        per_rec = sums[total_h * _SUM_COLS : -1].view(len(keys), 2)
         per_rec[:, 1] = 1.0  # this rank contributes to every record
         for e in pend:
             i = idx[(e.step, e.layer)]
@@ -419,7 +423,7 @@ class Telemetry:
         sums_h = sums.cpu().numpy()
         hm = mx_h[2:].reshape(total_h, 2)
         ph = sums_h[: total_h * _SUM_COLS].reshape(total_h, _SUM_COLS)
-        pr = sums_h[total_h * _SUM_COLS :].reshape(len(keys), 2)
+        pr = sums_h[total_h * _SUM_COLS : -1].reshape(len(keys), 2)
         stats = np.zeros((total_h, _tessera.TELEMETRY_COLUMNS), dtype=np.float64)
         stats[:, 0:4] = ph[:, 0:4]
         stats[:, 4] = np.where(ph[:, 7] > 0, np.nan, hm[:, 0])
