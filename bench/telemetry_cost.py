@@ -110,6 +110,26 @@ def worker(rank, world, port, args, out):
                 times[name].append(float(slowest[0]))
                 cpu[name].append(float(slowest[1]))
     times["read"] = read_s[1:]
+    # What an attached telemetry adds to a non-logging step, timed directly: per layer the checks
+    # of `attention(..., telemetry=)` (type, layer, CP group cached) and the gate, per step the
+    # no-op read and the advance.
+    import timeit
+
+    from tessera import _int_arg
+    from tessera._telemetry import Telemetry
+
+    def quiet_extra():
+        for i in range(len(layers)):
+            isinstance(quiet, Telemetry)
+            _int_arg("attention", "layer", i, 0, 2**32)
+            if sh is not None:
+                quiet._cp_members(None)
+            quiet.should_log()
+        quiet.read()
+        quiet.should_log()
+
+    n = 20000
+    times["quiet_extra"] = [timeit.timeit(quiet_extra, number=n) / n]
     if rank == 0:
         with open(out, "w") as f:
             json.dump(dict(wall=times, cpu=cpu), f)
@@ -152,7 +172,7 @@ def main():
     cmed = {k: statistics.median(v) for k, v in cpu.items() if v}
     quiet_off, log_quiet = ratios(times)
     cquiet_off, clog_quiet = ratios(cpu)
-    res = dict(step_s=med, cpu_s=cmed, quiet_over_off=quiet_off, logging_over_quiet=log_quiet,
+    res = dict(step_s=med, cpu_s=cmed, quiet_extra_s=times["quiet_extra"][0], quiet_over_off=quiet_off, logging_over_quiet=log_quiet,
                cpu_quiet_over_off=cquiet_off, cpu_logging_over_quiet=clog_quiet, rounds=args.rounds,
                bar_quiet=cquiet_off <= 1.01, bar_logging=clog_quiet <= 1.10)
     if args.json:
@@ -173,6 +193,9 @@ def main():
           f"non-logging | {cmed['logging']:.3f} | {100 * (clog_quiet - 1):+.2f} % vs non-logging "
           f"| ≤ +10 %: {'met' if res['bar_logging'] else 'NOT met'} |")
     print(f"read() of the logging step (both all-reduces, records; rank 0, wall): {1e3 * med['read']:.2f} ms")
+    extra = times["quiet_extra"][0]
+    print(f"what telemetry adds to a non-logging step, timed directly (rank 0): {1e6 * extra:.1f} µs "
+          f"= {100 * extra / med['off']:.4f} % of the step")
 
 
 if __name__ == "__main__":
