@@ -413,8 +413,13 @@ pub(crate) fn checked_telemetry_config(
 
 /// A logging step's forward: the outputs of [`attention_forward`] (bit-identical) plus the
 /// step's per-head summary written into `stats` (`float64 [Hq, 9]`, see `head_row`).
+///
+/// The sink keys come from the plan's mask (its first `document` leaf, or the sequence start),
+/// or from `sink_flags` (`bool [B, Lkv]`, contiguous) when given: a rank's local plan of a
+/// sharding has no mask (its keys are a permutation of the global row's), so context
+/// parallelism passes the global flags of its local keys.
 #[pyfunction]
-#[pyo3(signature = (plan, q, k, v, o, lse, max_logit, stats, scale=None, softcap=None, sinks=None, sink_tokens=1, outlier_ratio=6.0, sink_stream=true, outlier_stream=true))]
+#[pyo3(signature = (plan, q, k, v, o, lse, max_logit, stats, scale=None, softcap=None, sinks=None, sink_tokens=1, outlier_ratio=6.0, sink_stream=true, outlier_stream=true, sink_flags=None))]
 #[allow(clippy::too_many_arguments)]
 pub fn attention_forward_logged(
     py: Python<'_>,
@@ -433,6 +438,7 @@ pub fn attention_forward_logged(
     outlier_ratio: f64,
     sink_stream: bool,
     outlier_stream: bool,
+    sink_flags: Option<numpy::PyReadonlyArray2<'_, bool>>,
 ) -> PyResult<()> {
     use tessera::telemetry::{document_kv_segments, sink_key_flags};
     let kind = kind_of("q", q)?;
@@ -475,19 +481,28 @@ pub fn attention_forward_logged(
     let opts = options(scale, softcap, sinks);
     let p = &plan.inner;
     // The inputs' batch size: a batch-invariant plan built for one row serves any batch.
-    let Some(mask) = &plan.mask else {
-        return Err(PyValueError::new_err(
-            "telemetry: not available for a rank's local plan of a sharding (its keys are \
-             permuted); log telemetry from a single-process step",
-        ));
+    let (batch, kv_len) = (inputs.q.shape[0], p.shape.kv_len);
+    let flags = match (&sink_flags, &plan.mask) {
+        (Some(f), _) => {
+            if f.shape() != [batch, kv_len] {
+                return Err(PyValueError::new_err(format!(
+                    "sink_flags: expected bool [{batch}, {kv_len}] (batch rows, keys), got {:?}",
+                    f.shape()
+                )));
+            }
+            f.as_array().iter().copied().collect::<Vec<bool>>()
+        }
+        (None, Some(mask)) => {
+            sink_key_flags(document_kv_segments(mask), batch, kv_len, sink_tokens).map_err(to_py)?
+        }
+        (None, None) => {
+            return Err(PyValueError::new_err(
+                "sink_flags: required for a rank's local plan of a sharding (its keys are a \
+                 permutation of the row's: pass the sink flags of its keys, as \
+                 tessera.cp.attention(..., telemetry=) does)",
+            ))
+        }
     };
-    let flags = sink_key_flags(
-        document_kv_segments(mask),
-        inputs.q.shape[0],
-        p.shape.kv_len,
-        sink_tokens,
-    )
-    .map_err(to_py)?;
     let config = checked_telemetry_config(
         1,
         sink_tokens,
@@ -515,8 +530,12 @@ pub fn attention_forward_logged(
 /// JSON lines (the CLI's telemetry schema, one per (step, layer), merged across calls of the
 /// same step and layer) from stacked stats rows `float64 [N, Hq, 9]` and their steps, layers and
 /// whether learned sinks were used.
+///
+/// With `ranks` and `tokens` (one per stats entry), records gain the `ranks` field (the largest
+/// of their entries: how many ranks were reduced into them) and `tokens` (the sum: query rows
+/// summarised).
 #[pyfunction]
-#[pyo3(signature = (stats, steps, layers, learned_sinks, every, sink_tokens=1, epsilon=0.3, outlier_ratio=6.0, sink_stream=true, outlier_stream=true))]
+#[pyo3(signature = (stats, steps, layers, learned_sinks, every, sink_tokens=1, epsilon=0.3, outlier_ratio=6.0, sink_stream=true, outlier_stream=true, ranks=None, tokens=None))]
 #[allow(clippy::too_many_arguments)]
 pub fn telemetry_records(
     stats: numpy::PyReadonlyArray3<'_, f64>,
@@ -529,6 +548,8 @@ pub fn telemetry_records(
     outlier_ratio: f64,
     sink_stream: bool,
     outlier_stream: bool,
+    ranks: Option<Vec<u64>>,
+    tokens: Option<Vec<u64>>,
 ) -> PyResult<Vec<String>> {
     use tessera::telemetry::AttnSummary;
     let a = stats.as_array();
@@ -552,24 +573,167 @@ pub fn telemetry_records(
         outlier_stream,
     )
     .map_err(to_py)?;
-    let mut merged: Vec<AttnSummary> = Vec::new();
+    for (name, v) in [("ranks", &ranks), ("tokens", &tokens)] {
+        if let Some(v) = v {
+            if v.len() != n {
+                return Err(PyValueError::new_err(format!(
+                    "{name}: expected one entry per stats entry ({n}), got {}",
+                    v.len()
+                )));
+            }
+        }
+    }
+    if ranks.as_ref().is_some_and(|r| r.contains(&0)) {
+        return Err(PyValueError::new_err("ranks: expected counts >= 1"));
+    }
+    // (summary, ranks, tokens) per (step, layer)
+    let mut merged: Vec<(AttnSummary, Option<u64>, Option<u64>)> = Vec::new();
     for i in 0..n {
         let mut s = AttnSummary::new(steps[i], layers[i], hq, learned_sinks[i]);
         for (h, acc) in s.heads.iter_mut().enumerate() {
             let row: Vec<f64> = (0..c).map(|x| a[[i, h, x]]).collect();
             *acc = head_accum(&row);
         }
+        let (r, t) = (ranks.as_ref().map(|v| v[i]), tokens.as_ref().map(|v| v[i]));
         match merged
             .iter_mut()
-            .find(|m| m.step == s.step && m.layer == s.layer)
+            .find(|m| m.0.step == s.step && m.0.layer == s.layer)
         {
-            Some(m) => m.merge(&s).map_err(to_py)?,
-            None => merged.push(s),
+            Some(m) => {
+                m.0.merge(&s).map_err(to_py)?;
+                m.1 = m.1.max(r);
+                m.2 = t.map(|t| t + m.2.unwrap_or(0));
+            }
+            None => merged.push((s, r, t)),
         }
     }
-    merged.sort_by_key(|m| (m.step, m.layer));
+    merged.sort_by_key(|m| (m.0.step, m.0.layer));
     merged
         .iter()
-        .map(|m| m.record(&config).to_json_line().map_err(to_py))
+        .map(|(m, r, t)| {
+            let mut rec = m.record(&config);
+            rec.ranks = *r;
+            rec.tokens = *t;
+            rec.to_json_line().map_err(to_py)
+        })
         .collect()
+}
+
+/// The sink-key flags (`bool [batch, Lkv]`, SPEC §6) of a plan's mask: the first `sink_tokens`
+/// keys of each key's document (its first `document` leaf), or of the sequence without one.
+#[pyfunction]
+#[pyo3(signature = (plan, batch, sink_tokens=1))]
+pub fn telemetry_sink_flags<'py>(
+    py: Python<'py>,
+    plan: PyRef<'_, PyPlan>,
+    batch: usize,
+    sink_tokens: usize,
+) -> PyResult<Bound<'py, numpy::PyArray2<bool>>> {
+    use numpy::{IntoPyArray, PyArrayMethods};
+    use tessera::telemetry::{document_kv_segments, sink_key_flags};
+    let Some(mask) = &plan.mask else {
+        return Err(PyValueError::new_err(
+            "plan: a rank's local plan of a sharding has no mask; take the flags of the global plan",
+        ));
+    };
+    let kv_len = plan.inner.shape.kv_len;
+    let flags =
+        sink_key_flags(document_kv_segments(mask), batch, kv_len, sink_tokens).map_err(to_py)?;
+    flags.into_pyarray(py).reshape([batch, kv_len])
+}
+
+/// What an exact outlier count over a `(b, h)` slice split across ranks needs from this rank's
+/// part `o [B, Hq, Lr, Dv]` (f32, or bf16 as int16; contiguous), with `slice_len` the elements of
+/// the whole slice (over all ranks) and `ratio` the outlier ratio:
+///
+/// - `sq [B, Hq]` float64: Σ o² of the part (in the fixed lane order of `OutlierStats`),
+/// - `counts [B, Hq]` int64 and `cand [Σ counts]` float32: the `|o|` of the part's elements
+///   above `ratio · sqrt(sq / slice_len)`, slice after slice in row-major order.
+///
+/// The whole slice's threshold is `ratio · sqrt(Σ_ranks sq / slice_len)`, never below this rank's
+/// bound (Σ_ranks sq >= sq), so every element above it is a candidate; and fewer than
+/// `slice_len / ratio²` elements exceed the bound (each adds more than `sq / (slice_len / ratio²)`
+/// to `sq`), so the candidates of a part are at most `min(Lr·Dv, slice_len / ratio²)` values.
+#[pyfunction]
+#[allow(clippy::type_complexity)]
+pub fn outlier_candidates<'py>(
+    py: Python<'py>,
+    o: &Bound<'py, PyUntypedArray>,
+    slice_len: usize,
+    ratio: f64,
+) -> PyResult<(
+    Bound<'py, numpy::PyArray2<f64>>,
+    Bound<'py, numpy::PyArray2<i64>>,
+    Bound<'py, numpy::PyArray1<f32>>,
+)> {
+    use numpy::{IntoPyArray, PyArrayMethods};
+    use rayon::prelude::*;
+    if !(ratio.is_finite() && ratio >= 0.0) {
+        return Err(PyValueError::new_err(format!(
+            "ratio: expected a finite number >= 0, got {ratio}"
+        )));
+    }
+    let kind = kind_of("o", o)?;
+    let shape = o.shape().to_vec();
+    if shape.len() != 4 || !o.is_c_contiguous() {
+        return Err(PyValueError::new_err(format!(
+            "o: expected a contiguous 4-D array [B, Hq, L, Dv], got shape {shape:?}"
+        )));
+    }
+    let (b, hq, part) = (shape[0], shape[1], shape[2] * shape[3]);
+    if slice_len < part || slice_len == 0 {
+        return Err(PyValueError::new_err(format!(
+            "slice_len: expected at least this rank's {part} elements per (b, h) slice and > 0, \
+             got {slice_len}"
+        )));
+    }
+    let (data, _, _) = input_view("o", o, kind)?;
+    let n = slice_len as f64;
+    let per_slice = |x: &[f32]| -> (f64, Vec<f32>) {
+        let mut lanes = [0f64; 8];
+        let mut chunks = x.chunks_exact(8);
+        for c in &mut chunks {
+            for l in 0..8 {
+                let v = c[l] as f64;
+                lanes[l] += v * v;
+            }
+        }
+        for (l, &v) in chunks.remainder().iter().enumerate() {
+            lanes[l] += v as f64 * v as f64;
+        }
+        let sq = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3]))
+            + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+        let bound = ratio * (sq / n).sqrt();
+        // NaN bound (a NaN element): no candidate; the whole slice's threshold is NaN too.
+        let cand = x
+            .iter()
+            .map(|v| v.abs())
+            .filter(|&a| a as f64 > bound)
+            .collect();
+        (sq, cand)
+    };
+    let parts: Vec<(f64, Vec<f32>)> = py.detach(|| match &data {
+        ViewData::F32(x) => x[..b * hq * part]
+            .par_chunks(part.max(1))
+            .map(per_slice)
+            .collect(),
+        ViewData::BF16(x) => x[..b * hq * part]
+            .par_chunks(part.max(1))
+            .map(|c| per_slice(&c.iter().map(|v| v.to_f32()).collect::<Vec<f32>>()))
+            .collect(),
+        _ => Vec::new(),
+    });
+    let parts = if part == 0 {
+        vec![(0.0, Vec::new()); b * hq]
+    } else {
+        parts
+    };
+    let sq: Vec<f64> = parts.iter().map(|p| p.0).collect();
+    let counts: Vec<i64> = parts.iter().map(|p| p.1.len() as i64).collect();
+    let cand: Vec<f32> = parts.into_iter().flat_map(|p| p.1).collect();
+    Ok((
+        sq.into_pyarray(py).reshape([b, hq])?,
+        counts.into_pyarray(py).reshape([b, hq])?,
+        cand.into_pyarray(py),
+    ))
 }

@@ -46,6 +46,8 @@ fn _tessera(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(ffi::ffi_release, m)?)?;
     m.add_function(wrap_pyfunction!(ffi::ffi_registered, m)?)?;
     m.add_function(wrap_pyfunction!(ffi::ffi_registry_size, m)?)?;
+    m.add_function(wrap_pyfunction!(attention::telemetry_sink_flags, m)?)?;
+    m.add_function(wrap_pyfunction!(attention::outlier_candidates, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("TELEMETRY_COLUMNS", attention::STAT_COLUMNS)?;
     m.add("isa", tessera::CpuBackend::new().paths().to_string())?;

@@ -315,3 +315,51 @@ fn plot_draws_one_layer_or_every_layer() {
     );
     assert!(!p.join("x.png").exists());
 }
+
+#[test]
+fn plot_reads_multi_rank_files_unchanged() {
+    // Records reduced across ranks (what `tessera.Telemetry(group=...)` writes) carry `ranks` and
+    // `tokens`; the plot reads them as it reads single-process files and draws the same picture.
+    let d = tempfile::tempdir().unwrap();
+    let p = d.path();
+    let line = |step: u64, extra: bool| {
+        let mut v = serde_json::json!({
+            "step": step, "layer": 0, "sink_mass": [0.2 + 0.1 * step as f64, 0.05],
+            "sink_rate": 0.0, "learned_sink_mass": null, "max_logit": [3.0, 2.0],
+            "entropy": [1.5, 2.5], "valid_rows": [8192, 8192], "out_abs_max": [4.0, 3.0],
+            "out_rms": [1.0, 0.9], "out_outliers": [3, 0],
+        });
+        if extra {
+            v["ranks"] = serde_json::json!(4);
+            v["tokens"] = serde_json::json!(8192);
+        }
+        format!("{v}\n")
+    };
+    let multi: String = (0..3).map(|s| line(s, true)).collect();
+    let single: String = (0..3).map(|s| line(s, false)).collect();
+    std::fs::write(p.join("multi.jsonl"), multi).unwrap();
+    std::fs::write(p.join("single.jsonl"), single).unwrap();
+    for name in ["multi", "single"] {
+        let out = ok(
+            &[
+                "telemetry",
+                "plot",
+                "--in",
+                &format!("{name}.jsonl"),
+                "--out",
+                &format!("{name}.png"),
+                "--json",
+            ],
+            p,
+        );
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+        assert_eq!(
+            (v["steps"].as_u64(), v["heads"].as_u64()),
+            (Some(3), Some(2))
+        );
+    }
+    let recs = read_jsonl(p.join("multi.jsonl")).unwrap();
+    assert_eq!((recs[0].ranks, recs[0].tokens), (Some(4), Some(8192)));
+    let png = std::fs::read(p.join("multi.png")).unwrap();
+    assert!(png.starts_with(b"\x89PNG"));
+}

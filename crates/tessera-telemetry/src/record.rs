@@ -38,6 +38,13 @@ pub struct TelemetryRecord {
     pub out_rms: Option<Vec<Option<f64>>>,
     /// Elements of O above `ratio × RMS` of their (b, h) slice, per head.
     pub out_outliers: Option<Vec<u64>>,
+    /// How many ranks contributed (their partials reduced before this record was made); absent
+    /// in files written before the field existed and by writers that do not know it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ranks: Option<u64>,
+    /// Query rows summarised (all batch rows of all contributing ranks); absent as `ranks`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokens: Option<u64>,
 }
 
 impl TelemetryRecord {
@@ -77,6 +84,9 @@ impl TelemetryRecord {
             if !(0.0..=1.0).contains(&r) {
                 return Err(format!("sink_rate must be in [0, 1], found {r}"));
             }
+        }
+        if self.ranks == Some(0) {
+            return Err("ranks must be at least 1 when present, found 0".into());
         }
         Ok(())
     }
@@ -148,6 +158,8 @@ impl AttnSummary {
             }),
             out_rms: out_on.then(|| hs.iter().map(|a| finite(a.out.rms())).collect()),
             out_outliers: out_on.then(|| hs.iter().map(|a| a.out.outliers).collect()),
+            ranks: None,
+            tokens: None,
         }
     }
 }
@@ -283,4 +295,36 @@ pub fn read_jsonl(path: impl AsRef<Path>) -> Result<Vec<TelemetryRecord>> {
         Error::format(path, format!("line {line}: not UTF-8 text"))
     })?;
     parse_jsonl(&text, path)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn line(extra: &str) -> String {
+        format!(
+            r#"{{"step":3,"layer":1,"sink_mass":[0.5,null],"sink_rate":1.0,"learned_sink_mass":null,"max_logit":[2.0,null],"entropy":[1.0,null],"valid_rows":[8,0],"out_abs_max":[3.0,0.0],"out_rms":[1.0,null],"out_outliers":[2,0]{extra}}}"#
+        )
+    }
+
+    #[test]
+    fn multi_rank_records_read_back_and_old_records_still_parse() {
+        let path = Path::new("multi.jsonl");
+        let text = format!("{}\n{}\n", line(r#","ranks":4,"tokens":32768"#), line(""));
+        let recs = parse_jsonl(&text, path).expect("parse");
+        assert_eq!((recs[0].ranks, recs[0].tokens), (Some(4), Some(32768)));
+        assert_eq!((recs[1].ranks, recs[1].tokens), (None, None));
+        // Written back: the fields round-trip, and records without them stay without them.
+        let again = recs[0].to_json_line().expect("json");
+        assert!(
+            again.contains(r#""ranks":4"#) && again.contains(r#""tokens":32768"#),
+            "{again}"
+        );
+        assert!(!recs[1].to_json_line().expect("json").contains("ranks"));
+        assert_eq!(parse_jsonl(&again, path).expect("parse")[0], recs[0]);
+        // Other unknown fields are ignored, as before.
+        assert!(parse_jsonl(&line(r#","note":"x""#), path).is_ok());
+        let e = parse_jsonl(&line(r#","ranks":0"#), path).expect_err("zero ranks");
+        assert!(e.to_string().contains("ranks"), "{e}");
+    }
 }

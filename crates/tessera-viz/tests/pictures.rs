@@ -68,7 +68,36 @@ fn record(step: u64, heads: usize) -> TelemetryRecord {
         out_abs_max: None,
         out_rms: None,
         out_outliers: None,
+        ranks: Some(2),
+        tokens: Some(4096),
     }
+}
+
+#[test]
+fn telemetry_plot_of_multi_rank_records_is_the_plot_of_the_same_values() {
+    // `ranks` and `tokens` (records reduced across ranks) change nothing in the picture, and a
+    // multi-rank JSON line parses into them.
+    let with: Vec<_> = (0..5).map(|s| record(s, 3)).collect();
+    let without: Vec<_> = with
+        .iter()
+        .cloned()
+        .map(|mut r| {
+            r.ranks = None;
+            r.tokens = None;
+            r
+        })
+        .collect();
+    assert_eq!(
+        telemetry_png(&with, "run").unwrap(),
+        telemetry_png(&without, "run").unwrap()
+    );
+    let text: String = with
+        .iter()
+        .map(|r| r.to_json_line().unwrap() + "\n")
+        .collect();
+    assert!(text.contains("\"ranks\":2") && text.contains("\"tokens\":4096"));
+    let back = tessera_telemetry::parse_jsonl(&text, std::path::Path::new("multi.jsonl")).unwrap();
+    assert_eq!(back, with);
 }
 
 #[test]

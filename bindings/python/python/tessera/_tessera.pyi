@@ -166,6 +166,7 @@ def attention_forward_logged(
     outlier_ratio: float = 6.0,
     sink_stream: bool = True,
     outlier_stream: bool = True,
+    sink_flags: Optional[npt.NDArray[np.bool_]] = None,
 ) -> None: ...
 def telemetry_records(
     stats: npt.NDArray[np.float64],
@@ -178,7 +179,13 @@ def telemetry_records(
     outlier_ratio: float = 6.0,
     sink_stream: bool = True,
     outlier_stream: bool = True,
+    ranks: Optional[List[int]] = None,
+    tokens: Optional[List[int]] = None,
 ) -> List[str]: ...
+def telemetry_sink_flags(plan: Plan, batch: int, sink_tokens: int = 1) -> npt.NDArray[np.bool_]: ...
+def outlier_candidates(
+    o: np.ndarray, slice_len: int, ratio: float
+) -> Tuple[npt.NDArray[np.float64], npt.NDArray[np.int64], npt.NDArray[np.float32]]: ...
 
 # -- XLA FFI (tessera.jax on CPU) --------------------------------------------------------------
 def ffi_targets() -> Dict[str, Any]: ...

@@ -45,6 +45,7 @@ class Sharding:
         self.plan = plan
         self._local: Dict[Tuple[int, str], Plan] = {}
         self._routes: Dict[Tuple[int, str], Any] = {}
+        self._sink_flags: Dict[Tuple[int, str, int, int], Any] = {}
         # ids of the groups whose ranks were checked to hold the same sharding (None: world)
         self._verified: set = set()
 
@@ -371,6 +372,54 @@ def _return_grads(sh: Sharding, dk, dv, group, rank: int, mode: str, local_len: 
     return _unpack(total, dk.shape[:2] + (local_len,) + dk.shape[3:], dv.shape[:2] + (local_len,) + dv.shape[3:])
 
 
+def _local_sink_flags(sh: Sharding, rank: int, mode: str, batch: int, sink_tokens: int):
+    """Sink-key flags ``bool [B, Lkv_local]`` of ``rank``'s local K/V in ``mode``: the flags of the
+    global row (SPEC §6: the first ``sink_tokens`` keys of each document, or of the row) at the
+    global positions of the local keys. Cached per (rank, mode, batch, sink_tokens)."""
+    import torch
+
+    key = (rank, mode, batch, sink_tokens)
+    f = sh._sink_flags.get(key)
+    if f is None:
+        flags = _tessera.telemetry_sink_flags(sh.plan._p, batch, sink_tokens)  # [B, L]
+        t = sh.block
+        tiles = sh.local_kv_tiles(rank, mode)
+        pos = (tiles[:, None] * t + np.arange(t)[None, :]).reshape(-1)
+        f = torch.from_numpy(np.ascontiguousarray(flags[:, pos]))
+        sh._sink_flags[key] = f
+    return f
+
+
+def _logged_forward(sh, q, kl, vl, h, scale, softcap, sinks, rank, mode, group, tel, layer):
+    """A logging step's local forward (the telemetry kernel, outputs bit-identical) and this
+    rank's partial summary handed to ``tel``: the sink keys are the global row's, and the outlier
+    count is left to the reduction (the threshold is the RMS of the whole ``(b, h)`` slice, which
+    spans the ranks), which gets this rank's Σ o² per slice and its candidates."""
+    import torch
+
+    from ._telemetry import _CPPart
+
+    cfg = tel.config
+    b = q.shape[0]
+    flags = _local_sink_flags(sh, rank, mode, b, cfg["sink_tokens"])
+    o, lse, _, stats = torch.ops.tessera.attention_fwd_logged(
+        q, kl, vl, h, scale, softcap, sinks, cfg["sink_tokens"], cfg["outlier_ratio"],
+        cfg["sink_stream"], cfg["outlier_stream"], flags,
+    )
+    part = None
+    if cfg["outlier_stream"] and tel._groups:
+        from .torch import _np
+
+        slice_len = sh.plan.shape[2] * o.shape[3]
+        sq, counts, cand = _tessera.outlier_candidates(_np(o), slice_len, cfg["outlier_ratio"])
+        part = _CPPart(
+            torch.from_numpy(sq), torch.from_numpy(counts), torch.from_numpy(cand), slice_len,
+            tel._cp_members(group),
+        )
+    tel._record(layer, sinks is not None, stats, b * q.shape[2], part)
+    return o, lse
+
+
 def _make_function():
     import torch
 
@@ -378,11 +427,16 @@ def _make_function():
 
     class _CPAttention(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, q, k, v, sinks, sh, group, rank, mode, scale, softcap):
+        def forward(ctx, q, k, v, sinks, sh, group, rank, mode, scale, softcap, tel, layer):
             lp = sh.local_plan(rank, mode)
             kl, vl = _exchange_kv(sh, k.detach(), v.detach(), group, rank, mode)
             h = _handle(lp)
-            o, lse, _ = torch.ops.tessera.attention_fwd(q.detach(), kl, vl, h, scale, softcap, sinks)
+            if tel is not None and tel.should_log():
+                o, lse = _logged_forward(
+                    sh, q.detach(), kl, vl, h, scale, softcap, sinks, rank, mode, group, tel, layer
+                )
+            else:
+                o, lse, _ = torch.ops.tessera.attention_fwd(q.detach(), kl, vl, h, scale, softcap, sinks)
             ctx.save_for_backward(q, kl, vl, o, lse, sinks)
             ctx.meta = (sh, group, rank, mode, scale, softcap, lp, k.shape[2])
             return o, lse
@@ -404,7 +458,7 @@ def _make_function():
                 # Every rank's rows add to the sink logits' gradient: the full sum on every rank.
                 _collective("the dsinks all-reduce", lambda: dist.all_reduce(dsinks, group=group), group)
                 d_sinks = dsinks.to(sinks.dtype)
-            return dq, dk.to(q.dtype), dv.to(q.dtype), d_sinks, None, None, None, None, None, None
+            return dq, dk.to(q.dtype), dv.to(q.dtype), d_sinks, None, None, None, None, None, None, None, None
 
     return _CPAttention
 
@@ -424,6 +478,8 @@ def attention(
     softcap: Optional[float] = None,
     sinks: Any = None,
     return_lse: bool = False,
+    telemetry: Any = None,
+    layer: int = 0,
 ) -> Any:
     """Exact attention over a sharded row (SPEC §4, §11): this rank's ``q [B, Hq, L/R, Dqk]``,
     ``k [B, Hkv, L/R, Dqk]``, ``v [B, Hkv, L/R, Dv]`` (its tokens, :meth:`Sharding.scatter` order),
@@ -435,7 +491,13 @@ def attention(
     first call per (sharding, group) checks that every rank sharded the same plan. Collectives use
     the group's backend (gloo for CPU tensors, NCCL for CUDA ones); the local kernel is Tessera's
     CPU kernel, so q/k/v must be CPU tensors (GPU ranks: use ``sharding.local_plan(rank, mode)
-    .to_flex_block_mask()`` with flex_attention over the same exchange)."""
+    .to_flex_block_mask()`` with flex_attention over the same exchange).
+
+    ``telemetry`` (a :class:`tessera.Telemetry` whose ``group`` holds ``group``, with the DP group
+    if any) and ``layer``: on a logging step this rank's rows contribute their partial summary
+    (sink keys of the global row, the outlier count against the whole ``(b, h)`` slice's RMS), and
+    the records ``telemetry.read()`` reduces equal those of one process attending over the whole
+    row. Non-logging steps run the plain kernel and add no work or message."""
     global _FN
     import torch
 
@@ -458,10 +520,24 @@ def attention(
     # The shapes the local kernel will see, checked before any message is sent.
     _check(q, k.new_empty(1).expand(kshape), v.new_empty(1).expand(kshape[:3] + (v.shape[3],)), lp, sinks)
     scale, softcap = _scale_softcap(q, scale, softcap)
+    if telemetry is not None:
+        from ._telemetry import Telemetry
+
+        if not isinstance(telemetry, Telemetry):
+            raise TypeError(f"telemetry: expected a tessera.Telemetry, got {type(telemetry).__name__}")
+        layer = _int_arg("attention", "layer", layer, 0, 2**32)
+        if telemetry._groups:
+            telemetry._cp_members(group)  # the CP group must lie within the telemetry's
+        elif sharding.world_size > 1:
+            raise ValueError(
+                "telemetry: a Telemetry without group= would read this rank's rows as if they "
+                "were the whole row; pass Telemetry(group=...) with the CP group (and the DP "
+                "group, if any)"
+            )
     _verify(sharding, group, q.device)
     if _FN is None:
         _FN = _make_function()
-    o, lse = _FN.apply(q, k, v, sinks, sharding, group, rank, mode, scale, softcap)
+    o, lse = _FN.apply(q, k, v, sinks, sharding, group, rank, mode, scale, softcap, telemetry, layer)
     return (o, lse) if return_lse else o
 
 

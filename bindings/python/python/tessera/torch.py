@@ -171,6 +171,7 @@ def _attention_fwd_logged(
     outlier_ratio: float,
     sink_stream: bool,
     outlier_stream: bool,
+    sink_flags: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     plan = _plan_of(int(handle))
     b, hq, lq, _ = q.shape
@@ -195,6 +196,7 @@ def _attention_fwd_logged(
         outlier_ratio,
         sink_stream,
         outlier_stream,
+        None if sink_flags is None else _np(sink_flags.contiguous()),
     )
     return o, lse, max_logit, stats
 
@@ -226,7 +228,7 @@ def _backward(ctx, d_o, d_lse, d_max_logit):
 
 def _backward_logged(ctx, d_o, d_lse, d_max_logit, d_stats):
     grads = _backward(ctx, d_o, d_lse, d_max_logit)
-    return grads + (None, None, None, None)
+    return grads + (None, None, None, None, None)
 
 
 _attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -336,7 +338,7 @@ def attention(
             q, k, v, h, scale, softcap, sinks, cfg["sink_tokens"], cfg["outlier_ratio"],
             cfg["sink_stream"], cfg["outlier_stream"],
         )
-        telemetry._record(layer, sinks is not None, stats)
+        telemetry._record(layer, sinks is not None, stats, q.shape[0] * q.shape[2])
     else:
         o, lse, _ = torch.ops.tessera.attention_fwd(q, k, v, h, scale, softcap, sinks)
     return (o, lse) if return_lse else o
