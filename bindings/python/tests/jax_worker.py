@@ -32,7 +32,7 @@ def _records_err(a: dict, b: dict) -> float:
 
     worst = 0.0
     for key, x in b.items():
-        if key in ("step", "layer"):
+        if key in ("step", "layer", "ranks"):  # ranks: how many devices, checked by the caller
             continue
         y = a.get(key)
         if x is None or y is None:
@@ -122,6 +122,7 @@ def cp(world: int, out: str) -> None:
                 lse_masked=bool(np.all(np.asarray(lse2)[~fin] == -np.inf)),
                 grads=[_rel(a, b) for a, b in zip(g2, g1)],
                 telemetry=_records_err(rec2, rec1),
+                ranks=(rec1.get("ranks"), rec2.get("ranks")),
                 compiles=step._cache_size(),
             ))
     with open(out, "w") as f:

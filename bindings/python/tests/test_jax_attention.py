@@ -626,7 +626,7 @@ def test_telemetry_in_a_jitted_step_matches_the_torch_op(traced_step):
     assert len(compiles.names) == 1, compiles.names  # logging and non-logging steps: one executable
     assert step._cache_size() == 1
     for i, ((val, (o, summary)), grads) in enumerate(outs):
-        assert summary.shape == (hq, _tessera.TELEMETRY_COLUMNS, 2) and summary.dtype == jnp.float32
+        assert summary.shape == (hq, tj.SUMMARY_COLUMNS, 2) and summary.dtype == jnp.float32
         if i % 2:
             assert (np.asarray(summary) == 0).all(), i
         else:

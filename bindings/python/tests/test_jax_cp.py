@@ -48,6 +48,7 @@ def test_cp_attention_under_shard_map_equals_one_device(world, tmp_path):
         for name, e in zip(("dq", "dk", "dv", "dsinks"), r["grads"]):
             assert e < 1e-5, f"{name} {what}: {e}"
         assert r["telemetry"] < 1e-6, what
+        assert r["ranks"] == [1, world], what
         assert r["compiles"] == 1, what
 
 

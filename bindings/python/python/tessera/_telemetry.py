@@ -101,6 +101,30 @@ def _group_timeout(g: Any) -> timedelta:
     return c10d.default_pg_timeout
 
 
+def checked_config(
+    every: Any, sink_tokens: Any, epsilon: Any, outlier_ratio: Any, streams: Sequence[str]
+) -> Tuple[int, Dict[str, Any]]:
+    """``every`` and the summary options (SPEC §6), checked (shared with ``tessera.jax``)."""
+    from . import _int_arg
+
+    every = _int_arg("Telemetry", "every", every, 0)
+    sink_tokens = _int_arg("Telemetry", "sink_tokens", sink_tokens, 0)
+    bad = [s for s in streams if s not in ("sink", "outlier")]
+    if bad:
+        raise ValueError(f"streams: unknown stream(s) {bad}; expected 'sink' and/or 'outlier'")
+    if not (0.0 <= float(epsilon) <= 1.0):
+        raise ValueError(f"epsilon: expected a value in [0, 1], got {epsilon}")
+    if not (float(outlier_ratio) >= 0.0 and float(outlier_ratio) != float("inf")):
+        raise ValueError(f"outlier_ratio: expected a finite value >= 0, got {outlier_ratio}")
+    return every, {
+        "sink_tokens": int(sink_tokens),
+        "epsilon": float(epsilon),
+        "outlier_ratio": float(outlier_ratio),
+        "sink_stream": "sink" in streams,
+        "outlier_stream": "outlier" in streams,
+    }
+
+
 class Telemetry:
     """Attach once, log every ``every`` steps (``every=0``: never).
 
@@ -123,27 +147,10 @@ class Telemetry:
         outlier_ratio: float = 6.0,
         streams: Sequence[str] = ("sink", "outlier"),
     ) -> None:
-        from . import _int_arg
-
-        every = _int_arg("Telemetry", "every", every, 0)
-        sink_tokens = _int_arg("Telemetry", "sink_tokens", sink_tokens, 0)
-        bad = [s for s in streams if s not in ("sink", "outlier")]
-        if bad:
-            raise ValueError(f"streams: unknown stream(s) {bad}; expected 'sink' and/or 'outlier'")
-        if not (0.0 <= float(epsilon) <= 1.0):
-            raise ValueError(f"epsilon: expected a value in [0, 1], got {epsilon}")
-        if not (float(outlier_ratio) >= 0.0 and float(outlier_ratio) != float("inf")):
-            raise ValueError(f"outlier_ratio: expected a finite value >= 0, got {outlier_ratio}")
+        every, self.config = checked_config(every, sink_tokens, epsilon, outlier_ratio, streams)
         groups = _as_groups(group)
-        self.every = int(every)
+        self.every = every
         self.step = 0
-        self.config: Dict[str, Any] = {
-            "sink_tokens": int(sink_tokens),
-            "epsilon": float(epsilon),
-            "outlier_ratio": float(outlier_ratio),
-            "sink_stream": "sink" in streams,
-            "outlier_stream": "outlier" in streams,
-        }
         self._pending: List[tuple] = []
         # Steps are the same on every rank (lockstep): whether a logging step happened since the
         # last read (at step `_read_at`) decides, identically on every rank, whether a read

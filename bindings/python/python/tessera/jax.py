@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import atexit
 import functools
-import math
 import queue
 import sys
 import threading
@@ -58,6 +57,7 @@ __all__ = [
     "cp_plan",
     "CPPlan",
     "reduce_summary",
+    "SUMMARY_COLUMNS",
     "scatter",
     "gather",
     "mask_info",
@@ -72,6 +72,9 @@ _TARGET_FWD = "tessera_attention_fwd"
 _TARGET_FWD_LOGGED = "tessera_attention_fwd_logged"
 _TARGET_BWD = "tessera_attention_bwd"
 _STAT_COLUMNS = _tessera.TELEMETRY_COLUMNS
+# A summary's columns: the kernel's stats, then the query rows summarised and the devices reduced
+# into it (the records' `tokens` and `ranks`).
+SUMMARY_COLUMNS = _STAT_COLUMNS + 2
 
 # -- registration -----------------------------------------------------------------------------
 
@@ -291,7 +294,7 @@ class Telemetry:
 
     ``Telemetry(every=N)`` is a pytree whose leaf is the step (pass ``tel.at(step)`` into the
     jitted step; a traced step is fine). With ``telemetry=tel`` the op also returns the step's
-    per-head summary, ``float32 [Hq, 9, 2]``: a ``lax.cond`` on the traced step runs the
+    per-head summary, ``float32 [Hq, 11, 2]``: a ``lax.cond`` on the traced step runs the
     telemetry kernel on logging steps and the plain kernel (zeros for the summary) otherwise, so
     no Python branch looks at a live value. Under ``shard_map``, :func:`reduce_summary` (done by
     :func:`cp_attention`) combines summaries across devices with ``psum``/``pmax`` before they
@@ -309,18 +312,12 @@ class Telemetry:
         streams: Sequence[str] = ("sink", "outlier"),
         step: Any = 0,
     ) -> None:
-        every = _int_arg("Telemetry", "every", every, 0)
-        sink_tokens = _int_arg("Telemetry", "sink_tokens", sink_tokens, 0)
-        bad = [s for s in streams if s not in ("sink", "outlier")]
-        if bad:
-            raise ValueError(f"streams: unknown stream(s) {bad}; expected 'sink' and/or 'outlier'")
-        if not (0.0 <= float(epsilon) <= 1.0):
-            raise ValueError(f"epsilon: expected a value in [0, 1], got {epsilon}")
-        if not (float(outlier_ratio) >= 0.0 and math.isfinite(float(outlier_ratio))):
-            raise ValueError(f"outlier_ratio: expected a finite value >= 0, got {outlier_ratio}")
+        from ._telemetry import checked_config
+
+        every, c = checked_config(every, sink_tokens, epsilon, outlier_ratio, streams)
         self.config = _TelConfig(
-            int(every), int(sink_tokens), float(epsilon), float(outlier_ratio),
-            "sink" in streams, "outlier" in streams,
+            every, c["sink_tokens"], c["epsilon"], c["outlier_ratio"], c["sink_stream"],
+            c["outlier_stream"],
         )
         self.step = step
         self._pending: List[Tuple[int, int, bool, Any]] = []
@@ -357,10 +354,10 @@ class Telemetry:
 
         if not self._pending:
             return []
-        stats = np.stack([_stats64(np.asarray(s)) for *_, s in self._pending])
+        full = np.stack([_stats64(np.asarray(s)) for *_, s in self._pending])
         c = self.config
         lines = _tessera.telemetry_records(
-            stats,
+            np.ascontiguousarray(full[:, :, :_STAT_COLUMNS]),
             [p[0] for p in self._pending],
             [p[1] for p in self._pending],
             [p[2] for p in self._pending],
@@ -370,6 +367,8 @@ class Telemetry:
             c.outlier_ratio,
             c.sink_stream,
             c.outlier_stream,
+            [max(1, int(x)) for x in full[:, 0, _STAT_COLUMNS + 1]],
+            [int(x) for x in full[:, 0, _STAT_COLUMNS]],
         )
         self._pending.clear()
         return [json.loads(x) for x in lines]
@@ -407,10 +406,10 @@ def _unflatten_tel(config: _TelConfig, children) -> Telemetry:
 
 
 def _stats64(s: np.ndarray) -> np.ndarray:
-    """``float64 [Hq, 9]`` from the op's ``float32 [Hq, 9, 2]`` (hi, lo) pairs."""
+    """``float64 [Hq, 11]`` from the op's ``float32 [Hq, 11, 2]`` (hi, lo) pairs."""
     s = np.asarray(s)
-    if s.ndim != 3 or s.shape[1:] != (_STAT_COLUMNS, 2):
-        raise ValueError(f"summary: expected float32 [Hq, {_STAT_COLUMNS}, 2], got shape {s.shape}")
+    if s.ndim != 3 or s.shape[1:] != (SUMMARY_COLUMNS, 2):
+        raise ValueError(f"summary: expected float32 [Hq, {SUMMARY_COLUMNS}, 2], got shape {s.shape}")
     hi = s[..., 0].astype(np.float64)
     lo = s[..., 1].astype(np.float64)
     return np.where(np.isfinite(hi), hi + lo, hi)
@@ -427,7 +426,7 @@ def reduce_summary(summary: Any, axis_name: Any) -> Any:
     import jax
     import jax.numpy as jnp
 
-    is_max = np.zeros((_STAT_COLUMNS, 2), dtype=bool)
+    is_max = np.zeros((SUMMARY_COLUMNS, 2), dtype=bool)
     is_max[list(_MAX_COLUMNS), :] = True
     summed = jax.lax.psum(jnp.where(is_max, 0.0, summary), axis_name)
     # lo words of max columns are 0 (the maxima are float32 values)
@@ -685,7 +684,7 @@ def attention(
     q's layout and dtype, and with ``return_lse`` the natural-log ``LSE`` (``[B, Hq, Lq]`` or
     ``[B, Lq, Hq]``, float32); gradients flow to q, k, v, sinks and through the LSE. Rows with no
     allowed key give ``O = 0`` (``LSE = -inf``). With ``telemetry`` (a :class:`Telemetry` at a
-    step) the result gains the step's summary (``float32 [Hq, 9, 2]``, zeros on non-logging
+    step) the result gains the step's summary (``float32 [Hq, 11, 2]``, zeros on non-logging
     steps) as its last element. ``backend``: ``"auto"`` (FFI on CPU, Splash on TPU), ``"ffi"``
     or ``"splash"`` (Pallas interpret mode off TPU).
     """
@@ -722,10 +721,30 @@ def attention(
     o, lse, stats = _core()(q, k, v, jnp.asarray(handle, jnp.int32), sinks32, step, cfg)
     out: Tuple[Any, ...] = (o, lse) if return_lse else (o,)
     if telemetry is not None:
-        import jax
-
-        out = out + (jax.lax.stop_gradient(stats),)
+        out = out + (_with_coverage(_stop_gradient(stats), q, layout, telemetry),)
     return out[0] if len(out) == 1 else out
+
+
+def _stop_gradient(x: Any) -> Any:
+    import jax
+
+    return jax.lax.stop_gradient(x)
+
+
+def _with_coverage(stats: Any, q: Any, layout: str, telemetry: Telemetry) -> Any:
+    """The kernel's ``[Hq, 9, 2]`` stats with the two coverage columns: query rows summarised
+    (``B·Lq`` of this call) and devices (1), zero on non-logging steps like the stats."""
+    import jax.numpy as jnp
+
+    b, lq = (q.shape[0], q.shape[2]) if layout == "bhld" else (q.shape[0], q.shape[1])
+    every = telemetry.config.every
+    logging = (jnp.asarray(telemetry.step, jnp.int32) % max(every, 1) == 0) & (every > 0)
+    hi = jnp.where(logging, jnp.asarray([b * lq, 1], jnp.float32), 0.0)
+    # b·lq below 2**24 is exact in float32; the lo words carry any remainder
+    lo = jnp.where(logging, jnp.asarray([b * lq - float(np.float32(b * lq)), 0.0], jnp.float32), 0.0)
+    cov = jnp.broadcast_to(jnp.stack([hi, lo], axis=-1), (stats.shape[0], 2, 2))
+    (cov,) = _varying([cov], [stats])
+    return jnp.concatenate([stats, cov], axis=1)
 
 
 def _splash_attention(q, k, v, ref, scale, softcap, sinks, return_lse, telemetry, layout):
@@ -973,8 +992,7 @@ def cp_attention(
     if telemetry.config.outlier_stream:
         o = jax.lax.stop_gradient(main[0])
         counts = _cp_outliers(o, telemetry.config.outlier_ratio, layout, axis_name)
-        every = telemetry.config.every
-        logging = (jnp.asarray(telemetry.step, jnp.int32) % max(every, 1) == 0) & (every > 0)
+        logging = summary[0, _STAT_COLUMNS + 1, 0] > 0  # devices reduced: 0 on quiet steps
         summary = summary.at[:, 8, :].set(jnp.where(logging, counts, 0.0))
     return tuple(main) + (summary,)
 
