@@ -352,21 +352,26 @@ def _bucket(n: int) -> int:
 
 
 def to_flex_block_mask(plan: Plan, device: Any = "cpu"):
-    """``plan`` as a ``torch.nn.attention.flex_attention.BlockMask``.
+    """``plan`` as a ``torch.nn.attention.flex_attention.BlockMask`` on ``device``, built once per
+    (plan, device) and kept on the plan (the flex engine of :func:`attention` uses the same one).
 
     The eight block tables come straight from the plan's work lists (int32, contiguous) and equal
     what ``create_block_mask(mask_mod, B', H', Lq, Lkv, BLOCK_SIZE=plan.block)`` builds (``B'``,
     ``H'`` = ``plan.groups``: 1 where the mask does not vary). Its ``mask_mod`` is exact for every
     ``(b, h, q, kv)``: full blocks allow, empty blocks deny, partial blocks read the plan's
     deduplicated bitmask of that block (packed bit rows, captured tensors padded to a
-    power-of-two block count).
+    power-of-two block count, at least twice the q or kv tile count, so that plans of the same
+    shapes share one compiled kernel).
     """
     from torch.nn.attention.flex_attention import BlockMask
 
     if not isinstance(plan, Plan):
         raise TypeError(f"plan: expected a tessera.Plan, got {type(plan).__name__}")
-    a = plan._p._flex_arrays(packed=True)
     dev = torch.device(device)
+    kept = plan._flex.setdefault("bm", {})
+    if str(dev) in kept:
+        return kept[str(dev)]
+    a = plan._p._flex_arrays(packed=True)
 
     def t(name: str) -> Tensor:
         return torch.from_numpy(np.ascontiguousarray(a[name])).to(dev).contiguous()
@@ -377,7 +382,8 @@ def to_flex_block_mask(plan: Plan, device: Any = "cpu"):
     # Partial-block contents as packed bit rows (int64 words; bit kv % 64 of word kv // 64),
     # padded to a power-of-two block count.
     bits_np = a["mask_bits"]
-    padded = np.zeros((_bucket(bits_np.shape[0]),) + bits_np.shape[1:], dtype=np.int64)
+    floor = 2 * max(states.shape[2], states.shape[3])
+    padded = np.zeros((_bucket(max(bits_np.shape[0], floor)),) + bits_np.shape[1:], dtype=np.int64)
     padded[: bits_np.shape[0]] = bits_np
     bits = torch.from_numpy(padded).to(dev)
     bg, hg = states.shape[:2]
@@ -393,7 +399,7 @@ def to_flex_block_mask(plan: Plan, device: Any = "cpu"):
         inside = ((word >> (kr % 64)) & 1) == 1
         return (st == 2) | ((st == 1) & inside)
 
-    return BlockMask(
+    bm = BlockMask(
         tuple(int(x) for x in a["seq_lengths"]),
         t("kv_num_blocks"),
         t("kv_indices"),
@@ -406,4 +412,6 @@ def to_flex_block_mask(plan: Plan, device: Any = "cpu"):
         BLOCK_SIZE=(int(tq), int(tk)),
         mask_mod=mask_mod,
     )
+    kept[str(dev)] = bm
+    return bm
 
