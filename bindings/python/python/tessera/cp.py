@@ -424,6 +424,7 @@ def attention(
     softcap: Optional[float] = None,
     sinks: Any = None,
     return_lse: bool = False,
+    engine: str = "auto",
 ) -> Any:
     """Exact attention over a sharded row (SPEC §4, §11): this rank's ``q [B, Hq, L/R, Dqk]``,
     ``k [B, Hkv, L/R, Dqk]``, ``v [B, Hkv, L/R, Dv]`` (its tokens, :meth:`Sharding.scatter` order),
@@ -433,17 +434,20 @@ def attention(
     rank's rows touch (``all_to_all_single``). Backward: dQ stays local, dK/dV are summed back on
     their owners, the sinks gradient is all-reduced (every rank holds the full gradient). The
     first call per (sharding, group) checks that every rank sharded the same plan. Collectives use
-    the group's backend (gloo for CPU tensors, NCCL for CUDA ones); the local kernel is Tessera's
-    CPU kernel, so q/k/v must be CPU tensors (GPU ranks: use ``sharding.local_plan(rank, mode)
-    .to_flex_block_mask()`` with flex_attention over the same exchange)."""
+    the group's backend (gloo for CPU tensors, NCCL for CUDA ones). ``engine`` as in
+    :func:`tessera.torch.attention`: the local kernel is Tessera's CPU kernel for CPU tensors and
+    FlexAttention over the local plan's BlockMask on other devices (``"flex"`` forces it; on CPU
+    forward only); CUDA tensors over a gloo group are exchanged through the host."""
     global _FN
     import torch
 
+    from . import _flex
     from .torch import _check, _scale_softcap
 
     if not isinstance(sharding, Sharding):
         raise TypeError(f"sharding: expected a tessera.cp.Sharding, got {type(sharding).__name__}")
     _mode(mode)
+    eng = _flex.engine_for(engine, q)
     rank, _ = _check_group(sharding, group)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -456,9 +460,13 @@ def attention(
     lp = sharding.local_plan(rank, mode)
     kshape = (k.shape[0], k.shape[1], lp.shape[3], k.shape[3])
     # The shapes the local kernel will see, checked before any message is sent.
-    _check(q, k.new_empty(1).expand(kshape), v.new_empty(1).expand(kshape[:3] + (v.shape[3],)), lp, sinks)
+    _check(q, k.new_empty(1).expand(kshape), v.new_empty(1).expand(kshape[:3] + (v.shape[3],)), lp, sinks,
+           flex=eng == "flex")
     scale, softcap = _scale_softcap(q, scale, softcap)
-    _verify(sharding, group, q.device)
+    _verify(sharding, group, _flex.comm_device(q.device, group) if eng == "flex" else q.device)
+    if eng == "flex":
+        o, lse = _flex.cp_attention(q, k, v, sinks, sharding, group, rank, mode, scale, softcap)
+        return (o, lse) if return_lse else o
     if _FN is None:
         _FN = _make_function()
     o, lse = _FN.apply(q, k, v, sinks, sharding, group, rank, mode, scale, softcap)
