@@ -133,6 +133,33 @@ def test_float16_runs_on_the_flex_engine_only():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("m, b, hq, hkv, lq, lkv, dqk, dv, block, kw", attention_cases())
+def test_conformance_cases_through_compiled_flex_on_cpu(m, b, hq, hkv, lq, lkv, dqk, dv, block, kw):
+    """FlexAttention's compiled CPU kernel (inside torch.compile(fullgraph=True)) on every
+    conformance mask; it returns no LSE, so the cases run without sinks (O only)."""
+    dtype = kw.get("dtype", torch.float32)
+    g = torch.Generator().manual_seed(kw.get("seed", 0))
+    q = _make((b, hq, lq, dqk), g, dtype, kw.get("layout", "contiguous"), kw.get("q_scale", 1.0)).detach()
+    k = _make((b, hkv, lkv, dqk), g, dtype, kw.get("layout", "contiguous")).detach()
+    v = _make((b, hkv, lkv, dv), g, dtype, kw.get("layout", "contiguous")).detach()
+    plan = tessera.plan(m.t, q_len=lq, kv_len=lkv, heads=hq, batch=b, block=block)
+    plan.to_flex_block_mask()
+    opts = dict(scale=kw.get("scale"), softcap=kw.get("softcap"))
+
+    def step(q, k, v, plan):
+        return tt.attention(q, k, v, plan, engine="flex", **opts)
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        o = torch.compile(step, fullgraph=True, dynamic=False)(q, k, v, plan)
+        ot = tt.attention(q, k, v, plan, engine="tessera", **opts)
+    ro, _ = ref_attention(q, k, v, m.dense(b, hq, lq, lkv), **opts)
+    tol = F32_TOL if dtype == torch.float32 else BF16_TOL
+    assert rel(o, ro) <= tol and rel(o, ot) <= (tol if dtype == torch.float32 else 2 * tol)
+    assert not torch.isnan(o).any()
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", range(12))
 def test_random_masks_on_the_flex_engine(seed):
     from conftest import random_mask

@@ -255,10 +255,13 @@ def _softcap_mod(softcap: Optional[float]) -> Optional[Callable]:
 
 
 def _with_sinks(o: Tensor, lse: Tensor, sinks: Tensor) -> Tuple[Tensor, Tensor]:
-    """Learned sinks from the LSE: ``O·sigmoid(LSE − σ)``, ``logaddexp(LSE, σ)``."""
-    s = sinks.float()[None, :, None]
-    w = torch.sigmoid(lse - s)
-    return (o.float() * w[..., None]).to(o.dtype), torch.logaddexp(lse, s)
+    """Learned sinks from the LSE: ``O·sigmoid(LSE − σ)``, ``logaddexp(LSE, σ)``. The per-row
+    factors are taken in float64 (LSE-sized, small), so ``dσ``, a sum over every row of terms of
+    both signs, is accumulated in float64 as well."""
+    s = sinks.double()[None, :, None]
+    lse64 = lse.double()
+    w = torch.sigmoid(lse64 - s).float()
+    return (o.float() * w[..., None]).to(o.dtype), torch.logaddexp(lse64, s).float()
 
 
 def forward(q, k, v, bm, scale, softcap, sinks, need_lse):
