@@ -154,7 +154,13 @@ def check_grad(q: Tensor, k: Tensor, v: Tensor, what: str = "tessera.torch.atten
 
 
 def _key(device: Any) -> str:
-    return str(torch.device(device))
+    """``"cuda:0"`` for ``"cuda"`` (the current device) and for ``q.device`` alike."""
+    dev = torch.device(device)
+    if dev.index is None and dev.type not in ("cpu", "meta"):
+        mod = getattr(torch, dev.type, None)
+        if mod is not None and hasattr(mod, "current_device"):
+            dev = torch.device(dev.type, mod.current_device())
+    return str(dev)
 
 
 def block_mask(plan: Any, device: Any):

@@ -18,7 +18,9 @@ Example::
 (``torch.library.custom_op`` with ``register_fake`` and ``register_autograd``), so it works in
 eager mode and under ``torch.compile(fullgraph=True)``. It runs on CPU tensors (float32 or
 bfloat16, ``[B, H, L, D]``, any batch/head/row strides with a unit stride in D): outputs are
-allocated by torch and written in place by the kernel, the GIL is released while it runs.
+allocated by torch and written in place by the kernel, the GIL is released while it runs. On other
+devices (``engine="auto"``) the same call runs FlexAttention over the plan's BlockMask, with the
+same semantics (``tessera._flex``).
 """
 
 from __future__ import annotations
@@ -382,9 +384,10 @@ def to_flex_block_mask(plan: Plan, device: Any = "cpu"):
     if not isinstance(plan, Plan):
         raise TypeError(f"plan: expected a tessera.Plan, got {type(plan).__name__}")
     dev = torch.device(device)
+    key = _flex._key(dev)
     kept = plan._flex.setdefault("bm", {})
-    if str(dev) in kept:
-        return kept[str(dev)]
+    if key in kept:
+        return kept[key]
     a = plan._p._flex_arrays(packed=True)
 
     def t(name: str) -> Tensor:
@@ -426,6 +429,6 @@ def to_flex_block_mask(plan: Plan, device: Any = "cpu"):
         BLOCK_SIZE=(int(tq), int(tk)),
         mask_mod=mask_mod,
     )
-    kept[str(dev)] = bm
+    kept[key] = bm
     return bm
 
