@@ -13,6 +13,11 @@ the batch repeats (every epoch after the first).
     python examples/train_gpt.py --compare dense         # tessera vs dense reference, 20 steps
     python examples/train_gpt.py --compare sdpa --softcap 0   # ... vs torch SDPA (no softcap)
     python examples/train_gpt.py --attention flex        # checkpoint's val loss: flex vs tessera
+    python examples/train_gpt.py --device cuda           # on a GPU: FlexAttention under the op
+
+`--device cuda` trains the same model on a GPU: `tessera.torch.attention` then runs FlexAttention
+over each plan's BlockMask (SPEC §12), with the same plans, softcap, sinks, telemetry and
+checkpoints; `--device cpu` (default) runs Tessera's CPU kernels.
 
 `--attention` picks the attention engine of a run:
   tessera  tessera.torch.attention with the plan of `causal & document` (default);
@@ -96,6 +101,8 @@ class Config:
     threads: int = 0                # torch intra-op threads; 0 = leave the default
     out_dir: str = "out/train_gpt"
     progress: bool = True
+    device: str = "cpu"             # "cuda": tessera.torch.attention runs FlexAttention
+    torch_engine: str = "auto"      # tessera.torch.attention's engine ("flex" forces FlexAttention)
 
     @property
     def head_dim(self) -> int:
@@ -275,6 +282,7 @@ class Engine:
 
     def __init__(self, kind: str, segments: np.ndarray, cfg: Config, telemetry=None):
         self.kind, self.cfg, self.telemetry = kind, cfg, telemetry
+        dev = torch.device(cfg.device)
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         self.softcap = cfg.softcap if cfg.softcap > 0 else None
         length = segments.shape[1]
@@ -283,7 +291,7 @@ class Engine:
             mask = tessera.causal() & tessera.document(segments)
             self.plan = tessera.plan(mask, q_len=length, cache=True)
         elif kind == "dense":
-            self.allowed = doc_causal_mask(segments)
+            self.allowed = doc_causal_mask(segments).to(dev)
         elif kind == "sdpa":
             if self.softcap is not None:
                 raise ValueError("--attention sdpa: SDPA has no softcap; run both sides with --softcap 0")
@@ -298,7 +306,7 @@ class Engine:
                 # row reads (their segment id never matches)
                 pad = torch.from_numpy(segments < 0)[:, None, :, None] & torch.eye(length, dtype=torch.bool)
                 allowed = allowed | pad
-            self.allowed = allowed
+            self.allowed = allowed.to(dev)
         elif kind == "flex":
             self.plan = flex_plan(segments, cfg.sinks)
             self.block_mask = self.plan.to_flex_block_mask()
@@ -309,7 +317,7 @@ class Engine:
         if self.kind == "tessera":
             return tessera.torch.attention(
                 q, k, v, self.plan, scale=self.scale, softcap=self.softcap, sinks=sinks,
-                telemetry=self.telemetry, layer=layer,
+                telemetry=self.telemetry, layer=layer, engine=self.cfg.torch_engine,
             )
         if self.kind == "dense":
             return dense_attention(q, k, v, self.allowed, self.scale, self.softcap, sinks)
@@ -455,12 +463,13 @@ class GPT(nn.Module):
 
     def forward(self, batch: Batch, engine: Engine) -> torch.Tensor:
         """Mean next-token loss over the batch's real targets (padding and document ends ignored)."""
-        x = self.emb(batch.tokens)
-        cos, sin = rope_tables(batch.positions, self.cfg.head_dim, self.cfg.rope_base)
+        dev = self.emb.weight.device
+        x = self.emb(batch.tokens.to(dev))
+        cos, sin = rope_tables(batch.positions.to(dev), self.cfg.head_dim, self.cfg.rope_base)
         for i, blk in enumerate(self.blocks):
             x = blk(x, cos, sin, engine, i)
         logits = F.linear(self.norm(x), self.emb.weight)  # tied embeddings
-        return F.cross_entropy(logits.view(-1, logits.shape[-1]), batch.targets.view(-1), ignore_index=-100)
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), batch.targets.to(dev).view(-1), ignore_index=-100)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -508,13 +517,13 @@ def evaluate(model: GPT, batches: Sequence[Batch], cfg: Config, kind: str) -> Di
 def save_checkpoint(path: Path, model: GPT, opt: torch.optim.Optimizer, step: int, cfg: Config, tok_kind: str):
     from safetensors.torch import save_file
 
-    tensors = {f"model.{k}": v.detach().contiguous() for k, v in model.state_dict().items()}
+    tensors = {f"model.{k}": v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
     names = {id(p): n for n, p in model.named_parameters()}
     for group in opt.param_groups:
         for p in group["params"]:
             for key, val in opt.state.get(p, {}).items():
                 val = val if torch.is_tensor(val) else torch.tensor(val)
-                tensors[f"optim.{names[id(p)]}.{key}"] = val.detach().contiguous()
+                tensors[f"optim.{names[id(p)]}.{key}"] = val.detach().cpu().contiguous()
     meta = {"step": str(step), "config": json.dumps(dataclasses.asdict(cfg)), "tokenizer": tok_kind}
     tmp = path.with_suffix(".tmp")
     save_file(tensors, str(tmp), metadata=meta)
@@ -536,7 +545,8 @@ def load_checkpoint(path: Path, model: GPT, opt: Optional[torch.optim.Optimizer]
             for key in ("step", "exp_avg", "exp_avg_sq"):
                 t = tensors.get(f"optim.{name}.{key}")
                 if t is not None:
-                    state[key] = t.clone()
+                    # AdamW keeps `step` on the host and the moments with the parameter
+                    state[key] = t.clone() if key == "step" else t.to(p.device, copy=True)
             if state:
                 opt.state[p] = state
     return int(meta["step"])
@@ -573,7 +583,7 @@ class RunResult:
 
 def build(cfg: Config, data: Data):
     torch.manual_seed(cfg.seed)
-    model = GPT(cfg, data.tok.vocab_size)
+    model = GPT(cfg, data.tok.vocab_size).to(cfg.device)
     return model, make_optimizer(model, cfg)
 
 
@@ -919,6 +929,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     a("--eval-every", type=int, default=d.eval_every)
     a("--ckpt-every", type=int, default=d.ckpt_every)
     a("--threads", type=int, default=d.threads, help="torch threads (0 = default)")
+    a("--device", default=d.device, help="cpu (Tessera's kernels) or cuda (FlexAttention under tessera.torch.attention)")
     a("--out-dir", default=d.out_dir)
     a("--resume", nargs="?", const="", default=None, metavar="CKPT",
       help="continue from a checkpoint (default OUT_DIR/ckpt.safetensors)")
@@ -939,12 +950,16 @@ def config_from_args(args: argparse.Namespace) -> Config:
         warmup=args.warmup, weight_decay=args.weight_decay, clip=args.clip, seed=args.seed,
         attention=args.attention, telemetry_every=args.telemetry_every, eval_every=args.eval_every,
         ckpt_every=args.ckpt_every, threads=args.threads, out_dir=args.out_dir, progress=not args.no_progress,
+        device=args.device,
     )
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     cfg = config_from_args(args)
+    if torch.device(cfg.device).type == "cuda" and not torch.cuda.is_available():
+        print(f"--device {cfg.device}: torch sees no CUDA device", file=sys.stderr)
+        return 2
     out = Path(cfg.out_dir)
     ckpt = Path(args.resume) if args.resume else out / "ckpt.safetensors"
 
@@ -977,7 +992,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         (out / "flex_eval.json").write_text(json.dumps(res, indent=1))
         return 0 if res["abs_diff"] <= 1e-4 else 1
 
-    print(f"tessera {tessera.__version__}, torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(f"tessera {tessera.__version__}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"device {cfg.device}")
     resume = ckpt if args.resume is not None else None
     if resume is not None and not resume.exists():
         print(f"--resume: {resume} does not exist", file=sys.stderr)

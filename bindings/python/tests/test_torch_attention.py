@@ -266,16 +266,14 @@ def test_sinks_of_other_dtypes_get_gradients_of_their_dtype(sink_dtype):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_tensors_are_pointed_to_flex_attention():
+def test_cuda_tensors_run_on_flex_attention_and_tessera_engine_refuses_them():
     plan = tessera.plan(tessera.causal(), q_len=64, block=32)
     q, k, v = (torch.randn(1, 1, 64, 16, device="cuda") for _ in range(3))
-    with pytest.raises(ValueError, match="to_flex_block_mask"):
-        tt.attention(q, k, v, plan)
-    from torch.nn.attention.flex_attention import flex_attention
-
-    o = flex_attention(q, k, v, block_mask=plan.to_flex_block_mask(device="cuda"))
+    with pytest.raises(ValueError, match="engine='tessera'"):
+        tt.attention(q, k, v, plan, engine="tessera")
+    o = tt.attention(q, k, v, plan)
     ro, _ = ref_attention(q.cpu(), k.cpu(), v.cpu(), causal().dense(1, 1, 64, 64))
-    assert rel(o.cpu(), ro) <= 1e-4
+    assert o.device == q.device and rel(o.cpu(), ro) <= 1e-4
 
 
 # -- layouts ------------------------------------------------------------------------------------
@@ -492,7 +490,10 @@ def _bad_cases():
     q, k, v = (torch.randn(1, 2, 32, 8) for _ in range(3))
     r = torch.randn
     return [
-        ("meta_q", lambda: tt.attention(q.to("meta"), k, v, plan), ValueError, "to_flex_block_mask"),
+        ("meta_q", lambda: tt.attention(q.to("meta"), k, v, plan), ValueError, "share a device"),
+        ("meta_q_tessera", lambda: tt.attention(q.to("meta"), k, v, plan, engine="tessera"), ValueError,
+         "engine='tessera'"),
+        ("engine_name", lambda: tt.attention(q, k, v, plan, engine="cuda"), ValueError, "engine"),
         ("meta_k", lambda: tt.attention(q, k.to("meta"), v, plan), ValueError, "to_flex_block_mask"),
         ("meta_v", lambda: tt.attention(q, k, v.to("meta"), plan), ValueError, "to_flex_block_mask"),
         ("meta_sinks", lambda: tt.attention(q, k, v, plan, sinks=torch.zeros(2, device="meta")), ValueError, "sinks"),

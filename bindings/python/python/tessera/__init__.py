@@ -21,9 +21,11 @@ optional: ``import tessera`` needs numpy only.
 from __future__ import annotations
 
 import itertools
+import re
 import sys
 import threading
 import weakref
+from collections import OrderedDict
 from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -120,7 +122,9 @@ def document(ids: Any, kv_ids: Any = None) -> Mask:
     batch row) or ``[B, L]``; pass ``kv_ids`` for cross attention."""
     q = _int_ids("ids", ids)
     k = None if kv_ids is None else _int_ids("kv_ids", kv_ids)
-    return _tessera.document(q, k)
+    m = _tessera.document(q, k)
+    _remember_documents(m, q if k is None else k)
+    return m
 
 
 def dense(values: Any) -> Mask:
@@ -158,7 +162,76 @@ def mask(
         if not isinstance(dense, dict):
             raise TypeError("dense: expected a dict of name -> bool array")
         table = {str(k): _bool_array(f"dense['{k}']", v) for k, v in dense.items()}
-    return _tessera.mask(expr, seg, qs, ks, table)
+    m = _tessera.mask(expr, seg, qs, ks, table)
+    kv = ks if ks is not None else seg
+    if kv is not None:
+        _remember_documents(m, kv)
+    return m
+
+
+# -- key-side documents for other engines -------------------------------------------------------
+#
+# FlexAttention's telemetry (tessera._flex) needs, on the device, which keys are sink keys (the
+# first tokens of each key's document, SPEC §6): the kv segment ids of the plan's `document`
+# leaf. The native mask names those ids only by digest (`document#Q:K` in `str(mask)`), so the
+# constructors remember them here, run-length encoded (a packed row is a few runs), by digest,
+# for the most recent masks; `plan()` binds them to its Plan, which keeps them.
+
+_DOC_RE = re.compile(r"document#[0-9a-f]+:([0-9a-f]+)")
+_DOCS: "OrderedDict[str, tuple]" = OrderedDict()
+_DOCS_MAX = 256
+_docs_lock = threading.Lock()
+
+
+def _runs(kv: np.ndarray) -> tuple:
+    """``(rows, length, row, start, value)`` of every run of equal ids of ``kv`` ``[L]`` or
+    ``[B, L]`` (each row starts a run)."""
+    a = np.atleast_2d(kv)
+    rows, length = a.shape
+    change = np.ones(a.shape, dtype=bool)
+    change[:, 1:] = a[:, 1:] != a[:, :-1]
+    r, s = np.nonzero(change)
+    return rows, length, r, s, a[r, s].copy()
+
+
+def _remember_documents(m: Mask, kv: np.ndarray) -> None:
+    keys = set(_DOC_RE.findall(str(m)))
+    if not keys or kv.size == 0:
+        return
+    runs = _runs(kv)
+    with _docs_lock:
+        for key in keys:
+            _DOCS[key] = runs
+            _DOCS.move_to_end(key)
+        while len(_DOCS) > _DOCS_MAX:
+            _DOCS.popitem(last=False)
+
+
+def _documents_of(m: Optional[Mask]) -> Any:
+    """The key-side document runs of ``m``'s ``document`` leaf: ``None`` when it has none, the
+    runs, or a string saying why they are unknown."""
+    if m is None:
+        return "the plan has no mask (a rank's local plan of a sharding)"
+    keys = set(_DOC_RE.findall(str(m)))
+    if not keys:
+        return None
+    if len(keys) > 1:
+        return "the mask has document leaves with different key-side segment ids"
+    with _docs_lock:
+        runs = _DOCS.get(keys.pop())
+    if runs is None:
+        return "the mask's segment ids were not given to tessera.document/tessera.mask in this process"
+    return runs
+
+
+def _kv_positions(runs: tuple) -> np.ndarray:
+    """``int32 [rows, L]``: each key's position in its document (``-1`` for padding keys)."""
+    rows, length, r, s, val = runs
+    flat = r * length + s
+    lengths = np.diff(np.append(flat, rows * length))
+    pos = np.arange(rows * length, dtype=np.int64) - np.repeat(flat, lengths)
+    pos[np.repeat(val, lengths) < 0] = -1
+    return pos.reshape(rows, length).astype(np.int32)
 
 
 _handles = itertools.count(1)
@@ -170,7 +243,7 @@ class Plan:
     """A plan: which tiles of ``[B, H, Lq, Lkv]`` are empty, full or partial, with the work
     lists the kernels walk. Made by :func:`plan`; reused across layers and steps."""
 
-    __slots__ = ("_p", "_handle", "_handle_tensor", "_traced", "__weakref__")
+    __slots__ = ("_p", "_handle", "_handle_tensor", "_traced", "_flex", "__weakref__")
 
     def __init__(self, native: "_tessera.Plan") -> None:
         self._p = native
@@ -186,6 +259,9 @@ class Plan:
         self._handle_tensor = None
         if torch is not None:
             self._handle_tensor = _handle_tensor(torch, self)
+        # FlexAttention engine state (tessera._flex): the key-side documents and, per device,
+        # the BlockMask and sink-key positions, built once and kept with the plan.
+        self._flex: Dict[str, Any] = {"docs": "the plan has no mask (a rank's local plan of a sharding)"}
 
     # -- what the plan is --------------------------------------------------------------
     @property
@@ -304,7 +380,9 @@ def plan(
             raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
         if value < 1:
             raise ValueError(f"{name}: expected a positive int, got {value}")
-    return Plan(_tessera.plan(mask, int(q_len), kv_len, heads, batch, block, cache))
+    p = Plan(_tessera.plan(mask, int(q_len), kv_len, heads, batch, block, cache))
+    p._flex["docs"] = _documents_of(mask)
+    return p
 
 
 def cache_stats() -> Dict[str, Any]:

@@ -480,6 +480,7 @@ def attention(
     return_lse: bool = False,
     telemetry: Any = None,
     layer: int = 0,
+    engine: str = "auto",
 ) -> Any:
     """Exact attention over a sharded row (SPEC §4, §11): this rank's ``q [B, Hq, L/R, Dqk]``,
     ``k [B, Hkv, L/R, Dqk]``, ``v [B, Hkv, L/R, Dv]`` (its tokens, :meth:`Sharding.scatter` order),
@@ -489,23 +490,27 @@ def attention(
     rank's rows touch (``all_to_all_single``). Backward: dQ stays local, dK/dV are summed back on
     their owners, the sinks gradient is all-reduced (every rank holds the full gradient). The
     first call per (sharding, group) checks that every rank sharded the same plan. Collectives use
-    the group's backend (gloo for CPU tensors, NCCL for CUDA ones); the local kernel is Tessera's
-    CPU kernel, so q/k/v must be CPU tensors (GPU ranks: use ``sharding.local_plan(rank, mode)
-    .to_flex_block_mask()`` with flex_attention over the same exchange).
+    the group's backend (gloo for CPU tensors, NCCL for CUDA ones). ``engine`` as in
+    :func:`tessera.torch.attention`: the local kernel is Tessera's CPU kernel for CPU tensors and
+    FlexAttention over the local plan's BlockMask on other devices (``"flex"`` forces it; on CPU
+    forward only); CUDA tensors over a gloo group are exchanged through the host.
 
     ``telemetry`` (a :class:`tessera.Telemetry` whose ``group`` holds ``group``, with the DP group
     if any) and ``layer``: on a logging step this rank's rows contribute their partial summary
     (sink keys of the global row, the outlier count against the whole ``(b, h)`` slice's RMS), and
     the records ``telemetry.read()`` reduces equal those of one process attending over the whole
-    row. Non-logging steps run the plain kernel and add no work or message."""
+    row. Non-logging steps run the plain kernel and add no work or message. (Telemetry on the
+    FlexAttention engine across ranks is not wired yet: a clear ``NotImplementedError``.)"""
     global _FN
     import torch
 
+    from . import _flex
     from .torch import _check, _scale_softcap
 
     if not isinstance(sharding, Sharding):
         raise TypeError(f"sharding: expected a tessera.cp.Sharding, got {type(sharding).__name__}")
     _mode(mode)
+    eng = _flex.engine_for(engine, q)
     rank, _ = _check_group(sharding, group)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -518,7 +523,8 @@ def attention(
     lp = sharding.local_plan(rank, mode)
     kshape = (k.shape[0], k.shape[1], lp.shape[3], k.shape[3])
     # The shapes the local kernel will see, checked before any message is sent.
-    _check(q, k.new_empty(1).expand(kshape), v.new_empty(1).expand(kshape[:3] + (v.shape[3],)), lp, sinks)
+    _check(q, k.new_empty(1).expand(kshape), v.new_empty(1).expand(kshape[:3] + (v.shape[3],)), lp, sinks,
+           flex=eng == "flex")
     scale, softcap = _scale_softcap(q, scale, softcap)
     if telemetry is not None:
         from ._telemetry import Telemetry
@@ -534,7 +540,15 @@ def attention(
                 "were the whole row; pass Telemetry(group=...) with the CP group (and the DP "
                 "group, if any)"
             )
-    _verify(sharding, group, q.device)
+        if eng == "flex":
+            raise NotImplementedError(
+                "telemetry: tessera.cp.attention on the FlexAttention engine does not log "
+                "telemetry across ranks yet; log from the Tessera engine (CPU tensors)"
+            )
+    _verify(sharding, group, _flex.comm_device(q.device, group) if eng == "flex" else q.device)
+    if eng == "flex":
+        o, lse = _flex.cp_attention(q, k, v, sinks, sharding, group, rank, mode, scale, softcap)
+        return (o, lse) if return_lse else o
     if _FN is None:
         _FN = _make_function()
     o, lse = _FN.apply(q, k, v, sinks, sharding, group, rank, mode, scale, softcap, telemetry, layer)

@@ -18,7 +18,9 @@ Example::
 (``torch.library.custom_op`` with ``register_fake`` and ``register_autograd``), so it works in
 eager mode and under ``torch.compile(fullgraph=True)``. It runs on CPU tensors (float32 or
 bfloat16, ``[B, H, L, D]``, any batch/head/row strides with a unit stride in D): outputs are
-allocated by torch and written in place by the kernel, the GIL is released while it runs.
+allocated by torch and written in place by the kernel, the GIL is released while it runs. On other
+devices (``engine="auto"``) the same call runs FlexAttention over the plan's BlockMask, with the
+same semantics (``tessera._flex``).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from . import Plan, _handle_tensor, _plan_of, _tessera
+from . import Plan, _flex, _handle_tensor, _plan_of, _tessera
 from ._telemetry import Telemetry
 
 __all__ = ["attention", "to_flex_block_mask", "Telemetry"]
@@ -238,22 +240,25 @@ _attention_fwd_logged.register_autograd(_backward_logged, setup_context=_setup_c
 # -- the user-facing function --------------------------------------------------------------------
 
 
-def _check(q: Tensor, k: Tensor, v: Tensor, plan: Any, sinks: Optional[Tensor]) -> None:
+def _check(q: Tensor, k: Tensor, v: Tensor, plan: Any, sinks: Optional[Tensor], flex: bool = False) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-        if t.device.type != "cpu":
+        if flex and t.device != q.device:
+            raise ValueError(f"{name}: tensor on {t.device}, but q is on {q.device}: q, k, v must share a device")
+        if not flex and t.device.type != "cpu":
             raise ValueError(
-                f"{name}: tensor on {t.device}; tessera.torch.attention runs on CPU tensors. "
-                "On a GPU, use plan.to_flex_block_mask() with "
-                "torch.nn.attention.flex_attention.flex_attention"
+                f"{name}: tensor on {t.device}; engine='tessera' runs Tessera's CPU kernels. "
+                "Use engine='auto' or 'flex' (FlexAttention over plan.to_flex_block_mask()) for "
+                "tensors on other devices"
             )
         if t.dim() != 4:
             raise ValueError(f"{name}: expected a 4-D tensor [B, H, L, D], got shape {tuple(t.shape)}")
         if 0 in t.shape:
             raise ValueError(f"{name}: expected a non-empty tensor [B, H, L, D], got shape {tuple(t.shape)}")
-        if t.dtype not in (torch.float32, torch.bfloat16):
-            raise TypeError(f"{name}: expected dtype float32 or bfloat16, got {t.dtype}")
+        if t.dtype not in ((torch.float32, torch.bfloat16, torch.float16) if flex else (torch.float32, torch.bfloat16)):
+            kinds = "float32, bfloat16 or float16" if flex else "float32 or bfloat16"
+            raise TypeError(f"{name}: expected dtype {kinds}, got {t.dtype}")
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise TypeError(f"k, v: expected the dtype of q ({q.dtype}), got {k.dtype} and {v.dtype}")
     if not isinstance(plan, Plan):
@@ -282,8 +287,8 @@ def _check(q: Tensor, k: Tensor, v: Tensor, plan: Any, sinks: Optional[Tensor]) 
     if sinks is not None:
         if not isinstance(sinks, Tensor) or sinks.shape != (hq,):
             raise ValueError(f"sinks: expected a tensor of shape [{hq}] (one logit per query head)")
-        if sinks.device.type != "cpu":
-            raise ValueError(f"sinks: tensor on {sinks.device}; expected a CPU tensor")
+        if sinks.device != (q.device if flex else torch.device("cpu")):
+            raise ValueError(f"sinks: tensor on {sinks.device}; expected one on {q.device if flex else 'cpu'}")
 
 
 def _scale_softcap(q: Tensor, scale: Any, softcap: Any) -> Tuple[float, Optional[float]]:
@@ -312,6 +317,7 @@ def attention(
     return_lse: bool = False,
     telemetry: Optional[Telemetry] = None,
     layer: int = 0,
+    engine: str = "auto",
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Exact attention over ``plan`` (SPEC §4): ``softmax(scale·QKᵀ, masked)·V`` with optional
     softcap ``c·tanh(s/c)`` and learned per-head sink logits (denominator only).
@@ -322,13 +328,23 @@ def attention(
     Gradients flow to q, k, v and sinks. Rows with no allowed key give ``O = 0`` (``LSE = -inf``).
     With ``telemetry``, logging steps also record per-head sink mass, entropy, max logit and
     outlier counts for ``layer`` (see :class:`Telemetry`).
+
+    ``engine``: ``"auto"`` runs Tessera's kernels on CPU tensors and FlexAttention (over the
+    plan's BlockMask, see ``tessera._flex``) on any other device; ``"flex"`` forces FlexAttention
+    (on CPU tensors forward only: FlexAttention has no CPU backward); ``"tessera"`` forces
+    Tessera's CPU kernels. On the flex path float16 is accepted too; sink values are not checked
+    (that would read them on the host).
     """
-    _check(q, k, v, plan, sinks)
+    eng = _flex.engine_for(engine, q)
+    _check(q, k, v, plan, sinks, flex=eng == "flex")
     if telemetry is not None:
         from . import _int_arg
 
         layer = _int_arg("attention", "layer", layer, 0, 2**32)
     scale, softcap = _scale_softcap(q, scale, softcap)
+    if eng == "flex":
+        return _flex.attention(q, k, v, plan, scale=scale, softcap=softcap, sinks=sinks,
+                               return_lse=return_lse, telemetry=telemetry, layer=layer)
     h = _handle(plan)
     if telemetry is not None and telemetry.should_log():
         # A logging step runs the hooked kernel instead of the plain one (same outputs, bit for
@@ -354,21 +370,27 @@ def _bucket(n: int) -> int:
 
 
 def to_flex_block_mask(plan: Plan, device: Any = "cpu"):
-    """``plan`` as a ``torch.nn.attention.flex_attention.BlockMask``.
+    """``plan`` as a ``torch.nn.attention.flex_attention.BlockMask`` on ``device``, built once per
+    (plan, device) and kept on the plan (the flex engine of :func:`attention` uses the same one).
 
     The eight block tables come straight from the plan's work lists (int32, contiguous) and equal
     what ``create_block_mask(mask_mod, B', H', Lq, Lkv, BLOCK_SIZE=plan.block)`` builds (``B'``,
     ``H'`` = ``plan.groups``: 1 where the mask does not vary). Its ``mask_mod`` is exact for every
     ``(b, h, q, kv)``: full blocks allow, empty blocks deny, partial blocks read the plan's
     deduplicated bitmask of that block (packed bit rows, captured tensors padded to a
-    power-of-two block count).
+    power-of-two block count, at least twice the q or kv tile count, so that plans of the same
+    shapes share one compiled kernel).
     """
     from torch.nn.attention.flex_attention import BlockMask
 
     if not isinstance(plan, Plan):
         raise TypeError(f"plan: expected a tessera.Plan, got {type(plan).__name__}")
-    a = plan._p._flex_arrays(packed=True)
     dev = torch.device(device)
+    key = _flex._key(dev)
+    kept = plan._flex.setdefault("bm", {})
+    if key in kept:
+        return kept[key]
+    a = plan._p._flex_arrays(packed=True)
 
     def t(name: str) -> Tensor:
         return torch.from_numpy(np.ascontiguousarray(a[name])).to(dev).contiguous()
@@ -379,7 +401,8 @@ def to_flex_block_mask(plan: Plan, device: Any = "cpu"):
     # Partial-block contents as packed bit rows (int64 words; bit kv % 64 of word kv // 64),
     # padded to a power-of-two block count.
     bits_np = a["mask_bits"]
-    padded = np.zeros((_bucket(bits_np.shape[0]),) + bits_np.shape[1:], dtype=np.int64)
+    floor = 2 * max(states.shape[2], states.shape[3])
+    padded = np.zeros((_bucket(max(bits_np.shape[0], floor)),) + bits_np.shape[1:], dtype=np.int64)
     padded[: bits_np.shape[0]] = bits_np
     bits = torch.from_numpy(padded).to(dev)
     bg, hg = states.shape[:2]
@@ -395,7 +418,7 @@ def to_flex_block_mask(plan: Plan, device: Any = "cpu"):
         inside = ((word >> (kr % 64)) & 1) == 1
         return (st == 2) | ((st == 1) & inside)
 
-    return BlockMask(
+    bm = BlockMask(
         tuple(int(x) for x in a["seq_lengths"]),
         t("kv_num_blocks"),
         t("kv_indices"),
@@ -408,4 +431,6 @@ def to_flex_block_mask(plan: Plan, device: Any = "cpu"):
         BLOCK_SIZE=(int(tq), int(tk)),
         mask_mod=mask_mod,
     )
+    kept[key] = bm
+    return bm
 
