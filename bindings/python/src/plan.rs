@@ -252,6 +252,25 @@ impl PyPlan {
         d.set_item("build_ms", s.build_ms)?;
         Ok(d)
     }
+    /// The key-side segment ids of the mask's `document` leaf, `int64 [B', Lkv]` (the ids
+    /// the Tessera kernel's telemetry takes its sink keys from), or `None` when the mask has no
+    /// `document` leaf. A rank's local plan of a sharding (no mask) is a `ValueError`.
+    fn kv_segments<'py>(
+        &self,
+        py: Python<'py>,
+    ) -> PyResult<Option<Bound<'py, numpy::PyArray2<i64>>>> {
+        let Some(mask) = &self.mask else {
+            return Err(PyValueError::new_err(
+                "plan: a rank's local plan of a sharding has no mask; take the global plan's",
+            ));
+        };
+        let Some(seg) = tessera::telemetry::document_kv_segments(mask) else {
+            return Ok(None);
+        };
+        let (rows, len) = (seg.rows(), seg.len());
+        let ids: Vec<i64> = (0..rows).flat_map(|b| seg.row(b).iter().copied()).collect();
+        Ok(Some(ids.into_pyarray(py).reshape([rows, len])?))
+    }
     /// Tile states `uint8 [B', H', Tq, Tk]`: 0 empty, 1 partial, 2 full.
     fn states<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray4<u8>>> {
         let (shape, v) = self.inner.states();

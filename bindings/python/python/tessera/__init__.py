@@ -21,11 +21,9 @@ optional: ``import tessera`` needs numpy only.
 from __future__ import annotations
 
 import itertools
-import re
 import sys
 import threading
 import weakref
-from collections import OrderedDict
 from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -122,9 +120,7 @@ def document(ids: Any, kv_ids: Any = None) -> Mask:
     batch row) or ``[B, L]``; pass ``kv_ids`` for cross attention."""
     q = _int_ids("ids", ids)
     k = None if kv_ids is None else _int_ids("kv_ids", kv_ids)
-    m = _tessera.document(q, k)
-    _remember_documents(m, q if k is None else k)
-    return m
+    return _tessera.document(q, k)
 
 
 def dense(values: Any) -> Mask:
@@ -162,25 +158,14 @@ def mask(
         if not isinstance(dense, dict):
             raise TypeError("dense: expected a dict of name -> bool array")
         table = {str(k): _bool_array(f"dense['{k}']", v) for k, v in dense.items()}
-    m = _tessera.mask(expr, seg, qs, ks, table)
-    kv = ks if ks is not None else seg
-    if kv is not None:
-        _remember_documents(m, kv)
-    return m
+    return _tessera.mask(expr, seg, qs, ks, table)
 
 
 # -- key-side documents for other engines -------------------------------------------------------
 #
 # FlexAttention's telemetry (tessera._flex) needs, on the device, which keys are sink keys (the
-# first tokens of each key's document, SPEC §6): the kv segment ids of the plan's `document`
-# leaf. The native mask names those ids only by digest (`document#Q:K` in `str(mask)`), so the
-# constructors remember them here, run-length encoded (a packed row is a few runs), by digest,
-# for the most recent masks; `plan()` binds them to its Plan, which keeps them.
-
-_DOC_RE = re.compile(r"document#[0-9a-f]+:([0-9a-f]+)")
-_DOCS: "OrderedDict[str, tuple]" = OrderedDict()
-_DOCS_MAX = 256
-_docs_lock = threading.Lock()
+# first tokens of each key's document, SPEC §6): the positions below, from the kv segment ids of
+# the plan's `document` leaf (`Plan.kv_segments()`, the ids the Tessera kernel's telemetry uses).
 
 
 def _runs(kv: np.ndarray) -> tuple:
@@ -192,36 +177,6 @@ def _runs(kv: np.ndarray) -> tuple:
     change[:, 1:] = a[:, 1:] != a[:, :-1]
     r, s = np.nonzero(change)
     return rows, length, r, s, a[r, s].copy()
-
-
-def _remember_documents(m: Mask, kv: np.ndarray) -> None:
-    keys = set(_DOC_RE.findall(str(m)))
-    if not keys or kv.size == 0:
-        return
-    runs = _runs(kv)
-    with _docs_lock:
-        for key in keys:
-            _DOCS[key] = runs
-            _DOCS.move_to_end(key)
-        while len(_DOCS) > _DOCS_MAX:
-            _DOCS.popitem(last=False)
-
-
-def _documents_of(m: Optional[Mask]) -> Any:
-    """The key-side document runs of ``m``'s ``document`` leaf: ``None`` when it has none, the
-    runs, or a string saying why they are unknown."""
-    if m is None:
-        return "the plan has no mask (a rank's local plan of a sharding)"
-    keys = set(_DOC_RE.findall(str(m)))
-    if not keys:
-        return None
-    if len(keys) > 1:
-        return "the mask has document leaves with different key-side segment ids"
-    with _docs_lock:
-        runs = _DOCS.get(keys.pop())
-    if runs is None:
-        return "the mask's segment ids were not given to tessera.document/tessera.mask in this process"
-    return runs
 
 
 def _kv_positions(runs: tuple) -> np.ndarray:
@@ -259,9 +214,9 @@ class Plan:
         self._handle_tensor = None
         if torch is not None:
             self._handle_tensor = _handle_tensor(torch, self)
-        # FlexAttention engine state (tessera._flex): the key-side documents and, per device,
-        # the BlockMask and sink-key positions, built once and kept with the plan.
-        self._flex: Dict[str, Any] = {"docs": "the plan has no mask (a rank's local plan of a sharding)"}
+        # FlexAttention engine state (tessera._flex): per device, the BlockMask and sink-key
+        # positions, built once and kept with the plan.
+        self._flex: Dict[str, Any] = {}
 
     # -- what the plan is --------------------------------------------------------------
     @property
@@ -298,6 +253,12 @@ class Plan:
     def stats(self) -> Dict[str, Any]:
         """Tiles by state, unique partial masks, allowed pairs, density, grid width, bytes."""
         return self._p.stats
+
+    def kv_segments(self) -> Optional[np.ndarray]:
+        """The key-side segment ids of the mask's (first) ``document`` leaf, ``int64 [B', Lkv]``,
+        or ``None`` without one: where telemetry finds the sink keys (the first tokens of each
+        key's document). A rank's local plan of a sharding has no mask: ``ValueError``."""
+        return self._p.kv_segments()
 
     def states(self) -> np.ndarray:
         """Tile states ``uint8 [B', H', Tq, Tk]``: 0 empty, 1 partial, 2 full."""
@@ -380,9 +341,7 @@ def plan(
             raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
         if value < 1:
             raise ValueError(f"{name}: expected a positive int, got {value}")
-    p = Plan(_tessera.plan(mask, int(q_len), kv_len, heads, batch, block, cache))
-    p._flex["docs"] = _documents_of(mask)
-    return p
+    return Plan(_tessera.plan(mask, int(q_len), kv_len, heads, batch, block, cache))
 
 
 def cache_stats() -> Dict[str, Any]:

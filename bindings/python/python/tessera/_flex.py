@@ -189,13 +189,16 @@ def _sink_positions(plan: Any, device: Any) -> Tensor:
 
 def _build_positions(plan: Any, device: Any) -> Tensor:
     _wrap_builders()
-    from . import _kv_positions
+    from . import _kv_positions, _runs
 
-    docs = plan._flex.get("docs")
-    if isinstance(docs, str):
-        raise ValueError(f"telemetry: the FlexAttention engine cannot tell the sink keys: {docs}")
+    if plan._p is None or plan._p.mask is None:
+        raise ValueError(
+            "telemetry: the FlexAttention engine cannot tell the sink keys of a plan without a "
+            "mask (a rank's local plan of a sharding)"
+        )
+    kv = plan.kv_segments()
     lkv = plan.shape[3]
-    arr = np.arange(lkv, dtype=np.int32)[None] if docs is None else _kv_positions(docs)
+    arr = np.arange(lkv, dtype=np.int32)[None] if kv is None else _kv_positions(_runs(kv))
     pos = torch.from_numpy(arr).to(device)
     plan._flex.setdefault("pos", {})[_key(device)] = pos
     return pos

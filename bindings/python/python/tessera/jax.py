@@ -233,7 +233,7 @@ def _unflatten_plan(meta: _Meta, children) -> Plan:
     p._p = None
     p._handle = None
     p._handle_tensor = None
-    p._flex = {"docs": "a JAX stand-in for a traced plan"}
+    p._flex = {}
     p._traced = _unflatten_ref(meta, children)
     return p
 
