@@ -103,6 +103,11 @@ def _split(h: int) -> np.ndarray:
     return np.array([h >> 31, h & (2**31 - 1)], dtype=np.int32)
 
 
+def _join(words: np.ndarray) -> int:
+    """The handle of :func:`_split`'s words."""
+    return int(words[0]) << 31 | int(words[1])
+
+
 _released: "queue.SimpleQueue[Optional[int]]" = queue.SimpleQueue()
 _reaper: Optional[threading.Thread] = None
 
@@ -445,7 +450,6 @@ class _Cfg(NamedTuple):
     softcap: Optional[float]
     layout: str
     return_lse: bool
-    has_sinks: bool
     tel: Optional[_TelConfig]
 
 
@@ -522,9 +526,13 @@ def _backward_call(q, k, v, o, lse, d_o, d_lse, handle, sinks, cfg: _Cfg):
     return _varying(call(*args, **_attrs(cfg)), args)
 
 
-def _stats_shape(q, cfg: _Cfg) -> Tuple[int, ...]:
-    hq = q.shape[1] if cfg.layout == "bhld" else q.shape[2]
-    return (hq, _STAT_COLUMNS, 2)
+def _coverage(q, cfg: _Cfg) -> np.ndarray:
+    """A logging step's two coverage columns per head, as (hi, lo) pairs: the query rows
+    summarised (``B·Lq`` of this call) and the devices reduced (1)."""
+    b, hq, lq = (q.shape[0], q.shape[1], q.shape[2]) if cfg.layout == "bhld" else (q.shape[0], q.shape[2], q.shape[1])
+    rows = b * lq
+    hi = float(np.float32(rows))  # exact below 2**24; the lo word carries any remainder
+    return np.broadcast_to(np.array([[hi, rows - hi], [1.0, 0.0]], np.float32), (hq, 2, 2))
 
 
 def _core_impl(q, k, v, handle, sinks, step, cfg: _Cfg):
@@ -537,13 +545,16 @@ def _core_impl(q, k, v, handle, sinks, step, cfg: _Cfg):
         return o, lse, jnp.zeros((0,), np.float32)
     every = max(cfg.tel.every, 1)
 
+    cov = _coverage(q, cfg)
+
     def logged(args):
         o, lse, _, stats = _forward_call(*args, cfg, True)
-        return o, lse, stats
+        (c,) = _varying([jnp.asarray(cov)], args)
+        return o, lse, jnp.concatenate([stats, c], axis=1)
 
     def plain(args):
         o, lse, _ = _forward_call(*args, cfg, False)
-        (zeros,) = _varying([jnp.zeros(_stats_shape(q, cfg), np.float32)], args)
+        (zeros,) = _varying([jnp.zeros((cov.shape[0], SUMMARY_COLUMNS, 2), np.float32)], args)
         return o, lse, zeros
 
     if cfg.tel.every == 0:
@@ -713,39 +724,18 @@ def attention(
     if which == "splash":
         return _splash_attention(q, k, v, ref, scale, softcap, sinks, return_lse, telemetry, layout)
     handle = ref.handle
-    if isinstance(handle, np.ndarray) and not _tessera.ffi_registered(int(handle[0]) << 31 | int(handle[1])):
+    if isinstance(handle, np.ndarray) and not _tessera.ffi_registered(_join(handle)):
         raise ValueError("plan: this handle names no live plan (freed, or not made by tessera.jax)")
     sinks32 = jnp.zeros((0,), jnp.float32) if sinks is None else jnp.asarray(sinks).astype(jnp.float32)
-    cfg = _Cfg(scale, softcap, layout, return_lse, sinks is not None,
-               None if telemetry is None else telemetry.config)
+    cfg = _Cfg(scale, softcap, layout, return_lse, None if telemetry is None else telemetry.config)
     step = 0 if telemetry is None else telemetry.step
     o, lse, stats = _core()(q, k, v, jnp.asarray(handle, jnp.int32), sinks32, step, cfg)
     out: Tuple[Any, ...] = (o, lse) if return_lse else (o,)
     if telemetry is not None:
-        out = out + (_with_coverage(_stop_gradient(stats), q, layout, telemetry),)
+        import jax
+
+        out = out + (jax.lax.stop_gradient(stats),)
     return out[0] if len(out) == 1 else out
-
-
-def _stop_gradient(x: Any) -> Any:
-    import jax
-
-    return jax.lax.stop_gradient(x)
-
-
-def _with_coverage(stats: Any, q: Any, layout: str, telemetry: Telemetry) -> Any:
-    """The kernel's ``[Hq, 9, 2]`` stats with the two coverage columns: query rows summarised
-    (``B·Lq`` of this call) and devices (1), zero on non-logging steps like the stats."""
-    import jax.numpy as jnp
-
-    b, lq = (q.shape[0], q.shape[2]) if layout == "bhld" else (q.shape[0], q.shape[1])
-    every = telemetry.config.every
-    logging = (jnp.asarray(telemetry.step, jnp.int32) % max(every, 1) == 0) & (every > 0)
-    hi = jnp.where(logging, jnp.asarray([b * lq, 1], jnp.float32), 0.0)
-    # b·lq below 2**24 is exact in float32; the lo words carry any remainder
-    lo = jnp.where(logging, jnp.asarray([b * lq - float(np.float32(b * lq)), 0.0], jnp.float32), 0.0)
-    cov = jnp.broadcast_to(jnp.stack([hi, lo], axis=-1), (stats.shape[0], 2, 2))
-    (cov,) = _varying([cov], [stats])
-    return jnp.concatenate([stats, cov], axis=1)
 
 
 def _splash_attention(q, k, v, ref, scale, softcap, sinks, return_lse, telemetry, layout):
@@ -880,8 +870,7 @@ def cp_plan(sharding: Any, mode: str = "allgather") -> CPPlan:
         for p, lay in zip(local, layouts)
     ])
     for p, words in zip(local, handles):
-        h = int(words[0]) << 31 | int(words[1])
-        weakref.finalize(p, _release_later, h)
+        weakref.finalize(p, _release_later, _join(words))
     aux = _CPAux(metas.pop(), mode, r_n, t, per_pair, needed, sharding.tokens_per_rank)
     out = CPPlan(handles, send, recv, aux, local)
     sharding._local[key] = out
