@@ -357,3 +357,52 @@ def rng(request):
     import zlib
 
     return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
+
+
+# -- spawned gloo ranks -------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_ranks(run, world: int, spec, prefix: str, timeout_s: float = 240.0, collect=None):
+    """Runs ``run(rank, world, port, case_file, out_dir)`` in ``world`` spawned processes (a gloo
+    group on loopback, bounded in time) on the cases ``spec``; returns every rank's saved results
+    (``rank{r}.pt``; a rank's ``crash`` fails the test), their exit codes and, with ``collect``,
+    what ``collect(out_dir)`` read before the directory goes."""
+    import time
+
+    import torch
+
+    ctx = torch.multiprocessing.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix=prefix) as d:
+        case_file = os.path.join(d, "cases.pt")
+        torch.save(spec, case_file)
+        port = _free_port()
+        procs = [ctx.Process(target=run, args=(r, world, port, case_file, d)) for r in range(world)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout_s
+        for p in procs:
+            p.join(max(1.0, deadline - time.monotonic()))
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        assert not hung, f"ranks {hung} still running after {timeout_s} s"
+        out = []
+        for r in range(world):
+            f = os.path.join(d, f"rank{r}.pt")
+            assert os.path.exists(f), f"rank {r} wrote no result (exit code {procs[r].exitcode})"
+            out.append(torch.load(f, weights_only=False))
+        codes = [p.exitcode for p in procs]
+        extra = collect(d) if collect is not None else None
+    for r, res in enumerate(out):
+        assert "crash" not in res, f"rank {r}:\n{res['crash']}"
+    return out, codes, extra

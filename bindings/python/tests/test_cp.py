@@ -6,9 +6,6 @@ gradients; a rank with a different plan and a rank that dies make every other ra
 from __future__ import annotations
 
 import os
-import socket
-import tempfile
-import time
 
 import numpy as np
 import pytest
@@ -17,7 +14,7 @@ import torch
 import tessera
 import tessera.cp
 import tessera.torch
-from conftest import packed_ids, rel
+from conftest import launch_ranks, packed_ids, rel
 
 SCHEMES = tessera.cp.SCHEMES
 MODES = tessera.cp.MODES
@@ -144,12 +141,6 @@ def test_simulate_reports_every_scheme_and_the_bar():
 # -- real ranks --------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _cases(world: int, seed: int):
     rng = np.random.default_rng(seed)
     L, B, H, HKV, D = 256, 2, 2, 1, 8
@@ -176,32 +167,7 @@ def _cases(world: int, seed: int):
 def _launch(world: int, spec, timeout_s: float = 240.0):
     import cp_worker
 
-    ctx = torch.multiprocessing.get_context("spawn")
-    with tempfile.TemporaryDirectory(prefix="tessera-cp-") as d:
-        case_file = os.path.join(d, "cases.pt")
-        torch.save(spec, case_file)
-        port = _free_port()
-        procs = [ctx.Process(target=cp_worker.run, args=(r, world, port, case_file, d))
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout_s
-        for p in procs:
-            p.join(max(1.0, deadline - time.monotonic()))
-        hung = [r for r, p in enumerate(procs) if p.is_alive()]
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-        assert not hung, f"ranks {hung} still running after {timeout_s} s"
-        out = []
-        for r in range(world):
-            f = os.path.join(d, f"rank{r}.pt")
-            assert os.path.exists(f), f"rank {r} wrote no result (exit code {procs[r].exitcode})"
-            out.append(torch.load(f, weights_only=False))
-        codes = [p.exitcode for p in procs]
-    for r, res in enumerate(out):
-        assert "crash" not in res, f"rank {r}:\n{res['crash']}"
+    out, codes, _ = launch_ranks(cp_worker.run, world, spec, "tessera-cp-", timeout_s)
     return out, codes
 
 

@@ -8,10 +8,6 @@ equal single-process gradients; a CPU backward request raises on every rank."""
 
 from __future__ import annotations
 
-import os
-import socket
-import tempfile
-import time
 
 import numpy as np
 import pytest
@@ -20,7 +16,7 @@ import torch
 import tessera
 import tessera.cp
 import tessera.torch
-from conftest import packed_ids, rel
+from conftest import launch_ranks, packed_ids, rel
 
 SCHEMES = tessera.cp.SCHEMES
 MODES = tessera.cp.MODES
@@ -56,40 +52,10 @@ def cases(world: int, seed: int, L: int = 256, block: int = 16, D: int = 8):
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(world: int, spec, timeout_s: float = 240.0):
     import cp_flex_worker
 
-    ctx = torch.multiprocessing.get_context("spawn")
-    with tempfile.TemporaryDirectory(prefix="tessera-cp-flex-") as d:
-        case_file = os.path.join(d, "cases.pt")
-        torch.save(spec, case_file)
-        port = _free_port()
-        procs = [ctx.Process(target=cp_flex_worker.run, args=(r, world, port, case_file, d)) for r in range(world)]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout_s
-        for p in procs:
-            p.join(max(1.0, deadline - time.monotonic()))
-        hung = [r for r, p in enumerate(procs) if p.is_alive()]
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-        assert not hung, f"ranks {hung} still running after {timeout_s} s"
-        out = []
-        for r in range(world):
-            f = os.path.join(d, f"rank{r}.pt")
-            assert os.path.exists(f), f"rank {r} wrote no result (exit code {procs[r].exitcode})"
-            out.append(torch.load(f, weights_only=False))
-    for r, res in enumerate(out):
-        assert "crash" not in res, f"rank {r}:\n{res['crash']}"
-    return out
+    return launch_ranks(cp_flex_worker.run, world, spec, "tessera-cp-flex-", timeout_s)[0]
 
 
 def check(world: int, spec, out, grad_tol: float = 1e-5, fwd_tol: float = 1e-5, key: str = "cases",

@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import tempfile
-import time
 
 import numpy as np
 import pytest
@@ -20,7 +17,7 @@ import torch
 import tessera
 import tessera.cp
 import tessera.torch as tt
-from conftest import packed_ids
+from conftest import launch_ranks, packed_ids
 
 SCHEMES = tessera.cp.SCHEMES
 MODES = tessera.cp.MODES
@@ -74,43 +71,15 @@ def _spec(world: int, seed: int):
     return dict(cases=cases, cpdp_cases=cpdp, dp=dp, config=CONFIG, skip_timeout=SKIP_TIMEOUT)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(world: int, spec, timeout_s: float = 240.0):
     import tel_worker
 
-    ctx = torch.multiprocessing.get_context("spawn")
-    with tempfile.TemporaryDirectory(prefix="tessera-tel-") as d:
-        case_file = os.path.join(d, "cases.pt")
-        torch.save(spec, case_file)
-        port = _free_port()
-        procs = [ctx.Process(target=tel_worker.run, args=(r, world, port, case_file, d))
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout_s
-        for p in procs:
-            p.join(max(1.0, deadline - time.monotonic()))
-        hung = [r for r, p in enumerate(procs) if p.is_alive()]
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-        assert not hung, f"ranks {hung} still running after {timeout_s} s"
-        out = []
-        for r in range(world):
-            f = os.path.join(d, f"rank{r}.pt")
-            assert os.path.exists(f), f"rank {r} wrote no result (exit code {procs[r].exitcode})"
-            out.append(torch.load(f, weights_only=False))
-        dp_file = os.path.join(d, "dp.jsonl")
-        dp_lines = open(dp_file).read().splitlines() if os.path.exists(dp_file) else []
-    for r, res in enumerate(out):
-        assert "crash" not in res, f"rank {r}:\n{res['crash']}"
-    return out, dp_lines
+    def dp_lines(d):
+        f = os.path.join(d, "dp.jsonl")
+        return open(f).read().splitlines() if os.path.exists(f) else []
+
+    out, _, lines = launch_ranks(tel_worker.run, world, spec, "tessera-tel-", timeout_s, dp_lines)
+    return out, lines
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["2ranks", "4ranks"])
