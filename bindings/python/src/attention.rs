@@ -39,9 +39,9 @@ pub(crate) fn give_workspace(ws: CpuWorkspace) {
     }
 }
 
-/// Storage dtype of a call: f32, or bf16 handed over as its 16-bit pattern (int16/uint16).
+/// Storage dtype of a call: f32, or bf16 (from numpy: its 16-bit pattern, int16/uint16).
 #[derive(Clone, Copy, PartialEq, Eq)]
-enum Kind {
+pub(crate) enum Kind {
     F32,
     BF16,
 }

@@ -34,7 +34,7 @@ use tessera::{
 };
 
 use crate::attention::{
-    checked_telemetry_config, give_workspace, head_row, options, take_workspace, STAT_COLUMNS,
+    checked_telemetry_config, give_workspace, head_row, options, take_workspace, Kind, STAT_COLUMNS,
 };
 use crate::plan::{prepare_once, PyPlan};
 
@@ -454,12 +454,6 @@ impl Frame {
             (Layout::Bhld, Layout::Bhld)
         }
     }
-}
-
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Kind {
-    F32,
-    BF16,
 }
 
 fn kind_of(name: &str, b: &Buf) -> Result<Kind, Failure> {
