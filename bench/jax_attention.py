@@ -14,32 +14,12 @@ Usage: .venv/bin/python bench/jax_attention.py [--len 8192] [--heads 8] [--dim 6
 
 import argparse
 import json
-import platform
 import statistics
 import time
 
 import numpy as np
 
-
-def cpu_model():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def doc_ids(n, mean, seed=7):
-    rng = np.random.default_rng(seed)
-    ids, doc = [], 0
-    while len(ids) < n:
-        k = int(min(rng.integers(mean // 2, 3 * mean // 2 + 1), n - len(ids)))
-        ids += [doc] * k
-        doc += 1
-    return np.asarray(ids, dtype=np.int64)
+from bench_common import cpu_model, doc_ids  # noqa: E402 (bench/ is the script's directory)
 
 
 def timed(fn, reps):

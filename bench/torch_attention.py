@@ -19,7 +19,6 @@ Usage: .venv/bin/python bench/torch_attention.py [--len 8192] [--reps 5] [--dtyp
 
 import argparse
 import json
-import platform
 import statistics
 import time
 
@@ -31,26 +30,7 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 import tessera
 import tessera.torch
 
-
-def cpu_model():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def doc_ids(n, mean=2048, seed=7):
-    rng = np.random.default_rng(seed)
-    ids, doc = [], 0
-    while len(ids) < n:
-        k = int(min(rng.integers(mean // 2, 3 * mean // 2 + 1), n - len(ids)))
-        ids += [doc] * k
-        doc += 1
-    return np.asarray(ids, dtype=np.int64)
+from bench_common import cpu_model, doc_ids  # noqa: E402 (bench/ is the script's directory)
 
 
 def timed(fn, reps):
