@@ -401,7 +401,7 @@ def flex_attention_op(q, k, v, block_mask, scale, softcap, sinks):
 
 def rope_tables(positions: torch.Tensor, dim: int, base: float):
     """cos/sin ``[B, L, 1, dim/2]`` at the packer's per-document positions."""
-    inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=positions.device) / dim))
     ang = positions.to(torch.float32)[..., None] * inv
     return torch.cos(ang)[:, :, None, :], torch.sin(ang)[:, :, None, :]
 

@@ -256,6 +256,34 @@ def _doc_plan(seed, L=256, H=4, block=64):
     return m, tessera.plan(m.t, q_len=L, heads=H, block=block)
 
 
+@pytest.mark.parametrize("case", ["heads_gqa", "single_key", "dense_batch_heads_cross"])
+def test_head_dims_below_the_gpu_kernels_minimum_are_padded_exactly(case, monkeypatch):
+    """FlexAttention's GPU kernels refuse head dims below 16; the engine zero-pads them there. The
+    padding runs here on CPU (the minimum forced to 16) through FlexAttention's CPU forward and,
+    with its dense math standing in, the backward: both still equal the float64 reference."""
+    monkeypatch.setattr(_flex, "_min_head_dim", lambda device: 16)
+    (p,) = [p for p in attention_cases() if p.id == case]
+    m, b, hq, hkv, lq, lkv, dqk, dv, block, kw = p.values
+    assert min(dqk, dv) < 16
+    flex_case(m, b, hq, hkv, lq, lkv, dqk, dv, block, **kw)
+
+
+def test_plans_of_equal_shapes_capture_equal_partial_tables():
+    """The mask_mod's captured partial-block table has a capacity set by the shapes for the usual
+    masks, so a compiled step does not recompile when a new plan has a few more or fewer partial
+    blocks (five packed-document plans whose partial counts straddle a power of two; on an H200
+    with the old capacity they compiled four graphs)."""
+    shapes, counts = set(), set()
+    for seed in range(20, 25):
+        ids = packed_ids(np.random.default_rng(seed), 2, 1024, 400, pad_inside=True)
+        plan = tessera.plan(tessera.causal() & tessera.document(ids), q_len=1024, heads=4, block=128)
+        counts.add(plan._p._flex_arrays(packed=True)["mask_bits"].shape[0])
+        cells = [c.cell_contents for c in plan.to_flex_block_mask().mask_mod.__closure__]
+        shapes.add(tuple(tuple(t.shape) for t in cells if isinstance(t, torch.Tensor)))
+    assert len(counts) > 1 and min(counts) <= 16 < max(counts)  # the old capacity differed here
+    assert len(shapes) == 1, shapes
+
+
 def test_five_plans_through_one_compiled_step_compile_once():
     """FlexAttention's compiled CPU kernel inside the caller's torch.compile(fullgraph=True): the
     plan's BlockMask reaches the graph as data (tensors kept on the plan), so new plans of the

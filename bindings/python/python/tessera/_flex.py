@@ -131,10 +131,27 @@ def _has_max_scores(device: torch.device) -> bool:
     return device.type not in ("cpu", "mps")
 
 
+def _min_head_dim(device: torch.device) -> int:
+    """The smallest head dim FlexAttention's kernels take on ``device``: its GPU kernels need 16
+    (``tl.dot``; torch 2.11 on an H200: "NYI: embedding dimension ... must be at least 16")."""
+    return 0 if device.type == "cpu" else 16
+
+
 def _run(q, k, v, score_mod, bm, scale, *, lse=False, max_scores=False):
     kernel = _KERNEL if _KERNEL is not None else _flex_kernel
-    return kernel(q, k, v, score_mod, bm, scale, enable_gqa=q.shape[1] != k.shape[1], lse=lse,
-                  max_scores=max_scores)
+    # Head dims below the kernels' minimum are zero-padded: zero q/k features add nothing to a
+    # score (the scale stays the caller's), zero value columns are sliced off the output, and the
+    # gradients of the padding are discarded by the pad's own backward.
+    need = _min_head_dim(q.device)
+    dv = v.shape[-1]
+    if q.shape[-1] < need:
+        q = torch.nn.functional.pad(q, (0, need - q.shape[-1]))
+        k = torch.nn.functional.pad(k, (0, need - k.shape[-1]))
+    if dv < need:
+        v = torch.nn.functional.pad(v, (0, need - dv))
+    o, l, m = kernel(q, k, v, score_mod, bm, scale, enable_gqa=q.shape[1] != k.shape[1], lse=lse,
+                     max_scores=max_scores)
+    return (o[..., :dv] if o.shape[-1] != dv else o), l, m
 
 
 def check_grad(q: Tensor, k: Tensor, v: Tensor, what: str = "tessera.torch.attention") -> None:

@@ -378,8 +378,8 @@ def to_flex_block_mask(plan: Plan, device: Any = "cpu"):
     ``H'`` = ``plan.groups``: 1 where the mask does not vary). Its ``mask_mod`` is exact for every
     ``(b, h, q, kv)``: full blocks allow, empty blocks deny, partial blocks read the plan's
     deduplicated bitmask of that block (packed bit rows, captured tensors padded to a
-    power-of-two block count, at least twice the q or kv tile count, so that plans of the same
-    shapes share one compiled kernel).
+    power-of-two block count, at least twice the q or kv tile count per (batch, head) group, so
+    that plans of the same shapes share one compiled kernel).
     """
     from torch.nn.attention.flex_attention import BlockMask
 
@@ -401,11 +401,14 @@ def to_flex_block_mask(plan: Plan, device: Any = "cpu"):
     # Partial-block contents as packed bit rows (int64 words; bit kv % 64 of word kv // 64),
     # padded to a power-of-two block count.
     bits_np = a["mask_bits"]
-    floor = 2 * max(states.shape[2], states.shape[3])
+    bg, hg = states.shape[:2]
+    # Capacity from the shapes alone for the usual masks (2 partial blocks per q or kv tile and
+    # (batch, head) group, at most 2^14 blocks: 32 MiB at 128-token tiles), so that plans of the
+    # same shapes whose partial counts differ a little share one compiled kernel.
+    floor = min(2 * bg * hg * max(states.shape[2], states.shape[3]), 1 << 14)
     padded = np.zeros((_bucket(max(bits_np.shape[0], floor)),) + bits_np.shape[1:], dtype=np.int64)
     padded[: bits_np.shape[0]] = bits_np
     bits = torch.from_numpy(padded).to(dev)
-    bg, hg = states.shape[:2]
 
     def mask_mod(b, h, q_idx, kv_idx):
         bb = b if bg > 1 else b * 0
