@@ -145,19 +145,22 @@ def test_five_plans_through_one_compiled_training_step_compile_once():
     torch._dynamo.reset()
     counters.clear()
     compiled = torch.compile(step, fullgraph=True)
+    graphs = 0  # of the compiled step only (the eager comparison compiles FlexAttention itself once)
     for trial in range(5):
         plan, xs = _doc_problem(20 + trial)
         plan.to_flex_block_mask(device=CUDA)  # built before the compiled step, kept on the plan
         xs = [x.requires_grad_() for x in xs]
         s = torch.randn(4, device=CUDA, requires_grad=True)
+        before = counters["stats"]["unique_graphs"]
         compiled(*xs, s, plan).backward()
+        graphs += counters["stats"]["unique_graphs"] - before
         got = [x.grad.clone() for x in xs + [s]]
         for x in xs + [s]:
             x.grad = None
         step(*xs, s, plan).backward()
         for a, x in zip(got, xs + [s]):
             assert rel(a, x.grad) <= 1e-5
-    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert graphs == 1, dict(counters["stats"])
 
 
 def test_telemetry_on_the_gpu_equals_the_cpu_kernels():

@@ -107,6 +107,12 @@ def _flex_kernel(q, k, v, score_mod, block_mask, scale, *, enable_gqa, lse, max_
     aux = AuxRequest(lse=lse, max_scores=max_scores) if (lse or max_scores) else None
     kw = dict(score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa,
               return_aux=aux)
+    rows = q.shape[2] * (q.shape[1] // k.shape[1])
+    if q.device.type != "cpu" and q.shape[2] < 128 and rows > block_mask.BLOCK_SIZE[0]:
+        # FlexAttention picks its decoding kernel for short queries, whose row block (queries times
+        # the GQA group, to a power of two) must divide the BlockMask's q block; past it, torch 2.11
+        # finds no kernel config (NoValidChoicesError on an H200). Its main kernel takes any length.
+        kw["kernel_options"] = {"BACKEND": "TRITON"}
     if not torch.is_grad_enabled():  # FlexAttention's CPU path refuses inputs that require grad
         q, k, v = q.detach(), k.detach(), v.detach()
     if torch.compiler.is_compiling() or q.device.type == "cpu":
