@@ -488,13 +488,16 @@ impl<'a> Node<'a> {
                         let a = keys.partition_point(|&v| (v as i128) < want_lo);
                         let b = keys.partition_point(|&v| (v as i128) <= want_hi);
                         set(out, r, a as i64, b as i64);
-                    } else {
+                    } else if want_lo <= i64::MAX as i128 && want_hi >= i64::MIN as i128 {
+                        // Clamped to i64 the bounds select the same keys; v lies in [a, b] iff
+                        // v - a <= b - a as unsigned (wrapping), one compare per key.
+                        let a = want_lo.max(i64::MIN as i128) as i64;
+                        let span = (want_hi.min(i64::MAX as i128) as i64).wrapping_sub(a) as u64;
                         let row = &mut out[r * wpr..(r + 1) * wpr];
-                        for (c, &v) in keys.iter().enumerate() {
-                            let v = v as i128;
-                            if want_lo <= v && v <= want_hi {
-                                row[c / 64] |= 1u64 << (c % 64);
-                            }
+                        for (word, chunk) in row.iter_mut().zip(keys.chunks(64)) {
+                            *word = chunk.iter().enumerate().fold(0u64, |w, (c, &v)| {
+                                w | (((v.wrapping_sub(a) as u64) <= span) as u64) << c
+                            });
                         }
                     }
                 }
