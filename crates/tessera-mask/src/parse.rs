@@ -8,14 +8,20 @@
 //! primary := '(' expr ')' | 'heads' '(' expr (',' expr)* ')' | leaf
 //! leaf    := full | causal ['(' [offset=]INT ')'] | window '(' [left=]INT [',' [right=]INT] ')'
 //!          | chunk '(' [size=]INT ')' | prefix '(' [len=]INT ')' | document | dense '(' PATH ')'
+//!          | blocks '(' INT ',' INT ',' PATH ')'
 //! PATH    := '"' (any char but '"' | '""')* '"' | "'" (any char but "'" | "''")* "'" | RAW
 //! ```
 //! Errors carry the 1-based column and what was expected there.
 //!
+//! `blocks(QB, KVB, PATH)` is a block selection (SPEC §13, [`BlockSelection`]) of query blocks
+//! of QB tokens by key blocks of KVB tokens; the name comes last so that it follows the same
+//! rule as a `dense` name below (a raw name runs to the closing `)`, commas included).
+//!
 //! # Names of `dense` data
 //!
-//! A `dense` name (its file path, or the key of the Python `dense={...}` mapping) is written
-//! one of three ways, and this is the one rule for what needs quoting:
+//! A `dense` or `blocks` name (its file path, or the key of the Python `dense={...}` /
+//! `blocks={...}` mapping) is written one of three ways, and this is the one rule for what
+//! needs quoting:
 //!
 //! - **raw**: everything up to the `)` that closes `dense(`, with surrounding whitespace
 //!   trimmed. Parentheses inside must balance (`dense(a b(1).npy)`); commas, `&`, `|`, `!`,
@@ -33,6 +39,7 @@
 //! (An empty name can only come from the typed API; it prints as `dense("")`, which the parser
 //! refuses.)
 
+use crate::blocks::BlockSelection;
 use crate::data::{DenseMask, Segments};
 use crate::expr::Mask;
 use std::sync::Arc;
@@ -44,6 +51,15 @@ pub trait Resolver {
     fn segments(&self) -> Result<Arc<Segments>>;
     /// The boolean array stored at `path`.
     fn dense(&self, path: &str) -> Result<DenseMask>;
+    /// The block selection stored at `path`, for blocks of `q_block` x `kv_block` tokens.
+    /// Resolvers without block selections keep this default: an error naming the leaf.
+    fn blocks(&self, path: &str, q_block: usize, kv_block: usize) -> Result<BlockSelection> {
+        Err(Error::invalid(
+            format!("blocks({q_block}, {kv_block}, {})", dense_arg(path)),
+            "a block selection loader",
+            "none available",
+        ))
+    }
 }
 
 /// A resolver with no data: `document` and `dense` leaves are errors.
@@ -222,7 +238,7 @@ impl Parser<'_> {
         let name = self.ident();
         match name.as_str() {
             "" => Err(self.error(
-                "a mask leaf (full, causal, window, chunk, prefix, document, dense, heads), '(' or '!'",
+                "a mask leaf (full, causal, window, chunk, prefix, document, dense, blocks, heads), '(' or '!'",
             )),
             "full" => {
                 self.no_args()?;
@@ -278,6 +294,7 @@ impl Parser<'_> {
                 }
                 Ok(Mask::Dense(Arc::new(self.resolver.dense(&path)?)))
             }
+            "blocks" => self.blocks(),
             "heads" => {
                 self.expect('(')?;
                 let v = self.nested(|p| {
@@ -292,10 +309,39 @@ impl Parser<'_> {
             }
             other => Err(self.error_at(
                 start,
-                "a mask leaf (full, causal, window, chunk, prefix, document, dense, heads)",
+                "a mask leaf (full, causal, window, chunk, prefix, document, dense, blocks, heads)",
                 format!("unknown leaf '{other}'"),
             )),
         }
+    }
+
+    /// `blocks` after its name: `(QB, KVB, PATH)` with QB, KVB >= 1.
+    fn blocks(&mut self) -> Result<Mask> {
+        self.expect('(')?;
+        let mut size = || -> Result<usize> {
+            self.skip_ws();
+            let at = self.pos;
+            let v = self.int()?;
+            self.expect(',')?;
+            usize::try_from(v).ok().filter(|&v| v >= 1).ok_or_else(|| {
+                self.error_at(
+                    at,
+                    "a block size >= 1 (blocks(QB, KVB, PATH))",
+                    v.to_string(),
+                )
+            })
+        };
+        let q_block = size()?;
+        let kv_block = size()?;
+        self.skip_ws();
+        let path_pos = self.pos;
+        let path = self.path()?;
+        self.expect(')')?;
+        if path.is_empty() {
+            return Err(self.error_at(path_pos, "a file path", "nothing".into()));
+        }
+        let sel = self.resolver.blocks(&path, q_block, kv_block)?;
+        Ok(Mask::Blocks(std::sync::Arc::new(sel)))
     }
 
     fn ident(&mut self) -> String {

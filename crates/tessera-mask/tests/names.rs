@@ -1,11 +1,11 @@
-//! Names of `dense` data in the text form: printing quotes exactly what the parser needs
+//! Names of `dense` (and `blocks`) data in the text form: printing quotes exactly what the parser needs
 //! quoted, so print → parse → print is a fixpoint for any non-empty name (issue #32, item 0:
 //! `dense("*(")` printed as `dense(*()`, which does not parse).
 
 use proptest::prelude::*;
 use std::sync::Arc;
 use tessera_core::Result;
-use tessera_mask::{parse, DenseMask, Mask, Resolver, Segments};
+use tessera_mask::{parse, BlockSelection, DenseMask, Mask, Resolver, Segments};
 
 /// Every name resolves to the same small array labelled with the name.
 struct Names;
@@ -21,16 +21,20 @@ impl Resolver for Names {
     fn dense(&self, path: &str) -> Result<DenseMask> {
         dense(path)
     }
+    fn blocks(&self, path: &str, q_block: usize, kv_block: usize) -> Result<BlockSelection> {
+        BlockSelection::new(&[2, 2], &[0, -1, 1, 0], q_block, kv_block, path)
+    }
 }
 
 fn parsed(text: &str) -> Mask {
     parse(text, &Names).unwrap_or_else(|e| panic!("{text:?} does not parse: {e}"))
 }
 
-/// The one dense leaf's name.
+/// The one dense (or blocks) leaf's name.
 fn name_of(m: &Mask) -> &str {
     match m {
         Mask::Dense(d) => d.label(),
+        Mask::Blocks(s) => s.label(),
         other => panic!("not a dense leaf: {other:?}"),
     }
 }
@@ -124,6 +128,33 @@ fn awkward_names_print_quoted_exactly_when_needed_and_round_trip() {
 }
 
 #[test]
+fn blocks_names_follow_the_dense_rule() {
+    for &(name, want) in CASES {
+        let sel = Names.blocks(name, 16, 32).expect("blocks");
+        let printed = round_trips(&Mask::blocks(sel));
+        let arg = want.strip_prefix("dense(").expect("dense(...)");
+        assert_eq!(
+            printed,
+            format!("blocks(16, 32, {arg}"),
+            "printed form of {name:?}"
+        );
+        assert_eq!(
+            name_of(&parsed(&printed)),
+            name,
+            "name read from {printed:?}"
+        );
+    }
+    let m = Mask::heads(vec![
+        Mask::blocks(Names.blocks("a, b", 1, 2).expect("blocks")) & Mask::causal(),
+        !Mask::blocks(Names.blocks("(", 3, 4).expect("blocks")),
+    ]);
+    assert_eq!(
+        round_trips(&m),
+        r#"heads(blocks(1, 2, a, b) & causal, !blocks(3, 4, "("))"#
+    );
+}
+
+#[test]
 fn awkward_names_round_trip_inside_expressions() {
     let names: Vec<&str> = CASES.iter().map(|c| c.0).collect();
     let leaf = |k: usize| Mask::dense(dense(names[k % names.len()]).expect("dense"));
@@ -192,6 +223,8 @@ proptest! {
         // Inside an expression too, next to operators and another name.
         let m = !Mask::dense(dense(&name).expect("dense")) | (Mask::causal() & typed);
         round_trips(&m);
+        let sel = Names.blocks(&name, 64, 128).expect("blocks");
+        round_trips(&(Mask::blocks(sel) & Mask::causal()));
     }
 
     #[test]

@@ -1,6 +1,6 @@
 //! Planner orchestration: validation, per-(batch, head) deduplication, stages 1-3, statistics.
 
-use crate::classify::{Geom, Node};
+use crate::classify::{Candidates, Geom, Node};
 use crate::contract::{contract_key, PLAN_FORMAT_VERSION};
 use crate::plan::{HeadPlan, PartialMasks, Plan, PlanStats, TileEntry, TileState, FULL_TILE};
 use crate::shape::{PlanShape, TileShape};
@@ -76,13 +76,13 @@ pub fn build_plan(mask: &Mask, shape: PlanShape, tile: TileShape) -> Result<Plan
                 Some(&i) => i,
                 None => {
                     let node = Node::prepare(mask, &g, b, h);
-                    let reach: u128 = (0..g.nq)
-                        .filter_map(|qt| node.reach(&g, qt))
-                        .map(|(lo, hi)| (hi - lo + 1) as u128)
-                        .sum();
+                    let visit: Vec<Candidates> =
+                        (0..g.nq).map(|qt| node.candidates(&g, qt)).collect();
+                    let reach: u128 = visit.iter().map(|c| c.len() as u128).sum();
                     lists_bytes += offsets_bytes + 2 * ENTRY_BYTES * reach;
                     budget::check(what, lists_bytes)?;
-                    head_plans.push(plan_head(&node, &g, &mut partials, &mut dedup, &what)?);
+                    let hp = plan_head(&node, &visit, &g, &mut partials, &mut dedup, &what)?;
+                    head_plans.push(hp);
                     uses.push(0);
                     let i = (head_plans.len() - 1) as u32;
                     by_key.insert(key, i);
@@ -184,9 +184,10 @@ impl PartialDedup {
     }
 }
 
-/// Stages 1-3 for one specialized mask.
+/// Stages 1-3 for one specialized mask, visiting the kv tiles `visit[qt]` of each q-tile row.
 fn plan_head(
     node: &Node,
+    visit: &[Candidates],
     g: &Geom,
     table: &mut PartialMasks,
     dedup: &mut PartialDedup,
@@ -198,41 +199,39 @@ fn plan_head(
     let mut pool = Vec::new();
     let (mut full_tiles, mut partial_tiles, mut allowed) = (0u64, 0u64, 0u64);
     fwd_offsets.push(0u32);
-    for qt in 0..g.nq {
-        if let Some((lo, hi)) = node.reach(g, qt) {
-            let rows = (g.lq - qt * g.tq).min(g.tq) as u64;
-            for kt in lo..=hi {
-                let cols = (g.lkv - kt * g.tk).min(g.tk) as u64;
-                let state = match node.classify(g, qt, kt) {
-                    TileState::Partial => {
-                        // Stage 2: exact refinement at token level.
-                        node.eval(g, qt, kt, &mut bits, &mut pool);
-                        let n: u64 = bits.iter().map(|w| w.count_ones() as u64).sum();
-                        if n == 0 {
-                            TileState::Empty
-                        } else if n == rows * cols {
-                            TileState::Full
-                        } else {
-                            allowed += n;
-                            partial_tiles += 1;
-                            let id = dedup.intern(table, &bits, what)?;
-                            fwd.push(TileEntry {
-                                tile: kt as u32,
-                                mask: id,
-                            });
-                            continue;
-                        }
+    for (qt, cands) in visit.iter().enumerate() {
+        let rows = (g.lq - qt * g.tq).min(g.tq) as u64;
+        for kt in cands.iter() {
+            let cols = (g.lkv - kt * g.tk).min(g.tk) as u64;
+            let state = match node.classify(g, qt, kt) {
+                TileState::Partial => {
+                    // Stage 2: exact refinement at token level.
+                    node.eval(g, qt, kt, &mut bits, &mut pool);
+                    let n: u64 = bits.iter().map(|w| w.count_ones() as u64).sum();
+                    if n == 0 {
+                        TileState::Empty
+                    } else if n == rows * cols {
+                        TileState::Full
+                    } else {
+                        allowed += n;
+                        partial_tiles += 1;
+                        let id = dedup.intern(table, &bits, what)?;
+                        fwd.push(TileEntry {
+                            tile: kt as u32,
+                            mask: id,
+                        });
+                        continue;
                     }
-                    s => s,
-                };
-                if state == TileState::Full {
-                    allowed += rows * cols;
-                    full_tiles += 1;
-                    fwd.push(TileEntry {
-                        tile: kt as u32,
-                        mask: FULL_TILE,
-                    });
                 }
+                s => s,
+            };
+            if state == TileState::Full {
+                allowed += rows * cols;
+                full_tiles += 1;
+                fwd.push(TileEntry {
+                    tile: kt as u32,
+                    mask: FULL_TILE,
+                });
             }
         }
         fwd_offsets.push(fwd.len() as u32);
