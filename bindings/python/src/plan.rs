@@ -74,6 +74,7 @@ fn implied_dims(m: &Mask) -> (usize, usize) {
         .map(|n| match n {
             Mask::Document(s) => (s.rows(), 1),
             Mask::Dense(d) => (d.batch(), d.heads()),
+            Mask::Blocks(s) => (s.batch(), s.heads()),
             Mask::Heads(v) => (1, v.len()),
             _ => (1, 1),
         })
