@@ -20,7 +20,7 @@
 //! [`CaseReport`] (see [`CaseReport::ensure`]).
 
 use crate::reference;
-use crate::workloads::{packed_segments, random_dense, random_values, rng};
+use crate::workloads::{packed_segments, random_blocks, random_dense, random_values, rng};
 use half::bf16;
 use rand::Rng;
 use std::sync::Arc;
@@ -615,6 +615,9 @@ fn cases() -> Result<Vec<Case>> {
     let l = 75;
     let docs = Mask::document(Segments::shared(packed_segments(1, l, 20, 11)?));
     let dense = random_dense(&[l, l], 0.5, 12)?;
+    // Block selections (SPEC §13) per head: in the plan's 16x16 tiles, and in 24x10 blocks.
+    let sel16 = random_blocks([1, 2, 5, 3], 5, 16, 16, 14)?;
+    let sel24 = random_blocks([1, 2, 4, 4], 8, 24, 10, 15)?;
     let masks: Vec<(&str, Mask)> = vec![
         ("full", Mask::full()),
         ("causal", causal()),
@@ -637,6 +640,8 @@ fn cases() -> Result<Vec<Case>> {
         ),
         ("dense_and_window", dense & Mask::window(20, 20)),
         ("not_full", !Mask::full()),
+        ("blocks_causal_document", sel16 & causal() & docs.clone()),
+        ("blocks_24x10_window", sel24 & Mask::window(30, 2)),
         (
             "heads_combo",
             Mask::heads(vec![!Mask::full(), causal() & Mask::chunk(32) & docs]),
@@ -695,6 +700,17 @@ fn cases() -> Result<Vec<Case>> {
         Case::new("batch/cross_document", Mask::document(cross))
             .lens(60, 100)
             .heads(3, 2, 2),
+    );
+
+    v.push(
+        Case::new(
+            "batch/blocks_per_row_and_head",
+            random_blocks([3, 2, 4, 6], 4, 32, 32, 24)? & causal() & Mask::document(seg3.clone()),
+        )
+        .lens(100, 100)
+        .heads(3, 2, 1)
+        .tile(32, 16)
+        .sinks(),
     );
 
     // gqa/
