@@ -14,8 +14,8 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use std::collections::HashMap;
 use std::sync::Arc;
-use tessera::mask::{parse, Resolver};
 use tessera::mask::BlockSelection;
+use tessera::mask::{parse, Resolver};
 use tessera::{DenseMask, Mask, Result as TResult, SegmentIds, Segments};
 
 use crate::errors::to_py;
