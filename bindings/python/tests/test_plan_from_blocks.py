@@ -3,7 +3,8 @@ the token mask "selected tile and mask" by brute force (numpy model written here
 attention over such plans equals the float64 reference (forward and backward), the FlexAttention
 ``BlockMask`` equals torch's own for the same selection, a compiled step takes three selections
 with one compilation, context-parallel sharding of such a plan runs, and bad selections raise
-clear errors naming ``kv_tiles``."""
+clear errors naming ``kv_tiles``. The Splash ``MaskInfo`` of such a plan equals Splash's own
+preprocessing."""
 
 from __future__ import annotations
 
@@ -274,6 +275,25 @@ def test_flex_block_mask_equals_torch_for_the_same_selection():
     with torch.no_grad():
         o = flex.flex_attention(q, k, v, block_mask=bm)
     assert rel(o, ref_attention(q, k, v, want.numpy())[0]) <= 1e-5
+
+
+def test_splash_mask_info_equals_process_mask_for_a_selection():
+    pytest.importorskip("jax.experimental.pallas.ops.tpu.splash_attention.splash_attention_mask_info")
+    import tessera.jax as tj
+    from test_splash import _equal_infos, _process
+
+    r = np.random.default_rng(15)
+    B, H, L, blk = 2, 2, 200, 32
+    t = -(-L // blk)
+    m = causal() & document(packed_ids(r, B, L, 60, pad_inside=True))
+    sel = selection(r, B, H, t, t, 3, causal_rows=True)
+    plan = tessera.plan_from_blocks(m.t, sel, q_len=L, block=blk)
+    allowed = selected(sel, B, H, L, L, blk, blk) & m.dense(B, H, L, L)
+    for row in range(B):
+        want_f, want_d = _process(allowed[row], (blk, blk), {}, L, L)
+        got_f, got_d = tj.mask_info(plan, batch_row=row, as_numpy=True)
+        _equal_infos(got_f, want_f, f"fwd row {row}")
+        _equal_infos(got_d, want_d, f"dkv row {row}")
 
 
 def test_a_compiled_step_takes_three_selections_with_one_compilation():
