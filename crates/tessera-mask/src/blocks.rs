@@ -248,9 +248,7 @@ impl BlockSelection {
     /// Index of the (batch, head) slice used by batch row `b` and head `h` (broadcast over dims
     /// of size 1).
     pub fn slice_index(&self, b: usize, h: usize) -> usize {
-        let b = if self.batch == 1 { 0 } else { b };
-        let h = if self.heads == 1 { 0 } else { h };
-        b * self.heads + h
+        crate::data::slice_index(self.batch, self.heads, b, h)
     }
 
     /// Digest of one slice alone with the block sizes (shares plans between equal slices).

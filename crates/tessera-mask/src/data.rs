@@ -249,9 +249,7 @@ impl DenseMask {
     /// Index of the (batch, head) slice used for query batch `b` and head `h` (broadcast over
     /// missing leading dimensions).
     pub fn slice_index(&self, b: usize, h: usize) -> usize {
-        let b = if self.batch == 1 { 0 } else { b };
-        let h = if self.heads == 1 { 0 } else { h };
-        b * self.heads + h
+        slice_index(self.batch, self.heads, b, h)
     }
 
     /// The packed bit row `i` of slice `slice` (bit `j % 64` of word `j / 64` is key `j`).
@@ -274,4 +272,12 @@ impl DenseMask {
         }
         *h.finalize().as_bytes()
     }
+}
+
+/// Index of the (batch, head) slice of data shaped `[batch, heads, ..]` that batch row `b` and
+/// head `h` use: a dimension of 1 is shared (broadcast).
+pub(crate) fn slice_index(batch: usize, heads: usize, b: usize, h: usize) -> usize {
+    let b = if batch == 1 { 0 } else { b };
+    let h = if heads == 1 { 0 } else { h };
+    b * heads + h
 }

@@ -285,13 +285,7 @@ impl Parser<'_> {
             }
             "dense" => {
                 self.expect('(')?;
-                self.skip_ws();
-                let path_pos = self.pos;
-                let path = self.path()?;
-                self.expect(')')?;
-                if path.is_empty() {
-                    return Err(self.error_at(path_pos, "a file path", "nothing".into()));
-                }
+                let path = self.data_name()?;
                 Ok(Mask::Dense(Arc::new(self.resolver.dense(&path)?)))
             }
             "blocks" => self.blocks(),
@@ -333,6 +327,14 @@ impl Parser<'_> {
         };
         let q_block = size()?;
         let kv_block = size()?;
+        let path = self.data_name()?;
+        let sel = self.resolver.blocks(&path, q_block, kv_block)?;
+        Ok(Mask::Blocks(Arc::new(sel)))
+    }
+
+    /// A data leaf's last argument: its name (see [`Parser::path`]) and the closing `)`; an
+    /// empty name is refused.
+    fn data_name(&mut self) -> Result<String> {
         self.skip_ws();
         let path_pos = self.pos;
         let path = self.path()?;
@@ -340,8 +342,7 @@ impl Parser<'_> {
         if path.is_empty() {
             return Err(self.error_at(path_pos, "a file path", "nothing".into()));
         }
-        let sel = self.resolver.blocks(&path, q_block, kv_block)?;
-        Ok(Mask::Blocks(std::sync::Arc::new(sel)))
+        Ok(path)
     }
 
     fn ident(&mut self) -> String {
