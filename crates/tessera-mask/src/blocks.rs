@@ -12,7 +12,7 @@
 //! `kv_tiles` (with the leaf's name where it has one other than that).
 
 use crate::parse::dense_arg;
-use tessera_core::{Error, Result};
+use tessera_core::{budget, Error, Result};
 
 /// The name the Python API gives the data (`plan_from_blocks(mask, kv_tiles, ...)`).
 const PY_NAME: &str = "kv_tiles";
@@ -98,6 +98,9 @@ impl BlockSelection {
                 entries.len(),
             ));
         }
+        // Row offsets and slice digests are not bounded by the entries (k may be 0).
+        let index_bytes = 4 * (n_rows as u128 + 1) + 32 * (batch as u128 * heads as u128);
+        budget::check(|| format!("{arg} of shape {shape:?}"), index_bytes)?;
         let mut offsets = Vec::with_capacity(n_rows + 1);
         let mut tiles = Vec::with_capacity(n);
         let mut row_buf = Vec::with_capacity(k);

@@ -191,3 +191,12 @@ fn validation_names_kv_tiles() {
     assert!(none.validate(1, 1, 40, 33).is_ok());
     assert!(!none.allowed(0, 0, 5, 5));
 }
+
+#[test]
+fn an_empty_selection_of_absurd_shape_is_refused_not_allocated() {
+    // No entries (k = 0), but 2^31 rows: the row index alone would need 8 GiB.
+    std::env::set_var("TESSERA_MEMORY_BUDGET", "64M");
+    let e = BlockSelection::new(&[1 << 31, 0], &[], 16, 16, "kv_tiles").unwrap_err();
+    std::env::remove_var("TESSERA_MEMORY_BUDGET");
+    assert!(e.to_string().contains("memory budget"), "{e}");
+}
