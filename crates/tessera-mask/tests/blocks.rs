@@ -28,10 +28,7 @@ fn brute(
     e: &[i64],
     qb: usize,
     kb: usize,
-    b: usize,
-    h: usize,
-    i: usize,
-    j: usize,
+    (b, h, i, j): (usize, usize, usize, usize),
 ) -> bool {
     let [bb, hh, tq, k] = *shape;
     let (b, h) = (if bb == 1 { 0 } else { b }, if hh == 1 { 0 } else { h });
@@ -60,7 +57,7 @@ proptest! {
         let m = Mask::blocks(sel);
         m.validate(b, h, lq, lkv).unwrap();
         for bi in 0..b { for hi in 0..h { for i in 0..lq { for j in 0..lkv {
-            prop_assert_eq!(m.allowed(bi, hi, i, j), brute(&shape, &e, qb, kb, bi, hi, i, j));
+            prop_assert_eq!(m.allowed(bi, hi, i, j), brute(&shape, &e, qb, kb, (bi, hi, i, j)));
         }}}}
         let dep = m.dependence();
         prop_assert_eq!((dep.batch, dep.heads), (shape[0] > 1, shape[1] > 1));
