@@ -29,6 +29,7 @@ fn _tessera(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(mask::dense, m)?)?;
     m.add_function(wrap_pyfunction!(mask::band, m)?)?;
     m.add_function(wrap_pyfunction!(mask::heads, m)?)?;
+    m.add_function(wrap_pyfunction!(mask::blocks, m)?)?;
     m.add_function(wrap_pyfunction!(mask::mask, m)?)?;
     m.add_function(wrap_pyfunction!(plan::plan, m)?)?;
     m.add_function(wrap_pyfunction!(plan::cache_stats, m)?)?;

@@ -1,12 +1,12 @@
 //! Masks from Python: the same algebra and spelling as Rust and the CLI (SPEC §3, §13). Typed
 //! constructors (`causal()`, `document(ids)`, `band(f, g, lo, hi)`, ...) combine with `&`, `|`,
-//! `~`; `mask(text, ...)` parses the CLI's expression language with the segment ids, dense arrays
-//! and band features passed in.
+//! `~`; `mask(text, ...)` parses the CLI's expression language with the segment ids, dense arrays,
+//! band features and block selections passed in.
 //!
 //! Contract: a `Mask` is immutable; `str(mask)` is its canonical form (data named by digest), so
 //! two masks with the same semantics and data print the same. Integer arrays (segment ids, band
-//! features) arrive as int64 numpy arrays `[L]` or `[B, L]` (the Python layer converts torch
-//! tensors and lists).
+//! features) arrive as int64 numpy arrays `[L]` or `[B, L]`, block selections as int64
+//! `[B, H, Tq, k]` (or `[H, Tq, k]`, `[Tq, k]`); the Python layer converts torch tensors and lists.
 
 use numpy::{PyReadonlyArrayDyn, PyUntypedArrayMethods};
 use pyo3::exceptions::{PyTypeError, PyValueError};
@@ -14,8 +14,8 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use std::collections::HashMap;
 use std::sync::Arc;
-use tessera::mask::BandFeatures;
 use tessera::mask::{parse, Resolver};
+use tessera::mask::{BandFeatures, BlockSelection};
 use tessera::{DenseMask, Mask, Result as TResult, SegmentIds, Segments};
 
 use crate::errors::to_py;
@@ -170,6 +170,34 @@ pub fn dense(values: PyReadonlyArrayDyn<'_, bool>) -> PyResult<PyMask> {
     Ok(wrap(Mask::dense(dense_mask("dense", values)?)))
 }
 
+/// An int64 array's shape and entries (row-major).
+fn int_entries(a: &PyReadonlyArrayDyn<'_, i64>) -> (Vec<usize>, Vec<i64>) {
+    let shape = a.shape().to_vec();
+    let v = match a.as_slice() {
+        Ok(s) => s.to_vec(),
+        Err(_) => a.as_array().iter().copied().collect(),
+    };
+    (shape, v)
+}
+
+/// The `blocks` leaf: key blocks `kv_tiles [B, H, Tq, k]` (-1 = none) selected per query
+/// block, for blocks of `q_block` x `kv_block` tokens; `label` names the data in the text form.
+#[pyfunction]
+#[pyo3(signature = (kv_tiles, q_block, kv_block, label="kv_tiles"))]
+pub fn blocks(
+    py: Python<'_>,
+    kv_tiles: PyReadonlyArrayDyn<'_, i64>,
+    q_block: usize,
+    kv_block: usize,
+    label: &str,
+) -> PyResult<PyMask> {
+    let (shape, v) = int_entries(&kv_tiles);
+    let sel = py
+        .detach(|| BlockSelection::new(&shape, &v, q_block, kv_block, label))
+        .map_err(to_py)?;
+    Ok(wrap(Mask::blocks(sel)))
+}
+
 #[pyfunction]
 pub fn heads(masks: Vec<PyRef<'_, PyMask>>) -> PyResult<PyMask> {
     if masks.is_empty() {
@@ -180,11 +208,14 @@ pub fn heads(masks: Vec<PyRef<'_, PyMask>>) -> PyResult<PyMask> {
     )))
 }
 
-/// What the parser's `document`, `dense(NAME)` and `band(F, G, ..)` leaves resolve to.
+/// What the parser's `document`, `dense(NAME)`, `band(F, G, ..)` and `blocks(QB, KVB, NAME)`
+/// leaves resolve to.
 struct Data {
     segments: Option<Arc<Segments>>,
     dense: HashMap<String, DenseMask>,
     features: HashMap<String, SegmentIds>,
+    /// Shape and entries of each block selection (its block sizes come from the text).
+    blocks: HashMap<String, (Vec<usize>, Vec<i64>)>,
 }
 
 impl Resolver for Data {
@@ -215,6 +246,17 @@ impl Resolver for Data {
             )
         })
     }
+
+    fn blocks(&self, name: &str, q_block: usize, kv_block: usize) -> TResult<BlockSelection> {
+        let (shape, v) = self.blocks.get(name).ok_or_else(|| {
+            tessera::Error::invalid(
+                format!("blocks({q_block}, {kv_block}, {name})"),
+                "an integer array passed as blocks={'NAME': kv_tiles}",
+                "no such name",
+            )
+        })?;
+        BlockSelection::new(shape, v, q_block, kv_block, name)
+    }
 }
 
 /// The `{name: array}` mapping passed as `arg` (`dense=`, `features=`), each numpy array of
@@ -242,7 +284,7 @@ fn named_arrays<'py, E: numpy::Element, T>(
 /// Parses a mask expression (`causal & document`, `window(4K) | prefix(64)`,
 /// `band(t, t, 0, 64)` with `features={'t': ...}`, ...).
 #[pyfunction]
-#[pyo3(signature = (expr, segments=None, q_segments=None, kv_segments=None, dense=None, features=None))]
+#[pyo3(signature = (expr, segments=None, q_segments=None, kv_segments=None, dense=None, features=None, blocks=None))]
 pub fn mask(
     expr: &str,
     segments: Option<PyReadonlyArrayDyn<'_, i64>>,
@@ -250,6 +292,7 @@ pub fn mask(
     kv_segments: Option<PyReadonlyArrayDyn<'_, i64>>,
     dense: Option<&Bound<'_, PyDict>>,
     features: Option<&Bound<'_, PyDict>>,
+    blocks: Option<&Bound<'_, PyDict>>,
 ) -> PyResult<PyMask> {
     let segments = match (segments, q_segments, kv_segments) {
         (Some(s), None, None) => Some(Segments::shared(segment_ids("segments", s)?)),
@@ -273,6 +316,7 @@ pub fn mask(
         features: named_arrays(features, "features", "int64", |n, a| {
             int_rows(n, "a feature", a)
         })?,
+        blocks: named_arrays(blocks, "blocks", "int64", |_, a| Ok(int_entries(&a)))?,
     };
     parse(expr, &data).map(wrap).map_err(to_py)
 }

@@ -75,6 +75,7 @@ fn implied_dims(m: &Mask) -> (usize, usize) {
             Mask::Document(s) => (s.rows(), 1),
             Mask::Band { features, .. } => (features.rows(), 1),
             Mask::Dense(d) => (d.batch(), d.heads()),
+            Mask::Blocks(s) => (s.batch(), s.heads()),
             Mask::Heads(v) => (1, v.len()),
             _ => (1, 1),
         })

@@ -36,7 +36,7 @@ def run(rank: int, world: int, port: int, case_file: str, out_dir: str) -> None:
         for case in spec["cases"]:
             plan = tessera.plan(
                 tessera.causal() & tessera.document(case["ids"]) if case["mask"] == "doc" else
-                tessera.mask(case["mask"], segments=case.get("ids")),
+                tessera.mask(case["mask"], segments=case.get("ids"), blocks=case.get("blocks")),
                 q_len=case["L"], heads=case["H"], batch=case["B"], block=case["block"],
             )
             sh = tessera.cp.shard(plan, world, case["scheme"])

@@ -154,6 +154,12 @@ def _cases(world: int, seed: int):
     for mode in MODES:  # not a document mask: windows and a prefix, every kv tile has an owner
         cases.append(dict(mask="window(40) | prefix(8)", ids=None, scheme="balanced", mode=mode,
                           softcap=None, sinks=None))
+    # a per-step block selection (SPEC §13): per (row, head) 3 kv tiles of 16 (-1 = none)
+    sel = np.where(rng.random((B, H, L // 16, 3)) < 0.2, -1, rng.integers(0, L // 16, (B, H, L // 16, 3)))
+    for mode in MODES:
+        cases.append(dict(mask="causal & document & blocks(16, 16, sel)", ids=ids, blocks={"sel": sel},
+                          scheme="zigzag" if mode == "needed" else "balanced", mode=mode, softcap=None,
+                          sinks=None))
     g = torch.Generator().manual_seed(seed)
     for c in cases:
         c.update(L=L, B=B, H=H, block=16)
@@ -183,7 +189,7 @@ def test_ranks_equal_single_process_outputs_and_gradients(ranks):
     world, spec, out, _ = ranks
     for i, c in enumerate(spec["cases"]):
         mask = (tessera.causal() & tessera.document(c["ids"]) if c["mask"] == "doc"
-                else tessera.mask(c["mask"]))
+                else tessera.mask(c["mask"], segments=c["ids"], blocks=c.get("blocks")))
         plan = tessera.plan(mask, q_len=c["L"], heads=c["H"], batch=c["B"], block=c["block"])
         q, k, v = (c[n].clone().requires_grad_() for n in ("q", "k", "v"))
         sinks = None if c["sinks"] is None else c["sinks"].clone().requires_grad_()

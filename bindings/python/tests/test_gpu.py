@@ -7,6 +7,8 @@
 - the BlockMask on the GPU equals `create_block_mask`'s there;
 - no host synchronization in a step (CUDA sync debug mode), five plans through one compiled
   training step with one compilation;
+- block selections: plan_from_blocks on a CUDA top-k, three selections through one compiled step,
+  gradients equal to the float64 reference;
 - telemetry on the GPU equals the Tessera CPU kernel's;
 - context parallelism: NCCL with two or more GPUs, else two ranks on one GPU exchanging over gloo;
 - the training example on the GPU.
@@ -161,6 +163,45 @@ def test_five_plans_through_one_compiled_training_step_compile_once():
         for a, x in zip(got, xs + [s]):
             assert rel(a, x.grad) <= 1e-5
     assert graphs == 1, dict(counters["stats"])
+
+
+def test_block_selections_from_cuda_top_k_through_one_compiled_step():
+    """plan_from_blocks on a CUDA top-k (copied to the host once), three selections through one
+    compiled step, each step's output and gradients equal to the float64 reference."""
+    from torch._dynamo.utils import counters
+
+    from test_plan_from_blocks import selected
+
+    B, H, L, D, BLK, K = 1, 4, 1024, 64, 128, 3
+    nb = L // BLK
+    ids = np.repeat(np.arange(4), L // 4)
+    mask = tessera.causal() & tessera.document(ids)
+
+    def step(q, k, v, plan):
+        return tt.attention(q, k, v, plan).square().mean()
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(step, fullgraph=True)
+    g = torch.Generator(device=CUDA).manual_seed(3)
+    future = torch.ones(nb, nb, dtype=torch.bool, device=CUDA).triu(1)
+    for _ in range(3):
+        scores = torch.randn(B, H, nb, nb, generator=g, device=CUDA).masked_fill(future, float("-inf"))
+        scores.diagonal(dim1=-2, dim2=-1).fill_(float("inf"))
+        top = scores.topk(K, dim=-1)
+        kv_tiles = torch.where(top.values > float("-inf"), top.indices, -1)
+        plan = tessera.plan_from_blocks(mask, kv_tiles, q_len=L, block=BLK)
+        plan.to_flex_block_mask(device=CUDA)
+        xs = [torch.randn(B, H, L, D, generator=g, device=CUDA, requires_grad=True) for _ in range(3)]
+        compiled(*xs, plan).backward()
+        allowed = selected(kv_tiles.cpu().numpy(), B, H, L, L, BLK, BLK) & (
+            (np.arange(L)[:, None] >= np.arange(L)[None]) & (ids[:, None] == ids[None]))
+        refs = [x.detach().cpu().double().requires_grad_() for x in xs]
+        ro, _ = ref_attention(*refs, allowed)
+        ro.square().mean().backward()
+        for x, r in zip(xs, refs):
+            assert rel(x.grad.cpu(), r.grad) <= F32_TOL
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
 
 
 def test_telemetry_on_the_gpu_equals_the_cpu_kernels():

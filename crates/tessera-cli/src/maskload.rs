@@ -1,10 +1,10 @@
 //! Mask options shared by `plan`, `attend` and `bench`: parse `--mask`, load segment, band
-//! feature and dense files, and obtain the plan (through the plan cache).
+//! feature, dense and block-selection files, and obtain the plan (through the plan cache).
 
 use crate::ctx::Ctx;
 use std::sync::Arc;
 use tessera::core::{DType, Error, Result};
-use tessera::mask::{DenseMask, Mask, Resolver, SegmentIds, Segments};
+use tessera::mask::{BlockSelection, DenseMask, Mask, Resolver, SegmentIds, Segments};
 use tessera::plan::{Plan, PlanShape, TileShape};
 
 #[derive(clap::Args, Debug, Clone)]
@@ -87,6 +87,23 @@ impl Resolver for FileResolver<'_> {
 
     fn feature(&self, name: &str) -> Result<SegmentIds> {
         load_ints(name, &format!("band feature {name}"), false)
+    }
+
+    /// `blocks(QB, KVB, FILE)`: an integer array `[B, H, Tq, k]` (or `[H, Tq, k]`, `[Tq, k]`)
+    /// of kv block indices, -1 = none.
+    fn blocks(&self, path: &str, q_block: usize, kv_block: usize) -> Result<BlockSelection> {
+        let t = tessera::io::read_tensor(path, None)?;
+        let entries = match t.dtype() {
+            DType::I8 | DType::U8 | DType::I32 | DType::I64 => t.to_i64_vec()?,
+            other => {
+                return Err(Error::invalid(
+                    format!("blocks({q_block}, {kv_block}, {path})"),
+                    "an integer array of kv tile indices (int8, uint8, int32 or int64)",
+                    other,
+                ))
+            }
+        };
+        BlockSelection::new(t.shape(), &entries, q_block, kv_block, path)
     }
 }
 

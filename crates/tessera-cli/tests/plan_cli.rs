@@ -262,3 +262,89 @@ fn bad_inputs_exit_2_with_one_line() {
         "column 7",
     );
 }
+
+/// `blocks(QB, KVB, FILE)`: a block selection from an integer `.npy` (SPEC §13), intersected
+/// with causal; the dumped states equal brute force over the selected tiles.
+#[test]
+fn plan_of_a_block_selection_file() {
+    let d = tempfile::tempdir().unwrap();
+    let (lq, t, k) = (300usize, 64usize, 3usize);
+    let tq = lq.div_ceil(t);
+    // Per head and query block: 3 entries (a duplicate and -1 padding among them).
+    let sel: Vec<i32> = (0..2 * tq)
+        .flat_map(|r| {
+            let (h, q) = (r / tq, (r % tq) as i32);
+            [q, (q + h as i32) % (q + 1), if q % 2 == 0 { -1 } else { q }]
+        })
+        .collect();
+    let path = write(
+        d.path(),
+        "sel.npy",
+        vec![1, 2, tq, k],
+        TensorData::I32(sel.clone()),
+    );
+    let mask = format!("causal & blocks({t}, {t}, {path})");
+    let q_len = lq.to_string();
+    let args = [
+        "plan",
+        "--mask",
+        &mask,
+        "--q-len",
+        &q_len,
+        "--heads",
+        "2",
+        "--tile",
+        "64x64",
+        "--json",
+        "--dump-states",
+        "s.npy",
+    ];
+    let out = common::ok(&args, d.path());
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["groups"], serde_json::json!([1, 2]));
+    let states = tessera::io::read_tensor(d.path().join("s.npy").to_str().unwrap(), None).unwrap();
+    let TensorData::I8(s) = states.data() else {
+        panic!("dtype {}", states.dtype())
+    };
+    for h in 0..2 {
+        for qt in 0..tq {
+            let row = &sel[(h * tq + qt) * k..(h * tq + qt + 1) * k];
+            for kt in 0..tq {
+                let chosen = row.contains(&(kt as i32));
+                // Causal in 64x64 tiles: below the diagonal full, on it partial.
+                let want = match (chosen, kt.cmp(&qt)) {
+                    (false, _) | (_, std::cmp::Ordering::Greater) => 0,
+                    (true, std::cmp::Ordering::Equal) => 1,
+                    (true, std::cmp::Ordering::Less) => 2,
+                };
+                assert_eq!(s[(h * tq + qt) * tq + kt], want, "h={h} tile ({qt}, {kt})");
+            }
+        }
+    }
+    // Bad selections: one line, exit 2, naming the file.
+    let p = d.path();
+    let far = write(p, "far.npy", vec![tq, 1], TensorData::I64(vec![9; tq]));
+    let f32s = write(p, "f.npy", vec![tq, 1], TensorData::F32(vec![0.0; tq]));
+    let short = write(
+        p,
+        "short.npy",
+        vec![tq - 1, 1],
+        TensorData::I64(vec![0; tq - 1]),
+    );
+    let flat = write(p, "flat.npy", vec![tq], TensorData::I64(vec![0; tq]));
+    for (file, needle) in [
+        (far.as_str(), "entries in [-1, 5)"),
+        (&f32s, "an integer array"),
+        (&short, "5 query blocks"),
+        (&flat, "[B, H, Tq, k]"),
+        ("missing.npy", "missing.npy"),
+    ] {
+        let mask = format!("blocks(64, 64, {file})");
+        bad(&["plan", "--mask", &mask, "--q-len", "300"], p, needle);
+    }
+    bad(
+        &["plan", "--mask", "blocks(0, 64, x.npy)", "--q-len", "300"],
+        p,
+        "a block size >= 1",
+    );
+}

@@ -20,7 +20,9 @@
 //! [`CaseReport`] (see [`CaseReport::ensure`]).
 
 use crate::reference;
-use crate::workloads::{packed_segments, random_band, random_dense, random_values, rng};
+use crate::workloads::{
+    packed_segments, random_band, random_blocks, random_dense, random_values, rng,
+};
 use half::bf16;
 use rand::Rng;
 use std::sync::Arc;
@@ -616,6 +618,9 @@ fn cases() -> Result<Vec<Case>> {
     let docs = Mask::document(Segments::shared(packed_segments(1, l, 20, 11)?));
     let dense = random_dense(&[l, l], 0.5, 12)?;
     let stamps = random_band(1, (l, l), (0, 12), true, 13)?;
+    // Block selections (SPEC §13) per head: in the plan's 16x16 tiles, and in 24x10 blocks.
+    let sel16 = random_blocks([1, 2, 5, 3], 5, 16, 16, 14)?;
+    let sel24 = random_blocks([1, 2, 4, 4], 8, 24, 10, 15)?;
     let masks: Vec<(&str, Mask)> = vec![
         ("full", Mask::full()),
         ("causal", causal()),
@@ -645,6 +650,8 @@ fn cases() -> Result<Vec<Case>> {
         ),
         ("dense_and_window", dense & Mask::window(20, 20)),
         ("not_full", !Mask::full()),
+        ("blocks_causal_document", sel16 & causal() & docs.clone()),
+        ("blocks_24x10_window", sel24 & Mask::window(30, 2)),
         (
             "heads_combo",
             Mask::heads(vec![!Mask::full(), causal() & Mask::chunk(32) & docs]),
@@ -712,6 +719,17 @@ fn cases() -> Result<Vec<Case>> {
         .lens(60, 100)
         .heads(3, 2, 1)
         .tile(16, 32)
+        .sinks(),
+    );
+
+    v.push(
+        Case::new(
+            "batch/blocks_per_row_and_head",
+            random_blocks([3, 2, 4, 6], 4, 32, 32, 24)? & causal() & Mask::document(seg3.clone()),
+        )
+        .lens(100, 100)
+        .heads(3, 2, 1)
+        .tile(32, 16)
         .sinks(),
     );
 

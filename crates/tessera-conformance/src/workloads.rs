@@ -8,7 +8,7 @@
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use tessera_core::{DType, Error, Result, Tensor};
-use tessera_mask::{BandFeatures, DenseMask, Mask, SegmentIds, Segments};
+use tessera_mask::{BandFeatures, BlockSelection, DenseMask, Mask, SegmentIds, Segments};
 
 /// The one seeded generator of the workloads.
 pub fn rng(seed: u64) -> ChaCha8Rng {
@@ -169,4 +169,35 @@ pub fn random_band(
     let q = SegmentIds::named("q_feature", rows, q_len, f)?;
     let kv = SegmentIds::named("kv_feature", rows, kv_len, g)?;
     Ok(Mask::band(BandFeatures::new("f", q, "g", kv), lo, hi))
+}
+
+/// A seeded random block selection (SPEC §13) `shape = [B, H, Tq, k]` of kv blocks below `tk`
+/// for blocks of `q_block` x `kv_block` tokens: each row keeps its diagonal block (clipped to
+/// `tk`) and `k - 1` earlier-or-equal blocks, some entries `-1`, duplicates allowed, and one row
+/// in seven selects nothing.
+pub fn random_blocks(
+    shape: [usize; 4],
+    tk: usize,
+    q_block: usize,
+    kv_block: usize,
+    seed: u64,
+) -> Result<Mask> {
+    let mut rng = rng(seed);
+    let [b, h, tq, k] = shape;
+    let mut entries = Vec::with_capacity(b * h * tq * k);
+    for r in 0..b * h * tq {
+        let diag = (r % tq).min(tk.saturating_sub(1)) as i64;
+        let none = rng.gen_range(0..7) == 0;
+        for c in 0..k {
+            entries.push(match (none, c) {
+                (true, _) => -1,
+                (false, 0) => diag,
+                _ if rng.gen_bool(0.25) => -1,
+                _ => rng.gen_range(0..=diag),
+            });
+        }
+    }
+    Ok(Mask::blocks(BlockSelection::new(
+        &shape, &entries, q_block, kv_block, "kv_tiles",
+    )?))
 }

@@ -27,7 +27,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 use tessera_core::{Error, Result};
 use tessera_export::{flex, splash, FlexArrays, SplashArrays};
-use tessera_mask::{parse, DenseMask, Mask, Resolver, SegmentIds, Segments};
+use tessera_mask::{parse, BlockSelection, DenseMask, Mask, Resolver, SegmentIds, Segments};
 use tessera_plan::{build_plan, Plan, PlanShape, TileShape, TileState};
 
 // ---------------------------------------------------------------------------------------------
@@ -158,10 +158,11 @@ impl Bytes<'_> {
 // ---------------------------------------------------------------------------------------------
 // Mask text → plan.
 
-/// Segment ids, dense arrays and band features for the data leaves of fuzzed expressions, a
-/// deterministic function of the problem shape and (for `dense` and `band`) the name, so a
-/// printed expression re-parses to the same data. A feature named with a leading `k` has the
-/// key length, any other the query length (so `band(q, k, ..)` fits every shape).
+/// Segment ids, dense arrays, band features and block selections for the data leaves of fuzzed
+/// expressions, a deterministic function of the problem shape and (for `dense`, `band` and
+/// `blocks`) the name (and block sizes), so a printed expression re-parses to the same data. A
+/// feature named with a leading `k` has the key length, any other the query length (so
+/// `band(q, k, ..)` fits every shape).
 struct FuzzData {
     batch: usize,
     heads: usize,
@@ -245,6 +246,33 @@ impl Resolver for FuzzData {
             })
             .collect();
         SegmentIds::named(name, rows, len, vals)
+    }
+
+    /// `[1 or B, 1 or H, ceil(Lq / QB), k]` kv blocks with -1 and duplicates; one path in 16
+    /// holds an entry one past the last block (a user error when planned).
+    fn blocks(&self, path: &str, q_block: usize, kv_block: usize) -> Result<BlockSelection> {
+        let h = path.bytes().fold(self.seed as u64 ^ 0x9e37, |a, b| {
+            a.wrapping_mul(31).wrapping_add(b as u64)
+        });
+        let rows = self.q_len.div_ceil(q_block);
+        let tk = self.kv_len.div_ceil(kv_block) as u64;
+        let shape = [
+            if h & 1 == 0 { 1 } else { self.batch },
+            if h & 2 == 0 { 1 } else { self.heads },
+            rows,
+            (h >> 2) as usize % 4,
+        ];
+        let n: usize = shape.iter().product();
+        let mut e: Vec<i64> = (0..n as u64)
+            .map(|k| (k.wrapping_mul(h | 1) >> 3) % (tk + 1))
+            .map(|x| x as i64 - 1)
+            .collect();
+        if (h >> 4) % 16 == 0 {
+            if let Some(x) = e.first_mut() {
+                *x = tk as i64;
+            }
+        }
+        BlockSelection::new(&shape, &e, q_block, kv_block, path)
     }
 }
 
@@ -880,6 +908,7 @@ pub fn seeds() -> Vec<(&'static str, String, Vec<u8>)> {
         "causal(offset=9223372036854775807) | window(-5, 9223372036854775807)",
         "band(q, k, -3, 3) & causal | !band(q2, kb, -9223372036854775808, 0)",
         "heads(band(\"q,1\", k(1,2), 0, 9223372036854775807), document & band(p, kp, -1, 1))",
+        "blocks(16, 8, s) & causal | !blocks(1, 64, \"t\") & document",
     ]
     .iter()
     .enumerate()

@@ -16,6 +16,14 @@ pub struct SegmentIds {
     len: usize,
     ids: Vec<i64>,
     digest: [u8; 32],
+    /// Digest of each row alone (planning compares rows once per (batch row, head)).
+    row_digests: Vec<[u8; 32]>,
+}
+
+/// Little-endian bytes of `ids`, for hashing in one update (per-id updates cost more than
+/// the hashing itself).
+fn le_bytes(ids: &[i64]) -> Vec<u8> {
+    ids.iter().flat_map(|v| v.to_le_bytes()).collect()
 }
 
 impl SegmentIds {
@@ -40,17 +48,21 @@ impl SegmentIds {
                 ids.len(),
             ));
         }
+        let bytes = le_bytes(&ids);
         let mut h = blake3::Hasher::new();
         h.update(&(rows as u64).to_le_bytes());
         h.update(&(len as u64).to_le_bytes());
-        for v in &ids {
-            h.update(&v.to_le_bytes());
-        }
+        h.update(&bytes);
+        let row_digests = bytes
+            .chunks(8 * len)
+            .map(|r| *blake3::hash(r).as_bytes())
+            .collect();
         Ok(SegmentIds {
             rows,
             len,
             ids,
             digest: *h.finalize().as_bytes(),
+            row_digests,
         })
     }
 
@@ -88,11 +100,8 @@ impl SegmentIds {
 
     /// Digest of batch row `b` alone (used to share plans between identical rows).
     pub fn row_digest(&self, b: usize) -> [u8; 32] {
-        let mut h = blake3::Hasher::new();
-        for v in self.row(b) {
-            h.update(&v.to_le_bytes());
-        }
-        *h.finalize().as_bytes()
+        let r = if self.rows == 1 { 0 } else { b };
+        self.row_digests[r]
     }
 }
 
@@ -284,9 +293,7 @@ impl DenseMask {
     /// Index of the (batch, head) slice used for query batch `b` and head `h` (broadcast over
     /// missing leading dimensions).
     pub fn slice_index(&self, b: usize, h: usize) -> usize {
-        let b = if self.batch == 1 { 0 } else { b };
-        let h = if self.heads == 1 { 0 } else { h };
-        b * self.heads + h
+        slice_index(self.batch, self.heads, b, h)
     }
 
     /// The packed bit row `i` of slice `slice` (bit `j % 64` of word `j / 64` is key `j`).
@@ -309,4 +316,12 @@ impl DenseMask {
         }
         *h.finalize().as_bytes()
     }
+}
+
+/// Index of the (batch, head) slice of data shaped `[batch, heads, ..]` that batch row `b` and
+/// head `h` use: a dimension of 1 is shared (broadcast).
+pub(crate) fn slice_index(batch: usize, heads: usize, b: usize, h: usize) -> usize {
+    let b = if batch == 1 { 0 } else { b };
+    let h = if heads == 1 { 0 } else { h };
+    b * heads + h
 }

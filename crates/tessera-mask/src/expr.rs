@@ -7,6 +7,7 @@
 //! tree with an explicit stack, so no tree overflows the thread's stack. [`Mask::validate`]
 //! refuses trees deeper than [`MAX_TREE_DEPTH`] before anything recursive (the planner) runs.
 
+use crate::blocks::BlockSelection;
 use crate::data::{BandFeatures, DenseMask, Segments};
 use crate::parse::{dense_arg, list_arg, MAX_DEPTH};
 use std::fmt::Write as _;
@@ -59,6 +60,8 @@ pub enum Mask {
     },
     /// A boolean array.
     Dense(Arc<DenseMask>),
+    /// Key block `j / kv_block` is selected for query block `i / q_block` (SPEC §13).
+    Blocks(Arc<BlockSelection>),
     /// Every operand allows the pair.
     And(Vec<Mask>),
     /// Some operand allows the pair.
@@ -117,6 +120,10 @@ impl Mask {
     /// `dense(F)`: the boolean array.
     pub fn dense(mask: DenseMask) -> Self {
         Mask::Dense(Arc::new(mask))
+    }
+    /// `blocks(QB, KVB, NAME)`: the pairs of the selected (query block, key block) tiles.
+    pub fn blocks(selection: BlockSelection) -> Self {
+        Mask::Blocks(Arc::new(selection))
     }
     /// `heads(e0, e1, ...)`: head `h` uses `per_head[h]`.
     pub fn heads(per_head: Vec<Mask>) -> Self {
@@ -177,6 +184,7 @@ impl Mask {
                 *lo as i128 <= d && d <= *hi as i128
             }
             Mask::Dense(d) => d.get(d.slice_index(b, h), i, j),
+            Mask::Blocks(s) => s.allows(s.slice_index(b, h), i, j),
             Mask::And(_) | Mask::Or(_) | Mask::Not(_) | Mask::Heads(_) => false,
         }
     }
@@ -247,6 +255,7 @@ impl Mask {
                 hi: *hi,
             },
             Mask::Dense(d) => Mask::Dense(Arc::clone(d)),
+            Mask::Blocks(s) => Mask::Blocks(Arc::clone(s)),
             Mask::And(_) => Mask::And(kids),
             Mask::Or(_) => Mask::Or(kids),
             Mask::Heads(_) => Mask::Heads(kids),
@@ -281,6 +290,7 @@ impl Mask {
                 },
             ) => a == c && b == d && f == g,
             (Mask::Dense(a), Mask::Dense(b)) => a == b,
+            (Mask::Blocks(a), Mask::Blocks(b)) => a == b,
             (Mask::And(a), Mask::And(b))
             | (Mask::Or(a), Mask::Or(b))
             | (Mask::Heads(a), Mask::Heads(b)) => a.len() == b.len(),
@@ -383,6 +393,7 @@ impl Mask {
                 }
                 Ok(())
             }
+            Mask::Blocks(s) => s.check(batch, heads, q_len, kv_len),
             Mask::And(v) | Mask::Or(v) => {
                 if v.is_empty() {
                     return Err(Error::invalid("mask", "at least one operand", "none"));
@@ -425,6 +436,10 @@ impl Mask {
                     batch: false,
                     heads: true,
                 },
+                Mask::Blocks(s) => Dependence {
+                    batch: s.batch() > 1,
+                    heads: s.heads() > 1,
+                },
                 _ => Dependence::default(),
             };
             Dependence {
@@ -454,6 +469,9 @@ impl Mask {
             Mask::Dense(d) => {
                 let _ = write!(out, "dense#{}", hex8(d.digest()));
             }
+            Mask::Blocks(s) => {
+                let _ = write!(out, "blocks#{}", hex8(s.digest()));
+            }
             _ => {}
         })
     }
@@ -477,6 +495,9 @@ impl Mask {
             }
             Mask::Dense(d) => {
                 let _ = write!(out, "dense#{}", hex8(&d.slice_digest(d.slice_index(b, h))));
+            }
+            Mask::Blocks(s) => {
+                let _ = write!(out, "blocks#{}", hex8(&s.slice_digest(s.slice_index(b, h))));
             }
             _ => {}
         })
@@ -535,7 +556,7 @@ impl Mask {
                 Mask::Window { left, right } => format!("window({left},{right})"),
                 Mask::Chunk { size } => format!("chunk({size})"),
                 Mask::Prefix { len } => format!("prefix({len})"),
-                Mask::Document(_) | Mask::Band { .. } | Mask::Dense(_) => {
+                Mask::Document(_) | Mask::Band { .. } | Mask::Dense(_) | Mask::Blocks(_) => {
                     let mut s = String::new();
                     data(top.node, &mut s);
                     s
@@ -682,6 +703,13 @@ impl std::fmt::Display for Mask {
                     list_arg(&features.kv_name)
                 )?,
                 Mask::Dense(d) => write!(f, "dense({})", dense_arg(d.label()))?,
+                Mask::Blocks(s) => write!(
+                    f,
+                    "blocks({}, {}, {})",
+                    s.q_block(),
+                    s.kv_block(),
+                    dense_arg(s.label())
+                )?,
                 Mask::And(v) => list(&mut stack, m, v, " & "),
                 Mask::Or(v) => list(&mut stack, m, v, " | "),
                 Mask::Not(inner) => {

@@ -19,10 +19,12 @@
 //! # Ok::<(), tessera_core::Error>(())
 //! ```
 
+mod blocks;
 mod data;
 mod expr;
 mod parse;
 
+pub use blocks::BlockSelection;
 pub use data::{BandFeatures, DenseMask, SegmentIds, Segments};
 pub use expr::{Dependence, Mask, MAX_TREE_DEPTH};
 pub use parse::{parse, NoData, Resolver, MAX_DEPTH, MAX_LEN};

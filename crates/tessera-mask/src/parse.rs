@@ -8,17 +8,21 @@
 //! primary := '(' expr ')' | 'heads' '(' expr (',' expr)* ')' | leaf
 //! leaf    := full | causal ['(' [offset=]INT ')'] | window '(' [left=]INT [',' [right=]INT] ')'
 //!          | chunk '(' [size=]INT ')' | prefix '(' [len=]INT ')' | document | dense '(' NAME ')'
-//!          | band '(' NAME ',' NAME ',' [lo=]INT ',' [hi=]INT ')'
+//!          | band '(' NAME ',' NAME ',' [lo=]INT ',' [hi=]INT ')' | blocks '(' INT ',' INT ',' NAME ')'
 //! NAME    := '"' (any char but '"' | '""')* '"' | "'" (any char but "'" | "''")* "'" | RAW
 //! ```
 //! Errors carry the 1-based column and what was expected there. `band(F, G, LO, HI)` allows
 //! `LO <= F[i] - G[j] <= HI` for the integer features named `F` and `G` (`LO > HI` is an error).
 //!
+//! `blocks(QB, KVB, NAME)` is a block selection (SPEC §13, [`BlockSelection`]) of query blocks
+//! of QB tokens by key blocks of KVB tokens; its name comes last and is read like a `dense` name
+//! (a raw name runs to the closing `)`, commas included).
+//!
 //! # Names of data
 //!
-//! A data name (the file path of a `dense` array or a `band` feature, or the key of the Python
-//! `dense={...}` / `features={...}` mapping) is written one of three ways, and this is the one
-//! rule for what needs quoting, the same for both leaves:
+//! A data name (the file path of a `dense` array, a `band` feature or a `blocks` selection, or the
+//! key of the Python `dense={...}` / `features={...}` / `blocks={...}` mapping) is written one of
+//! three ways, and this is the one rule for what needs quoting, the same for every leaf:
 //!
 //! - **raw**: everything up to the `)` that closes the leaf's `(` (in `band`, also up to a `,`
 //!   outside parentheses, which separates its arguments), with surrounding whitespace trimmed.
@@ -38,6 +42,7 @@
 //! and printing a parsed mask is a fixpoint. (An empty name can only come from the typed API; it
 //! prints as `""`, which the parser refuses.)
 
+use crate::blocks::BlockSelection;
 use crate::data::{BandFeatures, DenseMask, SegmentIds, Segments};
 use crate::expr::Mask;
 use std::sync::Arc;
@@ -49,8 +54,24 @@ pub trait Resolver {
     fn segments(&self) -> Result<Arc<Segments>>;
     /// The boolean array stored at `path`.
     fn dense(&self, path: &str) -> Result<DenseMask>;
-    /// The integer feature `[L]` or `[B, L]` named `name` (a `band` argument).
-    fn feature(&self, name: &str) -> Result<SegmentIds>;
+    /// The integer feature `[L]` or `[B, L]` named `name` (a `band` argument). Resolvers
+    /// without features keep this default: an error naming the feature.
+    fn feature(&self, name: &str) -> Result<SegmentIds> {
+        Err(Error::invalid(
+            format!("band feature {}", list_arg(name)),
+            "a feature loader",
+            "none available",
+        ))
+    }
+    /// The block selection stored at `path`, for blocks of `q_block` x `kv_block` tokens.
+    /// Resolvers without block selections keep this default: an error naming the leaf.
+    fn blocks(&self, path: &str, q_block: usize, kv_block: usize) -> Result<BlockSelection> {
+        Err(Error::invalid(
+            format!("blocks({q_block}, {kv_block}, {})", dense_arg(path)),
+            "a block selection loader",
+            "none available",
+        ))
+    }
 }
 
 /// A resolver with no data: `document`, `dense` and `band` leaves are errors.
@@ -68,13 +89,6 @@ impl Resolver for NoData {
         Err(Error::invalid(
             format!("dense({})", dense_arg(path)),
             "a dense mask loader",
-            "none available",
-        ))
-    }
-    fn feature(&self, name: &str) -> Result<SegmentIds> {
-        Err(Error::invalid(
-            format!("band feature {}", list_arg(name)),
-            "a feature loader",
             "none available",
         ))
     }
@@ -237,7 +251,7 @@ impl Parser<'_> {
         let name = self.ident();
         match name.as_str() {
             "" => Err(self.error(
-                "a mask leaf (full, causal, window, chunk, prefix, document, dense, band, heads), '(' or '!'",
+                "a mask leaf (full, causal, window, chunk, prefix, document, dense, band, blocks, heads), '(' or '!'",
             )),
             "full" => {
                 self.no_args()?;
@@ -309,6 +323,7 @@ impl Parser<'_> {
                 let kv = self.resolver.feature(&kv_name)?;
                 Ok(Mask::band(BandFeatures::new(q_name, q, kv_name, kv), lo, hi))
             }
+            "blocks" => self.blocks(),
             "heads" => {
                 self.expect('(')?;
                 let v = self.nested(|p| {
@@ -323,10 +338,34 @@ impl Parser<'_> {
             }
             other => Err(self.error_at(
                 start,
-                "a mask leaf (full, causal, window, chunk, prefix, document, dense, band, heads)",
+                "a mask leaf (full, causal, window, chunk, prefix, document, dense, band, blocks, heads)",
                 format!("unknown leaf '{other}'"),
             )),
         }
+    }
+
+    /// `blocks` after its name: `(QB, KVB, PATH)` with QB, KVB >= 1.
+    fn blocks(&mut self) -> Result<Mask> {
+        self.expect('(')?;
+        let mut size = || -> Result<usize> {
+            self.skip_ws();
+            let at = self.pos;
+            let v = self.int()?;
+            self.expect(',')?;
+            usize::try_from(v).ok().filter(|&v| v >= 1).ok_or_else(|| {
+                self.error_at(
+                    at,
+                    "a block size >= 1 (blocks(QB, KVB, PATH))",
+                    v.to_string(),
+                )
+            })
+        };
+        let q_block = size()?;
+        let kv_block = size()?;
+        let path = self.data_name(false, "a file path")?;
+        self.expect(')')?;
+        let sel = self.resolver.blocks(&path, q_block, kv_block)?;
+        Ok(Mask::Blocks(Arc::new(sel)))
     }
 
     fn ident(&mut self) -> String {

@@ -1,11 +1,13 @@
-//! Names of data (`dense` arrays, `band` features) in the text form: printing quotes exactly
-//! what the parser needs quoted, so print → parse → print is a fixpoint for any non-empty name
-//! (issue #32, item 0: `dense("*(")` printed as `dense(*()`, which does not parse).
+//! Names of data (`dense` arrays, `band` features, `blocks` selections) in the text form: printing
+//! quotes exactly what the parser needs quoted, so print → parse → print is a fixpoint for any
+//! non-empty name (issue #32, item 0: `dense("*(")` printed as `dense(*()`, which does not parse).
 
 use proptest::prelude::*;
 use std::sync::Arc;
 use tessera_core::Result;
-use tessera_mask::{parse, BandFeatures, DenseMask, Mask, Resolver, SegmentIds, Segments};
+use tessera_mask::{
+    parse, BandFeatures, BlockSelection, DenseMask, Mask, Resolver, SegmentIds, Segments,
+};
 
 /// Every name resolves to the same small array labelled with the name.
 struct Names;
@@ -23,6 +25,9 @@ impl Resolver for Names {
     }
     fn feature(&self, name: &str) -> Result<SegmentIds> {
         feature(name)
+    }
+    fn blocks(&self, path: &str, q_block: usize, kv_block: usize) -> Result<BlockSelection> {
+        BlockSelection::new(&[2, 2], &[0, -1, 1, 0], q_block, kv_block, path)
     }
 }
 
@@ -42,10 +47,11 @@ fn parsed(text: &str) -> Mask {
     parse(text, &Names).unwrap_or_else(|e| panic!("{text:?} does not parse: {e}"))
 }
 
-/// The one dense leaf's name.
+/// The one dense (or blocks) leaf's name.
 fn name_of(m: &Mask) -> &str {
     match m {
         Mask::Dense(d) => d.label(),
+        Mask::Blocks(s) => s.label(),
         other => panic!("not a dense leaf: {other:?}"),
     }
 }
@@ -196,6 +202,33 @@ fn awkward_band_names_print_like_dense_ones_and_commas_quoted() {
 }
 
 #[test]
+fn blocks_names_follow_the_dense_rule() {
+    for &(name, want) in CASES {
+        let sel = Names.blocks(name, 16, 32).expect("blocks");
+        let printed = round_trips(&Mask::blocks(sel));
+        let arg = want.strip_prefix("dense(").expect("dense(...)");
+        assert_eq!(
+            printed,
+            format!("blocks(16, 32, {arg}"),
+            "printed form of {name:?}"
+        );
+        assert_eq!(
+            name_of(&parsed(&printed)),
+            name,
+            "name read from {printed:?}"
+        );
+    }
+    let m = Mask::heads(vec![
+        Mask::blocks(Names.blocks("a, b", 1, 2).expect("blocks")) & Mask::causal(),
+        !Mask::blocks(Names.blocks("(", 3, 4).expect("blocks")),
+    ]);
+    assert_eq!(
+        round_trips(&m),
+        r#"heads(blocks(1, 2, a, b) & causal, !blocks(3, 4, "("))"#
+    );
+}
+
+#[test]
 fn awkward_names_round_trip_inside_expressions() {
     let names: Vec<&str> = CASES.iter().map(|c| c.0).collect();
     let leaf = |k: usize| Mask::dense(dense(names[k % names.len()]).expect("dense"));
@@ -269,6 +302,8 @@ proptest! {
         let back = parsed(&round_trips(&b));
         prop_assert_eq!(band_names(&back), (name.as_str(), name.as_str()));
         round_trips(&(band("x", &name) & !b));
+        let sel = Names.blocks(&name, 64, 128).expect("blocks");
+        round_trips(&(Mask::blocks(sel) & Mask::causal()));
     }
 
     #[test]

@@ -1,6 +1,8 @@
 //! Planner orchestration: validation, per-(batch, head) deduplication, stages 1-3, statistics.
+//! A mask `blocks & rest` (a block selection intersected with a mask) refines each of the
+//! rest's partial tiles once for every head plan that selects it.
 
-use crate::classify::{Geom, Node};
+use crate::classify::{Candidates, Geom, Node};
 use crate::contract::{contract_key, PLAN_FORMAT_VERSION};
 use crate::plan::{HeadPlan, PartialMasks, Plan, PlanStats, TileEntry, TileState, FULL_TILE};
 use crate::shape::{PlanShape, TileShape};
@@ -55,6 +57,17 @@ pub fn build_plan(mask: &Mask, shape: PlanShape, tile: TileShape) -> Result<Plan
 
     let mut partials = PartialMasks::new(tile);
     let mut dedup = PartialDedup::default();
+    // `blocks & rest`: head plans share the rest's refined tiles (see `RestTiles`).
+    let split = split_selection(mask);
+    let mut shared = RestTiles::default();
+    let mut cx = Refine {
+        g: &g,
+        bits: vec![0u64; g.tq * g.wpr],
+        pool: Vec::new(),
+        table: &mut partials,
+        dedup: &mut dedup,
+        what: &what,
+    };
     let mut head_plans: Vec<HeadPlan> = Vec::new();
     let mut by_key: HashMap<String, u32> = HashMap::new();
     let mut group_plan = Vec::with_capacity(bg * hg);
@@ -75,14 +88,19 @@ pub fn build_plan(mask: &Mask, shape: PlanShape, tile: TileShape) -> Result<Plan
             let idx = match by_key.get(&key) {
                 Some(&i) => i,
                 None => {
-                    let node = Node::prepare(mask, &g, b, h);
-                    let reach: u128 = (0..g.nq)
-                        .filter_map(|qt| node.reach(&g, qt))
-                        .map(|(lo, hi)| (hi - lo + 1) as u128)
-                        .sum();
+                    let rest = split.as_ref().map(|(_, rest)| shared.id(rest, b, h));
+                    let node = match &split {
+                        Some((reshaped, _)) => Node::prepare(reshaped, &g, b, h),
+                        None => Node::prepare(mask, &g, b, h),
+                    };
+                    let visit: Vec<Candidates> =
+                        (0..g.nq).map(|qt| node.candidates(&g, qt)).collect();
+                    let reach: u128 = visit.iter().map(|c| c.len() as u128).sum();
                     lists_bytes += offsets_bytes + 2 * ENTRY_BYTES * reach;
                     budget::check(what, lists_bytes)?;
-                    head_plans.push(plan_head(&node, &g, &mut partials, &mut dedup, &what)?);
+                    let share = rest.map(|id| (&mut shared, id));
+                    let hp = plan_head(&node, &visit, &mut cx, share)?;
+                    head_plans.push(hp);
                     uses.push(0);
                     let i = (head_plans.len() - 1) as u32;
                     by_key.insert(key, i);
@@ -184,56 +202,144 @@ impl PartialDedup {
     }
 }
 
-/// Stages 1-3 for one specialized mask.
-fn plan_head(
-    node: &Node,
-    g: &Geom,
-    table: &mut PartialMasks,
-    dedup: &mut PartialDedup,
-    what: &dyn Fn() -> String,
-) -> Result<HeadPlan> {
-    let mut fwd_offsets = Vec::with_capacity(g.nq + 1);
-    let mut fwd = Vec::new();
-    let mut bits = vec![0u64; g.tq * g.wpr];
-    let mut pool = Vec::new();
-    let (mut full_tiles, mut partial_tiles, mut allowed) = (0u64, 0u64, 0u64);
-    fwd_offsets.push(0u32);
-    for qt in 0..g.nq {
-        if let Some((lo, hi)) = node.reach(g, qt) {
-            let rows = (g.lq - qt * g.tq).min(g.tq) as u64;
-            for kt in lo..=hi {
-                let cols = (g.lkv - kt * g.tk).min(g.tk) as u64;
-                let state = match node.classify(g, qt, kt) {
-                    TileState::Partial => {
-                        // Stage 2: exact refinement at token level.
-                        node.eval(g, qt, kt, &mut bits, &mut pool);
-                        let n: u64 = bits.iter().map(|w| w.count_ones() as u64).sum();
-                        if n == 0 {
-                            TileState::Empty
-                        } else if n == rows * cols {
-                            TileState::Full
-                        } else {
-                            allowed += n;
-                            partial_tiles += 1;
-                            let id = dedup.intern(table, &bits, what)?;
-                            fwd.push(TileEntry {
-                                tile: kt as u32,
-                                mask: id,
-                            });
-                            continue;
-                        }
-                    }
-                    s => s,
-                };
-                if state == TileState::Full {
-                    allowed += rows * cols;
-                    full_tiles += 1;
-                    fwd.push(TileEntry {
-                        tile: kt as u32,
-                        mask: FULL_TILE,
-                    });
+/// `mask` reshaped as `blocks operands & rest` when it is an `&` of `blocks` leaves and other
+/// operands: the same mask as `&(b1, .., bn, rest)`, and `rest` alone. With the plan's tile
+/// equal to the blocks, a selected tile's state is the rest's, and heads that select the same
+/// tile (every head its diagonal) refine it once.
+fn split_selection(mask: &Mask) -> Option<(Mask, Mask)> {
+    let Mask::And(v) = mask else {
+        return None;
+    };
+    let (sel, rest): (Vec<&Mask>, Vec<&Mask>) =
+        v.iter().partition(|m| matches!(m, Mask::Blocks(_)));
+    let rest = match rest.as_slice() {
+        [] => return None,
+        [one] => (*one).clone(),
+        _ => Mask::And(rest.into_iter().cloned().collect()),
+    };
+    if sel.is_empty() {
+        return None;
+    }
+    let mut ops: Vec<Mask> = sel.into_iter().cloned().collect();
+    ops.push(rest.clone());
+    Some((Mask::And(ops), rest))
+}
+
+/// Refined partial tiles of the `rest` of a split mask, shared between head plans: keyed by
+/// the rest's specialization (its specialized canonical form, as an id) and the tile.
+#[derive(Default)]
+struct RestTiles {
+    ids: HashMap<String, u32>,
+    tiles: HashMap<(u32, u32, u32), Option<(u32, u64)>>,
+}
+
+impl RestTiles {
+    /// The id of `rest` specialized to batch row `b`, head `h`.
+    fn id(&mut self, rest: &Mask, b: usize, h: usize) -> u32 {
+        let n = self.ids.len() as u32;
+        *self
+            .ids
+            .entry(rest.specialized_canonical(b, h))
+            .or_insert(n)
+    }
+}
+
+/// What stage 2 of one build shares: sizes, scratch, the partial-mask table.
+struct Refine<'a> {
+    g: &'a Geom,
+    bits: Vec<u64>,
+    pool: Vec<Vec<u64>>,
+    table: &'a mut PartialMasks,
+    dedup: &'a mut PartialDedup,
+    what: &'a dyn Fn() -> String,
+}
+
+impl Refine<'_> {
+    /// Stages 1 and 2 of tile (`qt`, `kt`) under `node`: `None` when empty, else its mask id
+    /// ([`FULL_TILE`] when full) and allowed pairs.
+    fn tile(&mut self, node: &Node, qt: usize, kt: usize) -> Result<Option<(u32, u64)>> {
+        let g = self.g;
+        let rows = (g.lq - qt * g.tq).min(g.tq) as u64;
+        let cols = (g.lkv - kt * g.tk).min(g.tk) as u64;
+        Ok(match node.classify(g, qt, kt) {
+            TileState::Empty => None,
+            TileState::Full => Some((FULL_TILE, rows * cols)),
+            TileState::Partial => {
+                // Stage 2: exact refinement at token level.
+                node.eval(g, qt, kt, &mut self.bits, &mut self.pool);
+                let n: u64 = self.bits.iter().map(|w| w.count_ones() as u64).sum();
+                if n == 0 {
+                    None
+                } else if n == rows * cols {
+                    Some((FULL_TILE, n))
+                } else {
+                    Some((self.dedup.intern(self.table, &self.bits, self.what)?, n))
                 }
             }
+        })
+    }
+
+    /// [`Refine::tile`] of a split mask's node (`&(blocks.., rest)`): where the blocks
+    /// operands are Full the tile is the rest's, refined once per rest id and tile.
+    fn split_tile(
+        &mut self,
+        node: &Node,
+        (shared, id): (&mut RestTiles, u32),
+        qt: usize,
+        kt: usize,
+    ) -> Result<Option<(u32, u64)>> {
+        let Node::And(v) = node else {
+            return self.tile(node, qt, kt);
+        };
+        let Some((rest, sel)) = v.split_last() else {
+            return self.tile(node, qt, kt);
+        };
+        let sel_full = sel
+            .iter()
+            .all(|n| n.classify(self.g, qt, kt) == TileState::Full);
+        if !sel_full || rest.classify(self.g, qt, kt) != TileState::Partial {
+            return self.tile(node, qt, kt);
+        }
+        let key = (id, qt as u32, kt as u32);
+        if let Some(&t) = shared.tiles.get(&key) {
+            return Ok(t);
+        }
+        let t = self.tile(rest, qt, kt)?;
+        shared.tiles.insert(key, t);
+        Ok(t)
+    }
+}
+
+/// Stages 1-3 for one specialized mask, visiting the kv tiles `visit[qt]` of each q-tile row;
+/// `share` when `node` is a split mask's (see [`split_selection`]).
+fn plan_head(
+    node: &Node,
+    visit: &[Candidates],
+    cx: &mut Refine,
+    mut share: Option<(&mut RestTiles, u32)>,
+) -> Result<HeadPlan> {
+    let g = cx.g;
+    let mut fwd_offsets = Vec::with_capacity(g.nq + 1);
+    let mut fwd = Vec::new();
+    let (mut full_tiles, mut partial_tiles, mut allowed) = (0u64, 0u64, 0u64);
+    fwd_offsets.push(0u32);
+    for (qt, cands) in visit.iter().enumerate() {
+        for kt in cands.iter() {
+            let t = match share.as_mut() {
+                Some((shared, id)) => cx.split_tile(node, (shared, *id), qt, kt)?,
+                None => cx.tile(node, qt, kt)?,
+            };
+            let Some((mask, n)) = t else { continue };
+            if mask == FULL_TILE {
+                full_tiles += 1;
+            } else {
+                partial_tiles += 1;
+            }
+            allowed += n;
+            fwd.push(TileEntry {
+                tile: kt as u32,
+                mask,
+            });
         }
         fwd_offsets.push(fwd.len() as u32);
     }

@@ -4,10 +4,15 @@
 //! precomputed. Stage 1: [`Node::reach`] bounds, per q-tile row, the kv tiles that can hold an
 //! allowed pair, and [`Node::classify`] gives a sound Empty/Partial/Full verdict per tile by
 //! interval arithmetic. Stage 2: [`Node::eval`] writes a tile's exact token bitmask.
+//!
+//! Which kv tiles of a q-tile row are visited at all is [`Node::candidates`]: the reach range,
+//! or, where a `blocks` leaf bounds the row, the explicit sorted list of tiles its selection
+//! touches (intersected through `&`, united through `|`), so that planning a block selection
+//! costs O(selected tiles), not O(tiles in the reach hull).
 
 use crate::plan::TileState;
 use std::collections::HashMap;
-use tessera_mask::{DenseMask, Mask};
+use tessera_mask::{BlockSelection, DenseMask, Mask};
 
 /// Sizes shared by every node of one plan.
 #[derive(Clone, Copy, Debug)]
@@ -271,6 +276,122 @@ fn read_bits(bits: &[u64], at: usize, n: usize) -> u64 {
     v
 }
 
+/// A `blocks` leaf for one (batch, head) slice of its selection.
+pub(crate) struct BlocksLeaf<'a> {
+    sel: &'a BlockSelection,
+    slice: usize,
+}
+
+impl BlocksLeaf<'_> {
+    /// Query blocks (inclusive) holding the rows of q-tile `qt`.
+    fn q_blocks(&self, g: &Geom, qt: usize) -> std::ops::RangeInclusive<usize> {
+        let (i0, i1) = g.qr(qt);
+        let qb = self.sel.q_block();
+        i0 as usize / qb..=i1 as usize / qb
+    }
+
+    /// Kv tiles (inclusive) overlapped by key block `t` (in range: `check` bounds `t`).
+    fn tiles_of(&self, g: &Geom, t: u32) -> (usize, usize) {
+        let kb = self.sel.kv_block();
+        let j0 = t as usize * kb;
+        let j1 = (j0 + kb).min(g.lkv) - 1;
+        (j0 / g.tk, j1 / g.tk)
+    }
+
+    /// The sorted distinct kv tiles that hold a selected pair of q-tile `qt`.
+    fn candidates(&self, g: &Geom, qt: usize) -> Vec<u32> {
+        let mut out = Vec::new();
+        for r in self.q_blocks(g, qt) {
+            for &t in self.sel.row(self.slice, r) {
+                let (a, b) = self.tiles_of(g, t);
+                out.extend(a as u32..=b as u32);
+            }
+        }
+        if !out.windows(2).all(|w| w[0] < w[1]) {
+            out.sort_unstable();
+            out.dedup();
+        }
+        out
+    }
+
+    /// Hull of [`BlocksLeaf::candidates`] (the rows are sorted: their ends suffice).
+    fn reach(&self, g: &Geom, qt: usize) -> Option<(usize, usize)> {
+        self.q_blocks(g, qt)
+            .filter_map(|r| {
+                let row = self.sel.row(self.slice, r);
+                Some((
+                    self.tiles_of(g, *row.first()?).0,
+                    self.tiles_of(g, *row.last()?).1,
+                ))
+            })
+            .reduce(|(a, b), (x, y)| (a.min(x), b.max(y)))
+    }
+
+    /// (any, all): whether some / every query block of the tile selects some / every key
+    /// block overlapping the tile.
+    fn cover(&self, g: &Geom, qt: usize, kt: usize) -> (bool, bool) {
+        let (j0, j1) = g.kr(kt);
+        let kb = self.sel.kv_block();
+        let (ka, kz) = ((j0 as usize / kb) as u32, (j1 as usize / kb) as u32);
+        let (mut any, mut all) = (false, true);
+        for r in self.q_blocks(g, qt) {
+            let row = self.sel.row(self.slice, r);
+            let lo = row.partition_point(|&t| t < ka);
+            let n = row[lo..].partition_point(|&t| t <= kz);
+            any |= n > 0;
+            all &= n == (kz - ka + 1) as usize;
+            if any && !all {
+                break;
+            }
+        }
+        (any, all)
+    }
+}
+
+/// The kv tiles of one q-tile row that planning visits: a range, or an explicit sorted list.
+pub(crate) enum Candidates {
+    /// Every tile in `lo..=hi`.
+    Range(usize, usize),
+    /// These tiles (sorted, distinct).
+    List(Vec<u32>),
+}
+
+impl Candidates {
+    /// How many tiles are visited.
+    pub fn len(&self) -> usize {
+        match self {
+            Candidates::Range(lo, hi) => hi - lo + 1,
+            Candidates::List(v) => v.len(),
+        }
+    }
+
+    /// The tiles, in order.
+    pub fn iter(&self) -> impl Iterator<Item = usize> + '_ {
+        let (range, list) = match self {
+            Candidates::Range(lo, hi) => (*lo..*hi + 1, &[][..]),
+            Candidates::List(v) => (0..0, &v[..]),
+        };
+        range.chain(list.iter().map(|&t| t as usize))
+    }
+}
+
+/// Sorted intersection of two sorted distinct lists.
+fn intersect(a: &[u32], b: &[u32]) -> Vec<u32> {
+    let (mut i, mut j, mut out) = (0, 0, Vec::new());
+    while i < a.len() && j < b.len() {
+        match a[i].cmp(&b[j]) {
+            std::cmp::Ordering::Less => i += 1,
+            std::cmp::Ordering::Greater => j += 1,
+            std::cmp::Ordering::Equal => {
+                out.push(a[i]);
+                i += 1;
+                j += 1;
+            }
+        }
+    }
+    out
+}
+
 /// A mask specialized to one (batch row, head), ready for planning.
 pub(crate) enum Node<'a> {
     Full,
@@ -281,6 +402,7 @@ pub(crate) enum Node<'a> {
     Doc(DocLeaf<'a>),
     Band(BandLeaf<'a>),
     Dense(DenseLeaf<'a>),
+    Blocks(BlocksLeaf<'a>),
     And(Vec<Node<'a>>),
     Or(Vec<Node<'a>>),
     Not(Box<Node<'a>>),
@@ -304,10 +426,78 @@ impl<'a> Node<'a> {
                 *hi,
             )),
             Mask::Dense(d) => Node::Dense(DenseLeaf::new(g, d, d.slice_index(b, h))),
+            Mask::Blocks(s) => Node::Blocks(BlocksLeaf {
+                sel: s,
+                slice: s.slice_index(b, h),
+            }),
             Mask::And(v) => Node::And(v.iter().map(|m| Node::prepare(m, g, b, h)).collect()),
             Mask::Or(v) => Node::Or(v.iter().map(|m| Node::prepare(m, g, b, h)).collect()),
             Mask::Not(m) => Node::Not(Box::new(Node::prepare(m, g, b, h))),
             Mask::Heads(v) => Node::prepare(&v[h], g, b, h),
+        }
+    }
+
+    /// Stage 1: the kv tiles of q-tile `qt` worth classifying: a superset of those holding an
+    /// allowed pair, within [`Node::reach`].
+    pub fn candidates(&self, g: &Geom, qt: usize) -> Candidates {
+        match self.list(g, qt) {
+            Some(v) => Candidates::List(v),
+            None => match self.reach(g, qt) {
+                Some((lo, hi)) => Candidates::Range(lo, hi),
+                None => Candidates::List(Vec::new()),
+            },
+        }
+    }
+
+    /// The explicit candidate list of q-tile `qt` where a `blocks` leaf bounds it (sorted,
+    /// distinct), `None` where only a range is known. `&`: the lists of its list operands
+    /// intersected and clipped to the other operands' reach; `|`: the union of its operands
+    /// (ranges expanded) when one of them has a list. Each subtree is walked once for its
+    /// list and at most once for its reach.
+    fn list(&self, g: &Geom, qt: usize) -> Option<Vec<u32>> {
+        match self {
+            Node::Blocks(s) => Some(s.candidates(g, qt)),
+            Node::And(v) => {
+                let lists: Vec<Option<Vec<u32>>> = v.iter().map(|n| n.list(g, qt)).collect();
+                let mut acc: Option<Vec<u32>> = None;
+                for l in lists.iter().flatten() {
+                    acc = Some(match acc {
+                        None => l.clone(),
+                        Some(a) => intersect(&a, l),
+                    });
+                }
+                let mut acc = acc?;
+                for (n, l) in v.iter().zip(&lists) {
+                    if l.is_none() {
+                        match n.reach(g, qt) {
+                            Some((lo, hi)) => acc.retain(|&t| lo <= t as usize && t as usize <= hi),
+                            None => acc.clear(),
+                        }
+                    }
+                }
+                Some(acc)
+            }
+            Node::Or(v) => {
+                let lists: Vec<Option<Vec<u32>>> = v.iter().map(|n| n.list(g, qt)).collect();
+                if lists.iter().all(Option::is_none) {
+                    return None;
+                }
+                let mut out = Vec::new();
+                for (n, l) in v.iter().zip(lists) {
+                    match l {
+                        Some(l) => out.extend(l),
+                        None => {
+                            if let Some((lo, hi)) = n.reach(g, qt) {
+                                out.extend(lo as u32..=hi as u32);
+                            }
+                        }
+                    }
+                }
+                out.sort_unstable();
+                out.dedup();
+                Some(out)
+            }
+            _ => None,
         }
     }
 
@@ -323,6 +513,7 @@ impl<'a> Node<'a> {
             Node::Doc(d) => d.q_reach[qt],
             Node::Band(d) => d.q_reach[qt],
             Node::Dense(d) => d.q_reach[qt],
+            Node::Blocks(s) => s.reach(g, qt),
             Node::And(v) => v.iter().try_fold((0, g.nk - 1), |(a, b), n| {
                 let (x, y) = n.reach(g, qt)?;
                 let (lo, hi) = (a.max(x), b.min(y));
@@ -381,6 +572,10 @@ impl<'a> Node<'a> {
             Node::Dense(d) => {
                 let c = d.counts[qt * g.nk + kt] as i64;
                 verdict(c == (i1 - i0 + 1) * (j1 - j0 + 1), c == 0)
+            }
+            Node::Blocks(s) => {
+                let (any, all) = s.cover(g, qt, kt);
+                verdict(all, !any)
             }
             Node::And(v) => {
                 let mut all_full = true;
@@ -511,6 +706,27 @@ impl<'a> Node<'a> {
                         if at < ncols {
                             *word = read_bits(bits, j0 as usize + at, (ncols - at).min(64));
                         }
+                    }
+                }
+            }
+            Node::Blocks(s) => {
+                let kb = s.sel.kv_block() as i64;
+                let (ka, kz) = ((j0 / kb) as u32, (j1 / kb) as u32);
+                let mut prev = None;
+                for r in 0..rows {
+                    let qb = (i0 as usize + r) / s.sel.q_block();
+                    if let Some(p) = prev.filter(|&(b, _)| b == qb) {
+                        // Same query block as row `p`: the same bits.
+                        let p: usize = p.1;
+                        out.copy_within(p * wpr..(p + 1) * wpr, r * wpr);
+                        continue;
+                    }
+                    prev = Some((qb, r));
+                    let row = s.sel.row(s.slice, qb);
+                    let lo = row.partition_point(|&t| t < ka);
+                    for &t in row[lo..].iter().take_while(|&&t| t <= kz) {
+                        let a = t as i64 * kb - j0;
+                        set(out, r, a, a + kb);
                     }
                 }
             }

@@ -4,7 +4,8 @@
 //! [`TileShape`] into a [`Plan`] whose tile states are sound and exact: an Empty tile holds no
 //! allowed pair, a Full tile no disallowed in-range pair, a Partial tile both, and every partial
 //! tile's bitmask equals the token mask. Stages: (1) analytic interval classification per tile,
-//! visiting only the kv tiles a q-tile row can reach, (2) token-level refinement of partial tiles
+//! visiting only the kv tiles a q-tile row can reach (under a `blocks` leaf, only the selected
+//! ones: planning a block selection costs O(selected tiles)), (2) token-level refinement of partial tiles
 //! with content-deduplicated bitmasks, (3) compaction into forward and backward work lists.
 //! No stage allocates O(Lq·Lkv) for structured masks. This crate holds no kernel code.
 //!

@@ -6,7 +6,9 @@
 use proptest::prelude::*;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
-use tessera_mask::{BandFeatures, DenseMask, Mask, SegmentIds, Segments, MAX_TREE_DEPTH};
+use tessera_mask::{
+    BandFeatures, BlockSelection, DenseMask, Mask, SegmentIds, Segments, MAX_TREE_DEPTH,
+};
 use tessera_plan::{build_plan, Plan, PlanShape, TileShape, TileState};
 
 /// Random segment ids for `rows` rows: runs of documents, sometimes padding runs (-1, -3), and
@@ -86,6 +88,46 @@ fn random_bounds(rng: &mut impl Rng, l: i64) -> (i64, i64) {
     (a.min(b), a.max(b))
 }
 
+/// A random block selection for `[b, h, lq, lkv]` in blocks of `qb` x `kb`: `[B or 1, H or 1,
+/// Tq, k]` with duplicates, `-1` padding and some rows of `-1` only.
+fn random_blocks(
+    rng: &mut impl Rng,
+    b: usize,
+    h: usize,
+    lq: usize,
+    lkv: usize,
+    qb: usize,
+    kb: usize,
+) -> Mask {
+    let (bb, hh) = (
+        if rng.gen_bool(0.5) { 1 } else { b },
+        if rng.gen_bool(0.5) { 1 } else { h },
+    );
+    let (tq, tk) = (lq.div_ceil(qb), lkv.div_ceil(kb));
+    let k = rng.gen_range(0..=tk + 2);
+    let mut entries = Vec::with_capacity(bb * hh * tq * k);
+    for _ in 0..bb * hh * tq {
+        let none = rng.gen_bool(0.15);
+        for _ in 0..k {
+            entries.push(if none || rng.gen_bool(0.2) {
+                -1
+            } else {
+                rng.gen_range(0..tk as i64)
+            });
+        }
+    }
+    let shape: Vec<usize> = if bb == 1 && rng.gen_bool(0.5) {
+        if hh == 1 {
+            vec![tq, k]
+        } else {
+            vec![hh, tq, k]
+        }
+    } else {
+        vec![bb, hh, tq, k]
+    };
+    Mask::blocks(BlockSelection::new(&shape, &entries, qb, kb, "sel").unwrap())
+}
+
 struct Gen<'a, R: Rng> {
     rng: &'a mut R,
     b: usize,
@@ -97,7 +139,7 @@ struct Gen<'a, R: Rng> {
 impl<R: Rng> Gen<'_, R> {
     fn leaf(&mut self) -> Mask {
         let l = self.lq.max(self.lkv) as i64;
-        match self.rng.gen_range(0..11) {
+        match self.rng.gen_range(0..12) {
             0 => Mask::full(),
             1 => Mask::causal(),
             2 => Mask::causal_offset(self.rng.gen_range(-l..=l)),
@@ -119,6 +161,11 @@ impl<R: Rng> Gen<'_, R> {
                     Segments::shared(q.unwrap())
                 };
                 Mask::document(segs)
+            }
+            8 => {
+                let qb = self.rng.gen_range(1..=self.lq.min(70));
+                let kb = self.rng.gen_range(1..=self.lkv.min(70));
+                random_blocks(self.rng, self.b, self.h, self.lq, self.lkv, qb, kb)
             }
             9 | 10 => self.band(),
             _ => {
@@ -351,6 +398,142 @@ proptest! {
         let e = build_plan(&too_deep, shape, tile).unwrap_err();
         prop_assert!(e.to_string().contains(&MAX_TREE_DEPTH.to_string()), "{}", e);
     }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 96, ..ProptestConfig::default() })]
+
+    /// Block selections (duplicates, `-1` padding, rows of `-1` only) alone and intersected
+    /// with causal / document / window, with the plan's tile equal to the blocks or not
+    /// (smaller, larger, unaligned): states and partial bitmasks equal brute force.
+    #[test]
+    fn block_selections_plan_like_brute_force(
+        seed in any::<u64>(),
+        lq in 1usize..400,
+        lkv_same in any::<bool>(),
+        lkv in 1usize..400,
+        tq in 4u32..7,
+        tk in 4u32..7,
+        b in 1usize..3,
+        h in 1usize..4,
+        blocks_are_tiles in any::<bool>(),
+        with in 0usize..6,
+    ) {
+        let lkv = if lkv_same { lq } else { lkv };
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        let tile = TileShape::new(1 << tq, 1 << tk).unwrap();
+        let (qb, kb) = if blocks_are_tiles {
+            (tile.q, tile.kv)
+        } else {
+            let sizes = [8, 16, 24, 32, 48, 64, 100];
+            (sizes[rng.gen_range(0..sizes.len())], sizes[rng.gen_range(0..sizes.len())])
+        };
+        let sel = random_blocks(&mut rng, b, h, lq, lkv, qb, kb);
+        let other = match with {
+            0 => Mask::full(),
+            1 => Mask::causal(),
+            2 => {
+                let q = SegmentIds::new(1, lq, random_segments(&mut rng, 1, lq)).unwrap();
+                let kv = SegmentIds::new(1, lkv, random_segments(&mut rng, 1, lkv)).unwrap();
+                Mask::causal() & Mask::document(Segments::cross(q, kv).unwrap())
+            }
+            3 => Mask::window(rng.gen_range(0..80), rng.gen_range(0..10)),
+            4 => Mask::causal() | random_blocks(&mut rng, b, h, lq, lkv, qb, kb),
+            _ => !Mask::prefix(rng.gen_range(0..lkv as u64)),
+        };
+        let mask = sel & other;
+        let plan = build_plan(&mask, PlanShape::new(b, h, lq, lkv).unwrap(), tile).unwrap();
+        check(&mask, &plan)?;
+    }
+}
+
+/// With the plan's tile equal to the blocks, a selected tile is Full or empty under the block
+/// leaf alone: only the other operands' partial tiles reach stage 2, and the plan visits the
+/// selected tiles only (an unselected tile of the causal reach is never classified: its
+/// state is Empty, and the plan's tile count equals the selected tiles under causal).
+#[test]
+fn block_selection_of_tiles_plans_the_selected_tiles() {
+    let (lq, t) = (1000, 64);
+    let tq = lq / t + 1;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+    let mut entries = Vec::new();
+    let mut selected = 0;
+    for r in 0..tq as i64 {
+        let mut row: Vec<i64> = (0..=r).filter(|_| rng.gen_bool(0.3)).collect();
+        row.push(r);
+        row.dedup();
+        selected += row.len();
+        row.resize(tq + 1, -1);
+        entries.extend(row);
+    }
+    let sel = BlockSelection::new(&[tq, tq + 1], &entries, t, t, "sel").unwrap();
+    let mask = Mask::blocks(sel) & Mask::causal();
+    let plan = build_plan(
+        &mask,
+        PlanShape::new(1, 1, lq, lq).unwrap(),
+        TileShape::new(t, t).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(
+        (plan.stats.full_tiles + plan.stats.partial_tiles) as usize,
+        selected
+    );
+    assert_eq!(plan.stats.partial_tiles as usize, tq);
+    check(&mask, &plan).unwrap();
+}
+
+#[test]
+fn block_selections_are_checked_against_the_shape() {
+    let shape = PlanShape::new(2, 3, 100, 200).unwrap();
+    let t = TileShape::new(32, 64).unwrap();
+    let plan = |sel: BlockSelection| build_plan(&(Mask::blocks(sel) & Mask::causal()), shape, t);
+    // Tq = ceil(100 / 32) = 4 query blocks, ceil(200 / 64) = 4 key blocks.
+    let ok = BlockSelection::new(
+        &[2, 1, 4, 2],
+        &[0, 3, -1, -1, 1, 1, 2, -1, 0, 0, 0, 0, 3, 2, 1, 0],
+        32,
+        64,
+        "kv_tiles",
+    );
+    assert!(plan(ok.unwrap()).is_ok());
+    let e = plan(BlockSelection::new(&[1, 1, 4, 1], &[0, 4, 1, 2], 32, 64, "kv_tiles").unwrap())
+        .unwrap_err();
+    assert!(
+        e.to_string()
+            .starts_with("kv_tiles: expected entries in [-1, 4)"),
+        "{e}"
+    );
+    let e = plan(BlockSelection::new(&[1, 1, 3, 1], &[0, 1, 2], 32, 64, "kv_tiles").unwrap())
+        .unwrap_err();
+    assert!(e.to_string().contains("4 query blocks"), "{e}");
+    let e =
+        plan(BlockSelection::new(&[1, 2, 4, 1], &[0; 8], 32, 64, "kv_tiles").unwrap()).unwrap_err();
+    assert!(e.to_string().contains("1 or 3 heads"), "{e}");
+    let e = plan(BlockSelection::new(&[3, 1, 4, 1], &[0; 12], 32, 64, "kv_tiles").unwrap())
+        .unwrap_err();
+    assert!(e.to_string().contains("1 or 2 batch rows"), "{e}");
+    for (shape, entries) in [
+        (&[4, 1][..], &[0, -2, 0, 0][..]),
+        (&[4, 2], &[0; 7]),
+        (&[4][..], &[0; 4]),
+    ] {
+        let e = BlockSelection::new(shape, entries, 32, 64, "kv_tiles").unwrap_err();
+        assert!(e.to_string().starts_with("kv_tiles: "), "{e}");
+    }
+    let e = BlockSelection::new(&[4, 1], &[0; 4], 0, 64, "kv_tiles").unwrap_err();
+    assert!(e.to_string().contains("block sizes"), "{e}");
+    // Order and repetition within a row do not change the selection or its contract.
+    let a = BlockSelection::new(
+        &[4, 3],
+        &[2, 0, -1, 1, 1, 1, -1, -1, -1, 3, 0, 3],
+        32,
+        64,
+        "a",
+    )
+    .unwrap();
+    let b = BlockSelection::new(&[4, 2], &[0, 2, 1, -1, -1, -1, 0, 3], 32, 64, "b").unwrap();
+    assert_eq!(a.digest(), b.digest());
+    assert_eq!(Mask::blocks(a).canonical(), Mask::blocks(b).canonical());
 }
 
 #[test]

@@ -13,9 +13,10 @@ Quick start::
 
 Masks use the same algebra and spelling as the Rust API and the ``tessera`` CLI: leaves
 ``full()``, ``causal(offset)``, ``window(left, right)``, ``chunk(size)``, ``prefix(n)``,
-``document(ids)``, ``band(q_feature, kv_feature, lo, hi)``, ``dense(array)``, ``heads([...])``
-combined with ``&``, ``|`` and ``~``, or the text form
-``tessera.mask("causal & document", segments=ids)``. ``torch`` and ``jax`` are
+``document(ids)``, ``band(q_feature, kv_feature, lo, hi)``, ``dense(array)``,
+``blocks(kv_tiles, block)``, ``heads([...])`` combined with ``&``, ``|`` and ``~``, or the text form
+``tessera.mask("causal & document", segments=ids)``. :func:`plan_from_blocks` plans a per-step
+block selection (a MoBA / NSA gate's top-k) intersected with a mask. ``torch`` and ``jax`` are
 optional: ``import tessera`` needs numpy only.
 """
 
@@ -44,8 +45,10 @@ __all__ = [
     "band",
     "dense",
     "heads",
+    "blocks",
     "mask",
     "plan",
+    "plan_from_blocks",
     "pack",
     "cache_stats",
     "Telemetry",
@@ -81,6 +84,29 @@ def _bool_array(name: str, values: Any) -> np.ndarray:
             raise ValueError(f"{name}: expected only 0 and 1 in an integer mask array")
         a = a.astype(np.bool_)
     return np.ascontiguousarray(a)
+
+
+def _kv_tiles(name: str, kv_tiles: Any) -> np.ndarray:
+    """A block selection as a contiguous int64 array ``[B, H, Tq, k]`` (or ``[H, Tq, k]``,
+    ``[Tq, k]``) from numpy, torch (a CUDA tensor is copied to the host once) or lists."""
+    if hasattr(kv_tiles, "detach") and hasattr(kv_tiles, "cpu"):
+        kv_tiles = kv_tiles.detach().cpu().numpy()
+    a = np.asarray(kv_tiles)
+    if a.dtype == np.bool_ or not np.issubdtype(a.dtype, np.integer):
+        raise TypeError(f"{name}: expected an integer array of kv tile indices (-1 = none), got dtype {a.dtype}")
+    if a.ndim not in (2, 3, 4):
+        raise ValueError(f"{name}: expected shape [B, H, Tq, k] (or [H, Tq, k], [Tq, k]), got {tuple(a.shape)}")
+    if a.dtype.kind == "u" and a.size and int(a.max()) >= 2**31:
+        raise ValueError(f"{name}: expected kv tile indices below 2**31, found {int(a.max())}")
+    return np.ascontiguousarray(a, dtype=np.int64)
+
+
+def _block_pair(name: str, block: Any, lo: int = 1) -> Tuple[int, int]:
+    """``block`` as a ``(q, kv)`` pair of ints (an int means a square block)."""
+    pair = (block, block) if isinstance(block, (int, np.integer)) and not isinstance(block, bool) else block
+    if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+        raise TypeError(f"{name}: expected an int or a (q, kv) pair of ints, got {block!r}")
+    return (_int_arg(name, "q", pair[0], lo), _int_arg(name, "kv", pair[1], lo))
 
 
 def _int_arg(fn: str, name: str, value: Any, lo: int, hi: int = 2**62) -> int:
@@ -148,6 +174,18 @@ def dense(values: Any) -> Mask:
     return _tessera.dense(_bool_array("dense", values))
 
 
+def blocks(kv_tiles: Any, block: Union[int, Tuple[int, int]] = 128) -> Mask:
+    """A block selection (SPEC §13): query ``i`` may attend key ``j`` of batch row ``b``, head ``h``
+    iff key block ``j // kv_block`` is among ``kv_tiles[b, h, i // q_block]``. ``kv_tiles`` is an
+    integer array ``[B, H, Tq, k]`` (numpy or torch; a CUDA tensor is copied to the host once;
+    ``[H, Tq, k]`` and ``[Tq, k]`` broadcast, as do B or H of 1), ``-1`` meaning none, duplicates
+    counting once; ``block`` is ``(q_block, kv_block)`` in tokens (an int: square). Planning checks
+    ``Tq == ceil(Lq / q_block)`` and that every entry is below ``ceil(Lkv / kv_block)``. Usually
+    reached through :func:`plan_from_blocks`."""
+    q, kv = _block_pair("block", block)
+    return _tessera.blocks(_kv_tiles("kv_tiles", kv_tiles), q, kv)
+
+
 def heads(masks: Sequence[Mask]) -> Mask:
     """Head ``h`` uses ``masks[h]``."""
     masks = list(masks)
@@ -165,11 +203,14 @@ def mask(
     kv_segments: Any = None,
     dense: Optional[Dict[str, Any]] = None,
     features: Optional[Dict[str, Any]] = None,
+    blocks: Optional[Dict[str, Any]] = None,
 ) -> Mask:
     """Parses a mask expression in the CLI's language, e.g. ``"causal & document"`` with
     ``segments=ids``, ``"window(4K) | prefix(64)"``, ``"heads(causal, full)"``,
-    ``"dense(m) & causal"`` with ``dense={"m": array}``, or ``"band(t, t, 0, 64)"`` with
-    ``features={"t": ints}`` (integer arrays ``[L]`` or ``[B, L]``)."""
+    ``"dense(m) & causal"`` with ``dense={"m": array}``, ``"band(t, t, 0, 64)"`` with
+    ``features={"t": ints}`` (integer arrays ``[L]`` or ``[B, L]``), or
+    ``"causal & blocks(128, 128, sel)"`` with ``blocks={"sel": kv_tiles}`` (``blocks(QB, KVB,
+    NAME)``: see :func:`blocks`)."""
     if not isinstance(expr, str):
         raise TypeError(f"expr: expected a str, got {type(expr).__name__}")
     seg = None if segments is None else _int_ids("segments", segments)
@@ -185,7 +226,12 @@ def mask(
         if not isinstance(features, dict):
             raise TypeError("features: expected a dict of name -> integer array")
         feats = {str(k): _int_ids(f"features['{k}']", v, "a feature") for k, v in features.items()}
-    return _tessera.mask(expr, seg, qs, ks, table, feats)
+    sel = None
+    if blocks is not None:
+        if not isinstance(blocks, dict):
+            raise TypeError("blocks: expected a dict of name -> integer array")
+        sel = {str(k): _kv_tiles(f"blocks['{k}']", v) for k, v in blocks.items()}
+    return _tessera.mask(expr, seg, qs, ks, table, feats, sel)
 
 
 # -- key-side documents for other engines -------------------------------------------------------
@@ -369,6 +415,44 @@ def plan(
         if value < 1:
             raise ValueError(f"{name}: expected a positive int, got {value}")
     return Plan(_tessera.plan(mask, int(q_len), kv_len, heads, batch, block, cache))
+
+
+def plan_from_blocks(
+    mask: Mask,
+    kv_tiles: Any,
+    q_len: int,
+    kv_len: Optional[int] = None,
+    heads: Optional[int] = None,
+    batch: Optional[int] = None,
+    block: Union[int, Tuple[int, int]] = 128,
+    selection_block: Union[int, Tuple[int, int], None] = None,
+    cache: bool = False,
+) -> Plan:
+    """The plan of ``mask & blocks(kv_tiles, selection_block)`` (SPEC §13): a pair is allowed
+    when its (query block, key block) tile is selected and ``mask`` allows it. ``kv_tiles`` is an
+    integer array ``[B, H, Tq, k]`` of the key blocks each query block keeps (what a MoBA / NSA
+    gate's top-k gives; numpy or torch, a CUDA tensor is copied to the host once; ``-1`` = none,
+    duplicates count once; B or H of 1, or ``[H, Tq, k]`` / ``[Tq, k]``, broadcast), with
+    ``Tq == ceil(q_len / q_block)`` and entries below ``ceil(kv_len / kv_block)``.
+
+    ``block`` is the plan's tile (an int or ``(q, kv)``), as in :func:`plan`;
+    ``selection_block`` the selection's block in tokens, by default ``block``: then a selected
+    tile needs no token work beyond ``mask``'s own. Planning visits the selected tiles only (time
+    proportional to them, not to the mask's reach). ``batch``/``heads`` default to what the
+    data implies (the selection's B and H, segment id rows, ...).
+
+    The result is an ordinary :class:`Plan` (torch op, FlexAttention ``BlockMask``, Splash
+    ``MaskInfo``, context-parallel sharding); a compiled step takes it as a handle, so a new
+    selection each step does not recompile. ``cache=False`` (the default) skips the plan cache:
+    a selection is new every step, so storing its plan only costs time and evicts plans that are
+    reused; pass ``cache=True`` to look it up and store it like :func:`plan`. Wrong shapes or
+    out-of-range entries raise ``ValueError`` naming ``kv_tiles``, a float or bool array
+    ``TypeError``; nothing is planned then."""
+    if not isinstance(mask, Mask):
+        raise TypeError(f"mask: expected a tessera.Mask, got {type(mask).__name__}")
+    sb = _block_pair(*(("block", block) if selection_block is None else ("selection_block", selection_block)))
+    sel = _tessera.blocks(_kv_tiles("kv_tiles", kv_tiles), *sb)
+    return plan(mask & sel, q_len, kv_len, heads, batch, block, cache)
 
 
 def cache_stats() -> Dict[str, Any]:
