@@ -78,64 +78,68 @@ fn summarize(ids: &[i64], tile: usize) -> Vec<SegSummary> {
 }
 
 /// A `document` leaf for one batch row.
-pub(crate) struct DocLeaf<'a> {
-    q: &'a [i64],
+pub(crate) struct DocLeaf {
     q_sum: Vec<SegSummary>,
     kv_sum: Vec<SegSummary>,
-    /// Runs of equal valid kv ids: (start, end exclusive, id); `kv_runs[kv_run_off[kt]..]` per tile.
+    /// Runs of equal valid ids per tile, (start, end exclusive, id) within the tile:
+    /// `q_runs[q_run_off[qt]..q_run_off[qt + 1]]`, and the same for kv tiles. Stage 2 works
+    /// run by run, so a tile costs its runs, not its rows.
+    q_runs: Vec<(u32, u32, i64)>,
+    q_run_off: Vec<u32>,
     kv_runs: Vec<(u32, u32, i64)>,
     kv_run_off: Vec<u32>,
     /// Per q tile: the hull of kv tiles holding any of its ids.
     q_reach: Vec<Option<(usize, usize)>>,
 }
 
-impl<'a> DocLeaf<'a> {
-    fn new(g: &Geom, q: &'a [i64], kv: &'a [i64]) -> Self {
-        let mut kv_runs = Vec::new();
-        let mut kv_run_off = Vec::with_capacity(g.nk + 1);
+/// Runs of equal valid (non-negative) ids of every `tile`-sized chunk of `ids`, and the offset
+/// of each chunk's first run (one more offset at the end).
+fn tile_runs(ids: &[i64], tile: usize) -> (Vec<(u32, u32, i64)>, Vec<u32>) {
+    let mut runs = Vec::new();
+    let mut off = Vec::with_capacity(ids.len().div_ceil(tile) + 1);
+    for chunk in ids.chunks(tile) {
+        off.push(runs.len() as u32);
+        let mut s = 0;
+        while s < chunk.len() {
+            let id = chunk[s];
+            let mut e = s + 1;
+            while e < chunk.len() && chunk[e] == id {
+                e += 1;
+            }
+            if id >= 0 {
+                runs.push((s as u32, e as u32, id));
+            }
+            s = e;
+        }
+    }
+    off.push(runs.len() as u32);
+    (runs, off)
+}
+
+impl DocLeaf {
+    fn new(g: &Geom, q: &[i64], kv: &[i64]) -> Self {
+        let (q_runs, q_run_off) = tile_runs(q, g.tq);
+        let (kv_runs, kv_run_off) = tile_runs(kv, g.tk);
         // First and last kv tile of every id: bounds the kv tiles a q tile can reach.
         let mut span: HashMap<i64, (usize, usize)> = HashMap::new();
-        for (kt, chunk) in kv.chunks(g.tk).enumerate() {
-            kv_run_off.push(kv_runs.len() as u32);
-            let mut s = 0;
-            while s < chunk.len() {
-                let id = chunk[s];
-                let mut e = s + 1;
-                while e < chunk.len() && chunk[e] == id {
-                    e += 1;
-                }
-                if id >= 0 {
-                    kv_runs.push((s as u32, e as u32, id));
-                    span.entry(id).and_modify(|x| x.1 = kt).or_insert((kt, kt));
-                }
-                s = e;
+        for kt in 0..g.nk {
+            for &(_, _, id) in &kv_runs[kv_run_off[kt] as usize..kv_run_off[kt + 1] as usize] {
+                span.entry(id).and_modify(|x| x.1 = kt).or_insert((kt, kt));
             }
         }
-        kv_run_off.push(kv_runs.len() as u32);
-        let q_reach = q
-            .chunks(g.tq)
-            .map(|c| {
-                let mut acc: Option<(usize, usize)> = None;
-                let mut prev = None;
-                for &id in c {
-                    if id < 0 || prev == Some(id) {
-                        continue;
-                    }
-                    prev = Some(id);
-                    if let Some(&(a, b)) = span.get(&id) {
-                        acc = Some(match acc {
-                            None => (a, b),
-                            Some((x, y)) => (x.min(a), y.max(b)),
-                        });
-                    }
-                }
-                acc
+        let q_reach = (0..g.nq)
+            .map(|qt| {
+                let runs = &q_runs[q_run_off[qt] as usize..q_run_off[qt + 1] as usize];
+                runs.iter()
+                    .filter_map(|&(_, _, id)| span.get(&id).copied())
+                    .reduce(|(x, y), (a, b)| (x.min(a), y.max(b)))
             })
             .collect();
         DocLeaf {
-            q,
             q_sum: summarize(q, g.tq),
             kv_sum: summarize(kv, g.tk),
+            q_runs,
+            q_run_off,
             kv_runs,
             kv_run_off,
             q_reach,
@@ -393,18 +397,95 @@ fn intersect(a: &[u32], b: &[u32]) -> Vec<u32> {
 }
 
 /// A mask specialized to one (batch row, head), ready for planning.
+/// A union's operands, with (for unions of many operands) a per-q-tile index of the operands
+/// that can allow a pair in that row and the kv tiles each reaches: stage 1 and stage 2 of a tile
+/// visit only those, so a union of many narrow leaves (a neighbourhood or a video head written as
+/// hundreds of `document` leaves) is planned in one pass over the tiles instead of one pass per
+/// operand.
+pub(crate) struct OrNode<'a> {
+    kids: Vec<Node<'a>>,
+    rows: Option<RowIndex>,
+}
+
+/// Per q tile `qt`: `(operand, first kv tile, last kv tile)` of every operand whose reach in that
+/// row is non-empty, at `entries[off[qt]..off[qt + 1]]`.
+struct RowIndex {
+    off: Vec<u32>,
+    entries: Vec<(u32, u32, u32)>,
+}
+
+/// Unions with at least this many operands get a [`RowIndex`]...
+const ROW_INDEX_MIN_KIDS: usize = 8;
+/// ...when it holds at most this many entries (operands times q tiles): 48 MiB.
+const ROW_INDEX_MAX_ENTRIES: usize = 1 << 22;
+
+impl<'a> OrNode<'a> {
+    fn new(kids: Vec<Node<'a>>, g: &Geom) -> Self {
+        let indexed = kids.len() >= ROW_INDEX_MIN_KIDS
+            && kids.len().saturating_mul(g.nq) <= ROW_INDEX_MAX_ENTRIES;
+        let rows = indexed.then(|| {
+            let mut off = Vec::with_capacity(g.nq + 1);
+            let mut entries = Vec::new();
+            for qt in 0..g.nq {
+                off.push(entries.len() as u32);
+                for (i, k) in kids.iter().enumerate() {
+                    if let Some((lo, hi)) = k.reach(g, qt) {
+                        entries.push((i as u32, lo as u32, hi as u32));
+                    }
+                }
+            }
+            off.push(entries.len() as u32);
+            RowIndex { off, entries }
+        });
+        OrNode { kids, rows }
+    }
+
+    /// Calls `f` on every operand that can allow a pair in tile (`qt`, `kt`) (every operand when
+    /// the union has no index; the others are Empty there, their reach being sound) until `f`
+    /// returns false.
+    fn each_active(&self, qt: usize, kt: usize, mut f: impl FnMut(&Node<'a>) -> bool) {
+        match &self.rows {
+            Some(r) => {
+                for &(i, lo, hi) in &r.entries[r.off[qt] as usize..r.off[qt + 1] as usize] {
+                    if lo as usize <= kt && kt <= hi as usize && !f(&self.kids[i as usize]) {
+                        return;
+                    }
+                }
+            }
+            None => {
+                for k in &self.kids {
+                    if !f(k) {
+                        return;
+                    }
+                }
+            }
+        }
+    }
+
+    fn reach(&self, g: &Geom, qt: usize) -> Option<(usize, usize)> {
+        let hull = |(a, b): (usize, usize), (x, y): (usize, usize)| (a.min(x), b.max(y));
+        match &self.rows {
+            Some(r) => r.entries[r.off[qt] as usize..r.off[qt + 1] as usize]
+                .iter()
+                .map(|&(_, lo, hi)| (lo as usize, hi as usize))
+                .reduce(hull),
+            None => self.kids.iter().filter_map(|n| n.reach(g, qt)).reduce(hull),
+        }
+    }
+}
+
 pub(crate) enum Node<'a> {
     Full,
     Causal(i64),
     Window(i64, i64),
     Chunk(i64),
     Prefix(i64),
-    Doc(DocLeaf<'a>),
+    Doc(DocLeaf),
     Band(BandLeaf<'a>),
     Dense(DenseLeaf<'a>),
     Blocks(BlocksLeaf<'a>),
     And(Vec<Node<'a>>),
-    Or(Vec<Node<'a>>),
+    Or(OrNode<'a>),
     Not(Box<Node<'a>>),
 }
 
@@ -431,7 +512,10 @@ impl<'a> Node<'a> {
                 slice: s.slice_index(b, h),
             }),
             Mask::And(v) => Node::And(v.iter().map(|m| Node::prepare(m, g, b, h)).collect()),
-            Mask::Or(v) => Node::Or(v.iter().map(|m| Node::prepare(m, g, b, h)).collect()),
+            Mask::Or(v) => Node::Or(OrNode::new(
+                v.iter().map(|m| Node::prepare(m, g, b, h)).collect(),
+                g,
+            )),
             Mask::Not(m) => Node::Not(Box::new(Node::prepare(m, g, b, h))),
             Mask::Heads(v) => Node::prepare(&v[h], g, b, h),
         }
@@ -477,7 +561,8 @@ impl<'a> Node<'a> {
                 }
                 Some(acc)
             }
-            Node::Or(v) => {
+            Node::Or(o) => {
+                let v = &o.kids;
                 let lists: Vec<Option<Vec<u32>>> = v.iter().map(|n| n.list(g, qt)).collect();
                 if lists.iter().all(Option::is_none) {
                     return None;
@@ -519,10 +604,7 @@ impl<'a> Node<'a> {
                 let (lo, hi) = (a.max(x), b.min(y));
                 (lo <= hi).then_some((lo, hi))
             }),
-            Node::Or(v) => v
-                .iter()
-                .filter_map(|n| n.reach(g, qt))
-                .reduce(|(a, b), (x, y)| (a.min(x), b.max(y))),
+            Node::Or(o) => o.reach(g, qt),
         }
     }
 
@@ -592,20 +674,20 @@ impl<'a> Node<'a> {
                     Partial
                 }
             }
-            Node::Or(v) => {
-                let mut all_empty = true;
-                for n in v {
-                    match n.classify(g, qt, kt) {
-                        Full => return Full,
-                        Partial => all_empty = false,
-                        Empty => {}
+            Node::Or(o) => {
+                let mut state = Empty;
+                o.each_active(qt, kt, |n| match n.classify(g, qt, kt) {
+                    Full => {
+                        state = Full;
+                        false
                     }
-                }
-                if all_empty {
-                    Empty
-                } else {
-                    Partial
-                }
+                    Partial => {
+                        state = Partial;
+                        true
+                    }
+                    Empty => true,
+                });
+                state
             }
             Node::Not(n) => match n.classify(g, qt, kt) {
                 Empty => Full,
@@ -618,11 +700,40 @@ impl<'a> Node<'a> {
     /// Stage 2: writes the exact bitmask of tile (`qt`, `kt`) into `out` (`tq` rows of `wpr`
     /// words); bits of out-of-range rows and columns are 0. `pool` supplies scratch buffers.
     pub fn eval(&self, g: &Geom, qt: usize, kt: usize, out: &mut [u64], pool: &mut Vec<Vec<u64>>) {
+        out.fill(0);
+        self.write(g, qt, kt, out, pool);
+    }
+
+    /// ORs the tile's bitmask into `out`: in place for the leaves whose stage 2 only sets bits,
+    /// through a scratch buffer for the others. A union is thus refined in one pass over the
+    /// tile, each operand touching only what it allows.
+    fn or_into(&self, g: &Geom, qt: usize, kt: usize, out: &mut [u64], pool: &mut Vec<Vec<u64>>) {
+        let sets_bits = matches!(
+            self,
+            Node::Full
+                | Node::Causal(_)
+                | Node::Window(..)
+                | Node::Chunk(_)
+                | Node::Prefix(_)
+                | Node::Doc(_)
+        );
+        if sets_bits {
+            self.write(g, qt, kt, out, pool);
+        } else {
+            let mut tmp = pool.pop().unwrap_or_default();
+            tmp.resize(out.len(), 0);
+            self.eval(g, qt, kt, &mut tmp, pool);
+            out.iter_mut().zip(&tmp).for_each(|(o, s)| *o |= s);
+            pool.push(tmp);
+        }
+    }
+
+    /// Stage 2 into a zeroed `out` (the bit-setting leaves also OR into a non-zero one).
+    fn write(&self, g: &Geom, qt: usize, kt: usize, out: &mut [u64], pool: &mut Vec<Vec<u64>>) {
         let (i0, i1) = g.qr(qt);
         let (j0, j1) = g.kr(kt);
         let ncols = (j1 - j0 + 1) as usize;
         let rows = (i1 - i0 + 1) as usize;
-        out.fill(0);
         let wpr = g.wpr;
         // Sets columns [lo, hi) of tile row r (clipped to the in-range columns).
         let set = |out: &mut [u64], r: usize, lo: i64, hi: i64| {
@@ -660,16 +771,11 @@ impl<'a> Node<'a> {
             }
             Node::Prefix(n) => (0..rows).for_each(|r| set(out, r, 0, n.saturating_sub(j0))),
             Node::Doc(d) => {
-                let runs = &d.kv_runs[d.kv_run_off[kt] as usize..d.kv_run_off[kt + 1] as usize];
-                for r in 0..rows {
-                    let s = d.q[i0 as usize + r];
-                    if s < 0 {
-                        continue;
-                    }
-                    for &(a, b, id) in runs {
-                        if id == s {
-                            set(out, r, a as i64, b as i64);
-                        }
+                let kv = &d.kv_runs[d.kv_run_off[kt] as usize..d.kv_run_off[kt + 1] as usize];
+                let q = &d.q_runs[d.q_run_off[qt] as usize..d.q_run_off[qt + 1] as usize];
+                for &(a, b, id) in q {
+                    for &(c, e, _) in kv.iter().filter(|run| run.2 == id) {
+                        (a..b).for_each(|r| set(out, r as usize, c as i64, e as i64));
                     }
                 }
             }
@@ -730,50 +836,53 @@ impl<'a> Node<'a> {
                     }
                 }
             }
-            Node::And(v) | Node::Or(v) => {
-                let is_and = matches!(self, Node::And(_));
+            Node::And(v) => {
                 let mut first = true;
                 let mut tmp = pool.pop().unwrap_or_default();
                 tmp.resize(out.len(), 0);
                 for n in v {
-                    // Operands that are uniform on this tile need no token work.
-                    let st = n.classify(g, qt, kt);
-                    let neutral = if is_and {
-                        TileState::Full
-                    } else {
-                        TileState::Empty
-                    };
-                    if st == neutral {
-                        continue;
-                    }
-                    let src: &[u64] = if st == TileState::Partial {
-                        n.eval(g, qt, kt, &mut tmp, pool);
-                        &tmp
-                    } else {
-                        // Absorbing element: all-ones for `|` Full, zeros for `&` Empty.
-                        if is_and {
+                    // Operands Full on this tile need no token work; an Empty one empties it.
+                    match n.classify(g, qt, kt) {
+                        TileState::Full => continue,
+                        TileState::Empty => {
                             out.fill(0);
                             pool.push(tmp);
                             return;
                         }
-                        Node::Full.eval(g, qt, kt, out, pool);
-                        pool.push(tmp);
-                        return;
-                    };
+                        TileState::Partial => {}
+                    }
                     if first {
-                        out.copy_from_slice(src);
+                        n.eval(g, qt, kt, out, pool);
                         first = false;
-                    } else if is_and {
-                        out.iter_mut().zip(src).for_each(|(o, s)| *o &= s);
                     } else {
-                        out.iter_mut().zip(src).for_each(|(o, s)| *o |= s);
+                        n.eval(g, qt, kt, &mut tmp, pool);
+                        out.iter_mut().zip(&tmp).for_each(|(o, s)| *o &= s);
                     }
                 }
-                if first && is_and {
+                if first {
                     // Every operand was Full on this tile.
-                    Node::Full.eval(g, qt, kt, out, pool);
+                    Node::Full.write(g, qt, kt, out, pool);
                 }
                 pool.push(tmp);
+            }
+            Node::Or(o) => {
+                // One pass: `out` is zeroed; each partial operand ORs in what it allows.
+                let mut full = false;
+                o.each_active(qt, kt, |n| match n.classify(g, qt, kt) {
+                    TileState::Empty => true,
+                    TileState::Full => {
+                        full = true;
+                        false
+                    }
+                    TileState::Partial => {
+                        n.or_into(g, qt, kt, out, pool);
+                        true
+                    }
+                });
+                if full {
+                    out.fill(0);
+                    Node::Full.write(g, qt, kt, out, pool);
+                }
             }
             Node::Not(n) => {
                 n.eval(g, qt, kt, out, pool);

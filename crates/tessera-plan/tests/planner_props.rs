@@ -451,6 +451,61 @@ proptest! {
 /// leaf alone: only the other operands' partial tiles reach stage 2, and the plan visits the
 /// selected tiles only (an unselected tile of the causal reach is never classified: its
 /// state is Empty, and the plan's tile count equals the selected tiles under causal).
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+    /// Unions of many operands (planned through the per-row index of their reaches): narrow
+    /// document runs, every other leaf and small trees, alone and under `&`, `!` and `heads`.
+    #[test]
+    fn wide_unions_match_brute_force(
+        seed in any::<u64>(),
+        lq in 1usize..500,
+        lkv_same in any::<bool>(),
+        lkv in 1usize..500,
+        tq in 4u32..7,
+        tk in 4u32..7,
+        b in 1usize..3,
+        h in 1usize..3,
+        n in 8usize..40,
+        how in 0usize..4,
+    ) {
+        let lkv = if lkv_same { lq } else { lkv };
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        let mut g = Gen { rng: &mut rng, b, h, lq, lkv };
+        let kids: Vec<Mask> = (0..n)
+            .map(|_| match g.rng.gen_range(0..4) {
+                // a run of one id on each side: a narrow document leaf
+                0 => {
+                    let (qa, ka) = (g.rng.gen_range(0..lq), g.rng.gen_range(0..lkv));
+                    let (ql, kl) = (g.rng.gen_range(1..=24), g.rng.gen_range(1..=24));
+                    let q: Vec<i64> = (0..lq).map(|i| if (qa..qa + ql).contains(&i) { 0 } else { -1 }).collect();
+                    let kv: Vec<i64> = (0..lkv).map(|j| if (ka..ka + kl).contains(&j) { 0 } else { -1 }).collect();
+                    let (q, kv) = (SegmentIds::shared(q).unwrap(), SegmentIds::shared(kv).unwrap());
+                    Mask::document(Segments::cross(q, kv).unwrap())
+                }
+                1 => g.tree(1),
+                _ => g.leaf(),
+            })
+            .collect();
+        let union = Mask::Or(kids);
+        let mask = match how {
+            0 => union,
+            1 => union & g.tree(1),
+            2 => !union | g.leaf(),
+            _ => {
+                let at = g.rng.gen_range(0..h);
+                let mut v: Vec<Mask> = (0..h - 1).map(|_| g.tree(1)).collect();
+                v.insert(at, union);
+                Mask::heads(v)
+            }
+        };
+        let shape = PlanShape::new(b, h, lq, lkv).unwrap();
+        let tile = TileShape::new(1 << tq, 1 << tk).unwrap();
+        let plan = build_plan(&mask, shape, tile).unwrap();
+        check(&mask, &plan)?;
+    }
+}
+
 #[test]
 fn block_selection_of_tiles_plans_the_selected_tiles() {
     let (lq, t) = (1000, 64);
