@@ -447,10 +447,6 @@ proptest! {
     }
 }
 
-/// With the plan's tile equal to the blocks, a selected tile is Full or empty under the block
-/// leaf alone: only the other operands' partial tiles reach stage 2, and the plan visits the
-/// selected tiles only (an unselected tile of the causal reach is never classified: its
-/// state is Empty, and the plan's tile count equals the selected tiles under causal).
 proptest! {
     #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
 
@@ -506,6 +502,10 @@ proptest! {
     }
 }
 
+/// With the plan's tile equal to the blocks, a selected tile is Full or empty under the block
+/// leaf alone: only the other operands' partial tiles reach stage 2, and the plan visits the
+/// selected tiles only (an unselected tile of the causal reach is never classified: its
+/// state is Empty, and the plan's tile count equals the selected tiles under causal).
 #[test]
 fn block_selection_of_tiles_plans_the_selected_tiles() {
     let (lq, t) = (1000, 64);
