@@ -1,10 +1,12 @@
-//! Masks from Python: the same algebra and spelling as Rust and the CLI (SPEC §3). Typed
-//! constructors (`causal()`, `document(ids)`, ...) combine with `&`, `|`, `~`; `mask(text, ...)`
-//! parses the CLI's expression language with the segment ids and dense arrays passed in.
+//! Masks from Python: the same algebra and spelling as Rust and the CLI (SPEC §3, §13). Typed
+//! constructors (`causal()`, `document(ids)`, `band(f, g, lo, hi)`, ...) combine with `&`, `|`,
+//! `~`; `mask(text, ...)` parses the CLI's expression language with the segment ids, dense arrays
+//! and band features passed in.
 //!
 //! Contract: a `Mask` is immutable; `str(mask)` is its canonical form (data named by digest), so
-//! two masks with the same semantics and data print the same. Integer arrays arrive as int64
-//! numpy arrays `[L]` or `[B, L]` (the Python layer converts torch tensors and lists).
+//! two masks with the same semantics and data print the same. Integer arrays (segment ids, band
+//! features) arrive as int64 numpy arrays `[L]` or `[B, L]` (the Python layer converts torch
+//! tensors and lists).
 
 use numpy::{PyReadonlyArrayDyn, PyUntypedArrayMethods};
 use pyo3::exceptions::{PyTypeError, PyValueError};
@@ -12,6 +14,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use std::collections::HashMap;
 use std::sync::Arc;
+use tessera::mask::BandFeatures;
 use tessera::mask::{parse, Resolver};
 use tessera::{DenseMask, Mask, Result as TResult, SegmentIds, Segments};
 
@@ -68,18 +71,23 @@ impl PyMask {
 
 /// Segment ids from an int64 array `[L]` or `[B, L]` (-1 = padding).
 pub fn segment_ids(name: &str, a: PyReadonlyArrayDyn<'_, i64>) -> PyResult<SegmentIds> {
+    int_rows(name, "segment ids", a)
+}
+
+/// An int64 array `[L]` or `[B, L]` of `what` (segment ids, a band feature); errors name `name`.
+fn int_rows(name: &str, what: &str, a: PyReadonlyArrayDyn<'_, i64>) -> PyResult<SegmentIds> {
     let shape = a.shape().to_vec();
     let ids: Vec<i64> = a.as_array().iter().copied().collect();
     let r = match shape.as_slice() {
-        [l] => SegmentIds::new(1, *l, ids),
-        [b, l] => SegmentIds::new(*b, *l, ids),
+        [l] => SegmentIds::named(name, 1, *l, ids),
+        [b, l] => SegmentIds::named(name, *b, *l, ids),
         _ => {
             return Err(PyValueError::new_err(format!(
-                "{name}: expected segment ids of shape [L] or [B, L], got {shape:?}"
+                "{name}: expected {what} of shape [L] or [B, L], got {shape:?}"
             )))
         }
     };
-    r.map_err(|e| PyValueError::new_err(format!("{name}: {e}")))
+    r.map_err(to_py)
 }
 
 fn dense_mask(name: &str, a: PyReadonlyArrayDyn<'_, bool>) -> PyResult<DenseMask> {
@@ -138,6 +146,25 @@ pub fn document(
     Ok(wrap(Mask::document(seg)))
 }
 
+/// `band`: `lo <= q_feature[b, i] - kv_feature[b, j] <= hi` (exact; `lo > hi` is refused).
+#[pyfunction]
+pub fn band(
+    q_feature: PyReadonlyArrayDyn<'_, i64>,
+    kv_feature: PyReadonlyArrayDyn<'_, i64>,
+    lo: i64,
+    hi: i64,
+) -> PyResult<PyMask> {
+    if lo > hi {
+        return Err(PyValueError::new_err(format!(
+            "band: lo must be <= hi, got lo={lo} > hi={hi}"
+        )));
+    }
+    let q = int_rows("q_feature", "a feature", q_feature)?;
+    let kv = int_rows("kv_feature", "a feature", kv_feature)?;
+    let features = BandFeatures::new("q_feature", q, "kv_feature", kv);
+    Ok(wrap(Mask::band(features, lo, hi)))
+}
+
 #[pyfunction]
 pub fn dense(values: PyReadonlyArrayDyn<'_, bool>) -> PyResult<PyMask> {
     Ok(wrap(Mask::dense(dense_mask("dense", values)?)))
@@ -153,10 +180,11 @@ pub fn heads(masks: Vec<PyRef<'_, PyMask>>) -> PyResult<PyMask> {
     )))
 }
 
-/// What the parser's `document` and `dense(NAME)` leaves resolve to.
+/// What the parser's `document`, `dense(NAME)` and `band(F, G, ..)` leaves resolve to.
 struct Data {
     segments: Option<Arc<Segments>>,
     dense: HashMap<String, DenseMask>,
+    features: HashMap<String, SegmentIds>,
 }
 
 impl Resolver for Data {
@@ -178,17 +206,28 @@ impl Resolver for Data {
             )
         })
     }
+    fn feature(&self, name: &str) -> TResult<SegmentIds> {
+        self.features.get(name).cloned().ok_or_else(|| {
+            tessera::Error::invalid(
+                format!("band feature {name}"),
+                "an integer array passed as features={'NAME': array}",
+                "no such name",
+            )
+        })
+    }
 }
 
-/// Parses a mask expression (`causal & document`, `window(4K) | prefix(64)`, ...).
+/// Parses a mask expression (`causal & document`, `window(4K) | prefix(64)`,
+/// `band(t, t, 0, 64)` with `features={'t': ...}`, ...).
 #[pyfunction]
-#[pyo3(signature = (expr, segments=None, q_segments=None, kv_segments=None, dense=None))]
+#[pyo3(signature = (expr, segments=None, q_segments=None, kv_segments=None, dense=None, features=None))]
 pub fn mask(
     expr: &str,
     segments: Option<PyReadonlyArrayDyn<'_, i64>>,
     q_segments: Option<PyReadonlyArrayDyn<'_, i64>>,
     kv_segments: Option<PyReadonlyArrayDyn<'_, i64>>,
     dense: Option<&Bound<'_, PyDict>>,
+    features: Option<&Bound<'_, PyDict>>,
 ) -> PyResult<PyMask> {
     let segments = match (segments, q_segments, kv_segments) {
         (Some(s), None, None) => Some(Segments::shared(segment_ids("segments", s)?)),
@@ -219,9 +258,23 @@ pub fn mask(
             table.insert(name, m);
         }
     }
+    let mut feature_table = HashMap::new();
+    if let Some(d) = features {
+        for (k, v) in d.iter() {
+            let name: String = k.extract().map_err(|_| {
+                PyTypeError::new_err("features: expected a dict of str -> int64 array")
+            })?;
+            let arr: PyReadonlyArrayDyn<'_, i64> = v.extract().map_err(|_| {
+                PyTypeError::new_err(format!("features['{name}']: expected a numpy int64 array"))
+            })?;
+            let f = int_rows(&format!("features['{name}']"), "a feature", arr)?;
+            feature_table.insert(name, f);
+        }
+    }
     let data = Data {
         segments,
         dense: table,
+        features: feature_table,
     };
     parse(expr, &data).map(wrap).map_err(to_py)
 }

@@ -73,6 +73,7 @@ fn implied_dims(m: &Mask) -> (usize, usize) {
     m.nodes()
         .map(|n| match n {
             Mask::Document(s) => (s.rows(), 1),
+            Mask::Band { features, .. } => (features.rows(), 1),
             Mask::Dense(d) => (d.batch(), d.heads()),
             Mask::Heads(v) => (1, v.len()),
             _ => (1, 1),

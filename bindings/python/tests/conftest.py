@@ -41,14 +41,16 @@ class M:
     None when the text form cannot name the data, e.g. two different id sets) and ``ev`` (numpy
     evaluator ``(B, H, Lq, Lkv) -> bool [B, H, Lq, Lkv]``)."""
 
-    def __init__(self, t, text, ev, segs=None, dense=None, kv_segs=None):
+    def __init__(self, t, text, ev, segs=None, dense=None, kv_segs=None, features=None):
         self.t = t
         self.text = text
         self.ev = ev
-        # data for the text form: one segment-id set (q and kv) and named dense arrays
+        # data for the text form: one segment-id set (q and kv), named dense arrays and named
+        # band features
         self.segs = segs
         self.kv_segs = kv_segs
         self.dense_table = dict(dense or {})
+        self.feature_table = dict(features or {})
 
     # operators mirror tessera's
     def __and__(self, o):
@@ -60,7 +62,7 @@ class M:
     def __invert__(self):
         ev = self.ev
         return M(~self.t, None if self.text is None else f"!({self.text})", lambda *s: ~ev(*s),
-                 self.segs, self.dense_table, self.kv_segs)
+                 self.segs, self.dense_table, self.kv_segs, self.feature_table)
 
     @staticmethod
     def _bin(a, b, op, f):
@@ -74,9 +76,14 @@ class M:
             if k in dense and dense[k] is not v:
                 text = None
             dense[k] = v
+        feats = dict(a.feature_table)
+        for k, v in b.feature_table.items():
+            if k in feats and feats[k] is not v:
+                text = None
+            feats[k] = v
         ea, eb = a.ev, b.ev
         return M(t, text, lambda *s: f(ea(*s), eb(*s)), None if segs is _CONFLICT else segs, dense,
-                 None if segs is _CONFLICT else kv)
+                 None if segs is _CONFLICT else kv, feats)
 
     def dense(self, b, h, lq, lkv):
         return np.array(np.broadcast_to(self.ev(b, h, lq, lkv), (b, h, lq, lkv)), dtype=bool)
@@ -93,6 +100,8 @@ class M:
                 kw["kv_segments"] = self.kv_segs
         if self.dense_table:
             kw["dense"] = self.dense_table
+        if self.feature_table:
+            kw["features"] = self.feature_table
         return tessera.mask(self.text, **kw)
 
     def __repr__(self):
@@ -168,6 +177,62 @@ def document(ids, kv_ids=None):
     return M(tessera.document(ids, kv), "document", ev, segs=ids, kv_segs=kv)
 
 
+_feature_names = iter(f"f{i}" for i in range(10**9))
+
+
+def band(f, g, lo, hi):
+    """``lo <= f[b, i] - g[b, j] <= hi`` for integer features ``[L]`` or ``[B, L]`` (exact: the
+    difference is taken on Python ints, so extreme int64 values cannot wrap)."""
+    f = np.asarray(f, dtype=np.int64)
+    g = np.asarray(g, dtype=np.int64)
+    nf, ng = next(_feature_names), next(_feature_names)
+
+    def ev(b, h, lq, lkv):
+        fq, gk = np.atleast_2d(f).astype(object), np.atleast_2d(g).astype(object)
+        assert fq.shape[1] == lq and gk.shape[1] == lkv
+        d = fq[:, :, None] - gk[:, None, :]
+        return ((d >= lo) & (d <= hi)).astype(bool)[:, None]
+
+    return M(tessera.band(f, g, lo, hi), f"band({nf}, {ng}, {lo}, {hi})", ev,
+             features={nf: f, ng: g})
+
+
+def random_feature(rng, rows, length):
+    """Integer features ``[rows, length]``: positions (shifted, strided), sorted small values,
+    shuffled small values, or a few int64 extremes among small values."""
+    out = np.empty((rows, length), dtype=np.int64)
+    for b in range(rows):
+        k = int(rng.integers(0, 5))
+        if k <= 1:
+            out[b] = int(rng.integers(-4, 5)) + int(rng.integers(1, 4)) * np.arange(length)
+        elif k == 2:
+            out[b] = np.cumsum(rng.integers(0, 3, length)) + int(rng.integers(-3, 3))
+        elif k == 3:
+            out[b] = rng.permutation(rng.integers(-4, 8, length))
+        else:
+            v = rng.integers(-2, 3, length)
+            pick = rng.random(length)
+            v[pick < 0.2] = np.iinfo(np.int64).min
+            v[pick > 0.8] = np.iinfo(np.int64).max
+            out[b] = v
+    return out
+
+
+def random_band(rng, lq, lkv, b):
+    """A band over random features (each side shared or per batch row) with random bounds."""
+    f = random_feature(rng, 1 if rng.random() < 0.5 else b, lq)
+    g = random_feature(rng, 1 if rng.random() < 0.5 else b, lkv)
+    if f.shape[0] == 1 and rng.random() < 0.5:
+        f = f[0]
+    pick = [lambda: int(rng.integers(-6, 7))] * 5 + [
+        lambda: int(rng.integers(-max(lq, lkv), max(lq, lkv) + 1)),
+        lambda: int(np.iinfo(np.int64).min),
+        lambda: int(np.iinfo(np.int64).max),
+    ]
+    a, c = pick[int(rng.integers(0, len(pick)))](), pick[int(rng.integers(0, len(pick)))]()
+    return band(f, g, min(a, c), max(a, c))
+
+
 _dense_names = iter(f"d{i}" for i in range(10**9))
 
 
@@ -194,17 +259,18 @@ def heads(ms):
             out[:, hh] = np.broadcast_to(m.ev(b, h, lq, lkv), (b, h, lq, lkv))[:, hh]
         return out
 
-    segs, kv, dense_t, text = None, None, {}, True
+    segs, kv, dense_t, feats, text = None, None, {}, {}, True
     for m in ms:
         if m.segs is not None:
             if segs is not None and (segs is not m.segs or kv is not m.kv_segs):
                 text = False
             segs, kv = m.segs, m.kv_segs
         dense_t.update(m.dense_table)
+        feats.update(m.feature_table)
         if m.text is None:
             text = False
     txt = ("heads(" + ", ".join(m.text for m in ms) + ")") if text else None
-    return M(tessera.heads([m.t for m in ms]), txt, ev, segs, dense_t, kv)
+    return M(tessera.heads([m.t for m in ms]), txt, ev, segs, dense_t, kv, feats)
 
 
 # -- data ---------------------------------------------------------------------------------------
@@ -246,7 +312,9 @@ def random_mask(rng, lq, lkv, b, h, depth=2):
     ids = packed_ids(rng, b, max(lq, lkv), max(2, max(lq, lkv) // 3), pad_inside=True)
 
     def leaf():
-        k = int(rng.integers(0, 8))
+        k = int(rng.integers(0, 9))
+        if k == 8:
+            return random_band(rng, lq, lkv, b)
         if k == 0:
             return causal(int(rng.integers(-lkv // 2, lkv // 2 + 1)))
         if k == 1:

@@ -1,5 +1,5 @@
-//! Mask options shared by `plan`, `attend` and `bench`: parse `--mask`, load segment and dense
-//! files, and obtain the plan (through the plan cache).
+//! Mask options shared by `plan`, `attend` and `bench`: parse `--mask`, load segment, band
+//! feature and dense files, and obtain the plan (through the plan cache).
 
 use crate::ctx::Ctx;
 use std::sync::Arc;
@@ -9,7 +9,8 @@ use tessera::plan::{Plan, PlanShape, TileShape};
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct MaskArgs {
-    /// Mask expression, e.g. 'causal & document' or 'window(1024) & causal' (see README).
+    /// Mask expression, e.g. 'causal & document', 'window(1024) & causal' or
+    /// 'band(pos.npy, pos.npy, 0, 512)' (see README).
     #[arg(long, value_name = "EXPR")]
     pub mask: String,
     /// Segment ids [B, L] or [L] for `document` (.npy, or FILE.safetensors:TENSOR).
@@ -37,18 +38,21 @@ struct FileResolver<'a> {
 }
 
 fn load_segments(spec: &str) -> Result<SegmentIds> {
+    load_ints(spec, &format!("segments {spec}"), true)
+}
+
+/// A `[L]` or `[B, L]` integer array (bool too when `bool_ok`) from a file; errors name `arg`.
+fn load_ints(spec: &str, arg: &str, bool_ok: bool) -> Result<SegmentIds> {
     let t = tessera::io::read_tensor(spec, None)?;
-    let ids = t
-        .to_i64_vec()
-        .map_err(|_| Error::invalid(format!("segments {spec}"), "an integer array", t.dtype()))?;
+    let ids = match t.dtype() {
+        DType::Bool if !bool_ok => None,
+        _ => t.to_i64_vec().ok(),
+    }
+    .ok_or_else(|| Error::invalid(arg, "an integer array", t.dtype()))?;
     match *t.shape() {
-        [l] => SegmentIds::new(1, l, ids),
-        [b, l] => SegmentIds::new(b, l, ids),
-        ref s => Err(Error::invalid(
-            format!("segments {spec}"),
-            "shape [B, L] or [L]",
-            format!("{s:?}"),
-        )),
+        [l] => SegmentIds::named(arg, 1, l, ids),
+        [b, l] => SegmentIds::named(arg, b, l, ids),
+        ref s => Err(Error::invalid(arg, "shape [B, L] or [L]", format!("{s:?}"))),
     }
 }
 
@@ -79,6 +83,10 @@ impl Resolver for FileResolver<'_> {
             }
         };
         DenseMask::new(t.shape(), &vals, path)
+    }
+
+    fn feature(&self, name: &str) -> Result<SegmentIds> {
+        load_ints(name, &format!("band feature {name}"), false)
     }
 }
 

@@ -164,6 +164,20 @@ fn inputs(dir: &Path) {
     w("seg.npy", &npy_bytes(&seg));
     let seg_short = NpyArray::from_ints(NpyDType::I64, vec![33], (0..33i32).map(|i| i as i64 / 10));
     w("seg33.npy", &npy_bytes(&seg_short));
+    // Band features of the wrong dtype or rank.
+    let feat = |dt: NpyDType, shape: Vec<usize>| {
+        npy_bytes(&NpyArray::from_ints(
+            dt,
+            shape,
+            (0..40i32).map(|i| i as i64 % 2),
+        ))
+    };
+    w("feat_f32.npy", &feat(NpyDType::F32, vec![40]));
+    w("feat_3d.npy", &feat(NpyDType::I64, vec![1, 1, 40]));
+    w(
+        "feat_bool.npy",
+        &npy_bytes(&NpyArray::from_bools(vec![40], &[true; 40])),
+    );
     // Pack inputs.
     w(
         "docs.jsonl",
@@ -256,6 +270,15 @@ fn hostile_inputs_exit_2_with_one_line_and_write_nothing() {
         Case { args: plan("document"), ..case(&[], "document") },
         Case { args: plan("dense(missing.npy)"), ..case(&[], "missing.npy") },
         Case { args: plan("dense(garbage.npy)"), ..case(&[], "garbage.npy") },
+        // Band features: missing, wrong dtype, rank or length; bounds out of order.
+        Case { args: plan("band(missing.npy, seg.npy, 0, 1)"), ..case(&[], "missing.npy") },
+        Case { args: plan("band(feat_f32.npy, seg.npy, 0, 1)"), ..case(&[], "band feature feat_f32.npy: expected an integer array") },
+        Case { args: plan("band(seg.npy, feat_bool.npy, 0, 1)"), ..case(&[], "band feature feat_bool.npy: expected an integer array") },
+        Case { args: plan("band(feat_3d.npy, seg.npy, 0, 1)"), ..case(&[], "shape [B, L] or [L]") },
+        Case { args: plan("band(seg.npy, seg.npy, 3, 2)"), ..case(&[], "LO <= HI") },
+        case(&["plan", "--mask", "band(seg.npy, seg.npy, 0, 1)", "--q-len", "64"], "q_feature of band(seg.npy, seg.npy, 0, 1): expected length 64"),
+        case(&["plan", "--mask", "band(seg.npy, seg33.npy, 0, 1)", "--q-len", "40"], "kv_feature of band(seg.npy, seg33.npy, 0, 1): expected length 40"),
+        valid(&["plan", "--mask", "band(seg.npy, seg33.npy, 0, 1) & causal", "--q-len", "40", "--kv-len", "33"]),
         Case { code: 0, ..Case { args: plan("causal(offset=9223372036854775807)"), ..valid(&[]) } },
         Case { code: 0, ..Case { args: plan("window(-9223372036854775808, 9223372036854775807) & !causal(offset=-9223372036854775808)"), ..valid(&[]) } },
         // Integer overflow and absurd sizes in shapes and flags.

@@ -82,6 +82,80 @@ fn plan_json_states_and_png() {
     assert!(image::open(d.path().join("p.png")).is_ok());
 }
 
+/// `band(F, G, LO, HI)` with features read from `.npy` files (`[B, L]` int32 and `[L]` int64):
+/// the dumped states equal those of the same mask planned through the library, and a band over
+/// positions dumps causal's states.
+#[test]
+fn band_features_from_npy_files() {
+    use tessera::mask::{BandFeatures, Mask, SegmentIds};
+    use tessera::plan::{build_plan, PlanShape, TileShape};
+    let d = tempfile::tempdir().unwrap();
+    let (lq, lkv) = (200usize, 150usize);
+    // Per-row "time stamps" that repeat and jump; keys are positions.
+    let f: Vec<i32> = (0..2)
+        .flat_map(|b| (0..lq as i32).map(move |i| (i * (2 + b)) / 3 + (i % 7 == 0) as i32))
+        .collect();
+    let g: Vec<i64> = (0..lkv as i64).collect();
+    write(d.path(), "f.npy", vec![2, lq], TensorData::I32(f.clone()));
+    write(d.path(), "g.npy", vec![lkv], TensorData::I64(g.clone()));
+    let dump = |mask: &str, kv: usize, out: &str| -> Vec<i8> {
+        let o = tessera(
+            &[
+                "plan",
+                "--mask",
+                mask,
+                "--q-len",
+                &lq.to_string(),
+                "--kv-len",
+                &kv.to_string(),
+                "--batch",
+                "2",
+                "--tile",
+                "16x32",
+                "--dump-states",
+                out,
+            ],
+            d.path(),
+        );
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let t = tessera::io::read_tensor(d.path().join(out).to_str().unwrap(), None).unwrap();
+        match t.data() {
+            TensorData::I8(s) => s.clone(),
+            _ => panic!("dtype {}", t.dtype()),
+        }
+    };
+    let got = dump(
+        "band(f.npy, g.npy, -3, 20) & !causal(offset=-40)",
+        lkv,
+        "band.npy",
+    );
+    let f64s: Vec<i64> = f.iter().map(|&v| v as i64).collect();
+    let feats = BandFeatures::new(
+        "f.npy",
+        SegmentIds::new(2, lq, f64s).unwrap(),
+        "g.npy",
+        SegmentIds::shared(g).unwrap(),
+    );
+    let mask = Mask::band(feats, -3, 20) & !Mask::causal_offset(-40);
+    let shape = PlanShape::new(2, 1, lq, lkv).unwrap();
+    let plan = build_plan(&mask, shape, TileShape::new(16, 32).unwrap()).unwrap();
+    assert_eq!(got, plan.states().1);
+    assert!(got.contains(&1) && got.contains(&0));
+    // Positions on both sides, from 0 up: causal.
+    write(
+        d.path(),
+        "pos.npy",
+        vec![lq],
+        TensorData::I64((0..lq as i64).collect()),
+    );
+    let band = dump(
+        "band(pos.npy, pos.npy, 0, 9223372036854775807)",
+        lq,
+        "b.npy",
+    );
+    assert_eq!(band, dump("causal", lq, "c.npy"));
+}
+
 #[test]
 fn bad_inputs_exit_2_with_one_line() {
     let d = tempfile::tempdir().unwrap();

@@ -20,7 +20,7 @@
 //! [`CaseReport`] (see [`CaseReport::ensure`]).
 
 use crate::reference;
-use crate::workloads::{packed_segments, random_dense, random_values, rng};
+use crate::workloads::{packed_segments, random_band, random_dense, random_values, rng};
 use half::bf16;
 use rand::Rng;
 use std::sync::Arc;
@@ -30,7 +30,7 @@ use tessera_attn::{
     GradBufs, GradInputs, Par, StridedView,
 };
 use tessera_core::{DType, Error, Result, Tensor, TensorData};
-use tessera_mask::{Mask, Segments};
+use tessera_mask::{BandFeatures, Mask, SegmentIds, Segments};
 use tessera_plan::{build_plan, PlanShape, TileShape};
 
 /// One conformance case: a mask, a problem shape, a tile shape, a dtype and options.
@@ -615,6 +615,7 @@ fn cases() -> Result<Vec<Case>> {
     let l = 75;
     let docs = Mask::document(Segments::shared(packed_segments(1, l, 20, 11)?));
     let dense = random_dense(&[l, l], 0.5, 12)?;
+    let stamps = random_band(1, (l, l), (0, 12), true, 13)?;
     let masks: Vec<(&str, Mask)> = vec![
         ("full", Mask::full()),
         ("causal", causal()),
@@ -626,6 +627,13 @@ fn cases() -> Result<Vec<Case>> {
         ("prefix", Mask::prefix(13)),
         ("document_padded", docs.clone()),
         ("dense_random", dense.clone()),
+        ("band_stamps", stamps.clone()),
+        ("band_shuffled", random_band(1, (l, l), (-3, 3), false, 14)?),
+        (
+            "band_document_causal",
+            stamps.clone() & docs.clone() & causal(),
+        ),
+        ("not_band_or_prefix", !stamps | Mask::prefix(5)),
         ("heads", Mask::heads(vec![causal(), Mask::window(4, 4)])),
         ("and_causal_document", causal() & docs.clone()),
         ("or_prefix_lm", causal() | Mask::prefix(10)),
@@ -695,6 +703,16 @@ fn cases() -> Result<Vec<Case>> {
         Case::new("batch/cross_document", Mask::document(cross))
             .lens(60, 100)
             .heads(3, 2, 2),
+    );
+    v.push(
+        Case::new(
+            "batch/band_cross_sinks",
+            random_band(3, (60, 100), (-4, 6), true, 24)? & Mask::causal_offset(40),
+        )
+        .lens(60, 100)
+        .heads(3, 2, 1)
+        .tile(16, 32)
+        .sinks(),
     );
 
     // gqa/
@@ -819,6 +837,15 @@ fn cases() -> Result<Vec<Case>> {
         Mask::causal_offset(-20),
     ));
     v.push(Case::new("masked/negative_offset_sinks", Mask::causal_offset(-20)).sinks());
+    // The first 20 queries' feature is beyond every key's: their rows allow nothing.
+    let unmatched = {
+        let f: Vec<i64> = (0..64).map(|i| if i < 20 { 1 << 40 } else { i }).collect();
+        let g: Vec<i64> = (0..64).collect();
+        let features = BandFeatures::new("f", SegmentIds::shared(f)?, "g", SegmentIds::shared(g)?);
+        Mask::band(features, 0, 9)
+    };
+    v.push(Case::new("masked/band_rows", unmatched.clone()));
+    v.push(Case::new("masked/band_rows_sinks", unmatched).sinks());
 
     // bf16/
     v.push(Case::new("bf16/causal", causal()).bf16().lens(75, 75));
@@ -853,6 +880,15 @@ fn cases() -> Result<Vec<Case>> {
             .bf16(),
     );
     v.push(Case::new("bf16/dims_40x24", causal()).dims(40, 24).bf16());
+    v.push(
+        Case::new(
+            "bf16/band_shuffled_gqa",
+            random_band(1, (70, 70), (-2, 2), false, 42)?,
+        )
+        .heads(1, 4, 2)
+        .lens(70, 70)
+        .bf16(),
+    );
     v.push(
         Case::new("bf16/cross_gqa_odd_dims", Mask::causal_offset(40))
             .lens(90, 130)
@@ -919,6 +955,19 @@ fn cases() -> Result<Vec<Case>> {
             .heads(1, 2, 2)
             .dims(128, 64)
             .tile(128, 64),
+    );
+    v.push(
+        Case::new(
+            "large/band_document_causal",
+            random_band(2, (1000, 1000), (0, 40), true, 55)?
+                & Mask::document(Segments::shared(packed_segments(2, 1000, 400, 56)?))
+                & causal(),
+        )
+        .lens(1000, 1000)
+        .heads(2, 2, 1)
+        .dims(64, 64)
+        .tile(128, 128)
+        .sinks(),
     );
     v.push(
         Case::new("large/dims_256", causal())

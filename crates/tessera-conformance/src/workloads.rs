@@ -1,6 +1,6 @@
 //! The seeded workloads every consumer shares (conformance cases, tests, the CLI's `bench` and
 //! `demo`, the criterion benches): one RNG ([`rng`], ChaCha8), random attention inputs, packed
-//! document segment ids and the benchmark suite's named masks.
+//! document segment ids, band features and the benchmark suite's named masks.
 //!
 //! Contract: every function is a pure function of its arguments and seed, identical on every
 //! machine and run.
@@ -8,7 +8,7 @@
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use tessera_core::{DType, Error, Result, Tensor};
-use tessera_mask::{DenseMask, Mask, SegmentIds, Segments};
+use tessera_mask::{BandFeatures, DenseMask, Mask, SegmentIds, Segments};
 
 /// The one seeded generator of the workloads.
 pub fn rng(seed: u64) -> ChaCha8Rng {
@@ -139,4 +139,34 @@ pub fn random_dense(shape: &[usize], p: f64, seed: u64) -> Result<Mask> {
     let n: usize = shape.iter().product();
     let vals: Vec<bool> = (0..n).map(|_| rng.gen_bool(p)).collect();
     Ok(Mask::dense(DenseMask::new(shape, &vals, "random")?))
+}
+
+/// A seeded `band(f, g, lo, hi)` over `rows` rows of features: with `sorted`, "time stamps" that
+/// advance by 0, 1 or 2 per token (queries and keys drawn separately); otherwise values uniform in
+/// `[0, L / 4]` in any order.
+pub fn random_band(
+    rows: usize,
+    (q_len, kv_len): (usize, usize),
+    (lo, hi): (i64, i64),
+    sorted: bool,
+    seed: u64,
+) -> Result<Mask> {
+    let mut rng = rng(seed);
+    let mut feature = |len: usize| -> Vec<i64> {
+        let mut t = 0i64;
+        (0..rows * len)
+            .map(|_| {
+                if sorted {
+                    t += rng.gen_range(0..=2);
+                    t
+                } else {
+                    rng.gen_range(0..=(len / 4) as i64)
+                }
+            })
+            .collect()
+    };
+    let (f, g) = (feature(q_len), feature(kv_len));
+    let q = SegmentIds::named("q_feature", rows, q_len, f)?;
+    let kv = SegmentIds::named("kv_feature", rows, kv_len, g)?;
+    Ok(Mask::band(BandFeatures::new("f", q, "g", kv), lo, hi))
 }

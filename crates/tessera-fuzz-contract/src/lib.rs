@@ -158,9 +158,10 @@ impl Bytes<'_> {
 // ---------------------------------------------------------------------------------------------
 // Mask text → plan.
 
-/// Segment ids and dense arrays for the data leaves of fuzzed expressions, a deterministic
-/// function of the problem shape and (for `dense`) the path, so a printed expression re-parses
-/// to the same data.
+/// Segment ids, dense arrays and band features for the data leaves of fuzzed expressions, a
+/// deterministic function of the problem shape and (for `dense` and `band`) the name, so a
+/// printed expression re-parses to the same data. A feature named with a leading `k` has the
+/// key length, any other the query length (so `band(q, k, ..)` fits every shape).
 struct FuzzData {
     batch: usize,
     heads: usize,
@@ -212,6 +213,38 @@ impl Resolver for FuzzData {
             .map(|k| (k.wrapping_mul(h | 1) >> 3) % 3 == 0)
             .collect();
         DenseMask::new(&shape, &vals, path)
+    }
+    fn feature(&self, name: &str) -> Result<SegmentIds> {
+        let h = name.bytes().fold(self.seed as u64, |a, b| {
+            a.wrapping_mul(31).wrapping_add(b as u64)
+        });
+        let len = if name.starts_with('k') {
+            self.kv_len
+        } else {
+            self.q_len
+        };
+        let rows = if (h >> 1).is_multiple_of(2) {
+            1
+        } else {
+            self.batch
+        };
+        // Positions (shifted), small scrambled values, or values at the ends of i64.
+        let vals = (0..(rows * len) as u64)
+            .map(|k| {
+                let (r, i) = (k / len as u64, k % len as u64);
+                match h % 4 {
+                    0 => i as i64 + r as i64,
+                    1 => 2 * i as i64 - (h % 7) as i64,
+                    2 => ((i.wrapping_mul(h | 1) >> 2) % 9) as i64 - 4,
+                    _ => match (i + r + h) % 3 {
+                        0 => i64::MIN,
+                        1 => i64::MAX,
+                        _ => i as i64,
+                    },
+                }
+            })
+            .collect();
+        SegmentIds::named(name, rows, len, vals)
     }
 }
 
@@ -845,6 +878,8 @@ pub fn seeds() -> Vec<(&'static str, String, Vec<u8>)> {
         "dense(a) | causal(offset=-3)",
         "!(window(2, 3) & !full) | prefix(7) & chunk(5)",
         "causal(offset=9223372036854775807) | window(-5, 9223372036854775807)",
+        "band(q, k, -3, 3) & causal | !band(q2, kb, -9223372036854775808, 0)",
+        "heads(band(\"q,1\", k(1,2), 0, 9223372036854775807), document & band(p, kp, -1, 1))",
     ]
     .iter()
     .enumerate()

@@ -1,4 +1,5 @@
-//! Data-carrying leaves: segment ids for `document` and boolean arrays for `dense`.
+//! Data-carrying leaves: segment ids for `document`, integer features for `band` and boolean
+//! arrays for `dense`.
 //!
 //! Contract: constructors validate shapes; each value carries a BLAKE3 digest of its content so
 //! canonical forms and contract keys change whenever the data changes.
@@ -6,8 +7,9 @@
 use std::sync::Arc;
 use tessera_core::{Error, Result};
 
-/// Segment ids of one side (queries or keys): `rows` rows (1 = shared by every batch row) of
-/// `len` ids. A negative id is padding and matches nothing.
+/// Per-token integers of one side (queries or keys): `rows` rows (1 = shared by every batch row)
+/// of `len` values. As segment ids (`document`) a negative id is padding and matches nothing; as
+/// the features of a `band` leaf every value is an ordinary integer.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct SegmentIds {
     rows: usize,
@@ -19,16 +21,21 @@ pub struct SegmentIds {
 impl SegmentIds {
     /// Segment ids shaped `[rows, len]` (row-major).
     pub fn new(rows: usize, len: usize, ids: Vec<i64>) -> Result<Self> {
+        Self::named("segments", rows, len, ids)
+    }
+
+    /// Values shaped `[rows, len]` (row-major); errors name the argument `arg`.
+    pub fn named(arg: &str, rows: usize, len: usize, ids: Vec<i64>) -> Result<Self> {
         if rows == 0 || len == 0 {
             return Err(Error::invalid(
-                "segments",
+                arg,
                 "a non-empty [B, L] or [L] array",
                 format!("shape [{rows}, {len}]"),
             ));
         }
         if ids.len() != rows * len {
             return Err(Error::invalid(
-                "segments",
+                arg,
                 format!("{} ids for shape [{rows}, {len}]", rows * len),
                 ids.len(),
             ));
@@ -117,6 +124,43 @@ impl Segments {
             ));
         }
         Ok(Arc::new(Segments { q, kv }))
+    }
+
+    /// Batch rows covered: the larger of the two sides.
+    pub fn rows(&self) -> usize {
+        self.q.rows.max(self.kv.rows)
+    }
+}
+
+/// The per-token integer features of a `band` leaf: `q` for the queries (rows of the mask) and
+/// `kv` for the keys (columns), each `[1 or B, L]` like segment ids, with the names the text form
+/// writes (`band(q_name, kv_name, lo, hi)`).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct BandFeatures {
+    /// Query-side feature `f`.
+    pub q: SegmentIds,
+    /// Key-side feature `g`.
+    pub kv: SegmentIds,
+    /// How the text form names `q` (a file path, or a key of the Python `features=` mapping).
+    pub q_name: String,
+    /// How the text form names `kv`.
+    pub kv_name: String,
+}
+
+impl BandFeatures {
+    /// Features `f` (named `q_name`) and `g` (named `kv_name`).
+    pub fn new(
+        q_name: impl Into<String>,
+        q: SegmentIds,
+        kv_name: impl Into<String>,
+        kv: SegmentIds,
+    ) -> Arc<Self> {
+        Arc::new(BandFeatures {
+            q,
+            kv,
+            q_name: q_name.into(),
+            kv_name: kv_name.into(),
+        })
     }
 
     /// Batch rows covered: the larger of the two sides.

@@ -7,8 +7,8 @@
 //! tree with an explicit stack, so no tree overflows the thread's stack. [`Mask::validate`]
 //! refuses trees deeper than [`MAX_TREE_DEPTH`] before anything recursive (the planner) runs.
 
-use crate::data::{DenseMask, Segments};
-use crate::parse::{dense_arg, MAX_DEPTH};
+use crate::data::{BandFeatures, DenseMask, Segments};
+use crate::parse::{dense_arg, list_arg, MAX_DEPTH};
 use std::fmt::Write as _;
 use std::sync::Arc;
 use tessera_core::{Error, Result};
@@ -47,6 +47,16 @@ pub enum Mask {
     },
     /// `seg_q[b, i] == seg_kv[b, j]`, both non-negative.
     Document(Arc<Segments>),
+    /// `lo <= f[b, i] - g[b, j] <= hi` for the integer features `f` (queries) and `g` (keys),
+    /// in exact arithmetic.
+    Band {
+        /// The features `f` and `g`.
+        features: Arc<BandFeatures>,
+        /// Smallest allowed difference.
+        lo: i64,
+        /// Largest allowed difference.
+        hi: i64,
+    },
     /// A boolean array.
     Dense(Arc<DenseMask>),
     /// Every operand allows the pair.
@@ -96,6 +106,13 @@ impl Mask {
     /// `document`: same non-negative segment id (see [`Segments`]).
     pub fn document(segments: Arc<Segments>) -> Self {
         Mask::Document(segments)
+    }
+    /// `band(F, G, lo, hi)`: `lo <= f[i] - g[j] <= hi` (see [`BandFeatures`]); `lo > hi` is
+    /// refused by [`Mask::validate`]. `causal(offset=N)` is `band(pos, pos, -N, ∞)` over
+    /// positions, `window(L, R)` is `band(pos, pos, -R, L)`, `document` on ids `>= 0` is
+    /// `band(ids, ids, 0, 0)`; those leaves keep their own faster planning.
+    pub fn band(features: Arc<BandFeatures>, lo: i64, hi: i64) -> Self {
+        Mask::Band { features, lo, hi }
     }
     /// `dense(F)`: the boolean array.
     pub fn dense(mask: DenseMask) -> Self {
@@ -154,6 +171,10 @@ impl Mask {
             Mask::Document(s) => {
                 let a = s.q.row(b)[i];
                 a >= 0 && a == s.kv.row(b)[j]
+            }
+            Mask::Band { features, lo, hi } => {
+                let d = features.q.row(b)[i] as i128 - features.kv.row(b)[j] as i128;
+                *lo as i128 <= d && d <= *hi as i128
             }
             Mask::Dense(d) => d.get(d.slice_index(b, h), i, j),
             Mask::And(_) | Mask::Or(_) | Mask::Not(_) | Mask::Heads(_) => false,
@@ -220,6 +241,11 @@ impl Mask {
             Mask::Chunk { size } => Mask::Chunk { size: *size },
             Mask::Prefix { len } => Mask::Prefix { len: *len },
             Mask::Document(s) => Mask::Document(Arc::clone(s)),
+            Mask::Band { features, lo, hi } => Mask::Band {
+                features: Arc::clone(features),
+                lo: *lo,
+                hi: *hi,
+            },
             Mask::Dense(d) => Mask::Dense(Arc::clone(d)),
             Mask::And(_) => Mask::And(kids),
             Mask::Or(_) => Mask::Or(kids),
@@ -242,6 +268,18 @@ impl Mask {
             (Mask::Chunk { size: a }, Mask::Chunk { size: b }) => a == b,
             (Mask::Prefix { len: a }, Mask::Prefix { len: b }) => a == b,
             (Mask::Document(a), Mask::Document(b)) => a == b,
+            (
+                Mask::Band {
+                    features: f,
+                    lo: a,
+                    hi: b,
+                },
+                Mask::Band {
+                    features: g,
+                    lo: c,
+                    hi: d,
+                },
+            ) => a == c && b == d && f == g,
             (Mask::Dense(a), Mask::Dense(b)) => a == b,
             (Mask::And(a), Mask::And(b))
             | (Mask::Or(a), Mask::Or(b))
@@ -265,7 +303,8 @@ impl Mask {
     }
 
     /// Checks the mask against a problem shape: tree depth ([`MAX_TREE_DEPTH`]), leaf
-    /// parameters, segment lengths and rows, dense shapes, and the number of `heads(...)` entries.
+    /// parameters (`band` bounds `lo <= hi`), segment and feature lengths and rows, dense shapes,
+    /// and the number of `heads(...)` entries.
     pub fn validate(&self, batch: usize, heads: usize, q_len: usize, kv_len: usize) -> Result<()> {
         self.check_depth()?;
         self.validate_bounded(batch, heads, q_len, kv_len)
@@ -291,22 +330,34 @@ impl Mask {
             Mask::Document(s) => {
                 for (arg, ids, len) in [("q-segments", &s.q, q_len), ("kv-segments", &s.kv, kv_len)]
                 {
-                    if ids.len() != len {
-                        return Err(Error::invalid(
-                            arg,
-                            format!("length {len} (the sequence length)"),
-                            ids.len(),
-                        ));
-                    }
-                    if ids.rows() != 1 && ids.rows() != batch {
-                        return Err(Error::invalid(
-                            arg,
-                            format!("1 or {batch} rows (the batch size)"),
-                            ids.rows(),
-                        ));
-                    }
+                    check_rows(arg, ids, batch, len, "the sequence length")?;
                 }
                 Ok(())
+            }
+            Mask::Band { features, lo, hi } => {
+                // Errors name the argument and the leaf it belongs to.
+                let leaf = || self.to_string();
+                if lo > hi {
+                    return Err(Error::invalid(
+                        format!("lo of {}", leaf()),
+                        format!("lo <= hi ({hi})"),
+                        lo,
+                    ));
+                }
+                check_rows(
+                    &format!("q_feature of {}", leaf()),
+                    &features.q,
+                    batch,
+                    q_len,
+                    "the query length",
+                )?;
+                check_rows(
+                    &format!("kv_feature of {}", leaf()),
+                    &features.kv,
+                    batch,
+                    kv_len,
+                    "the key length",
+                )
             }
             Mask::Dense(d) => {
                 if d.q_len() != q_len || d.kv_len() != kv_len {
@@ -362,6 +413,10 @@ impl Mask {
                     batch: s.rows() > 1,
                     heads: false,
                 },
+                Mask::Band { features, .. } => Dependence {
+                    batch: features.rows() > 1,
+                    heads: false,
+                },
                 Mask::Dense(d) => Dependence {
                     batch: d.batch() > 1,
                     heads: d.heads() > 1,
@@ -392,6 +447,10 @@ impl Mask {
                     hex8(s.kv.digest())
                 );
             }
+            Mask::Band { features, lo, hi } => {
+                let (q, kv) = (features.q.digest(), features.kv.digest());
+                let _ = write!(out, "band#{}:{}({lo},{hi})", hex8(q), hex8(kv));
+            }
             Mask::Dense(d) => {
                 let _ = write!(out, "dense#{}", hex8(d.digest()));
             }
@@ -411,6 +470,10 @@ impl Mask {
                     hex8(&s.q.row_digest(b)),
                     hex8(&s.kv.row_digest(b))
                 );
+            }
+            Mask::Band { features, lo, hi } => {
+                let (q, kv) = (features.q.row_digest(b), features.kv.row_digest(b));
+                let _ = write!(out, "band#{}:{}({lo},{hi})", hex8(&q), hex8(&kv));
             }
             Mask::Dense(d) => {
                 let _ = write!(out, "dense#{}", hex8(&d.slice_digest(d.slice_index(b, h))));
@@ -472,7 +535,7 @@ impl Mask {
                 Mask::Window { left, right } => format!("window({left},{right})"),
                 Mask::Chunk { size } => format!("chunk({size})"),
                 Mask::Prefix { len } => format!("prefix({len})"),
-                Mask::Document(_) | Mask::Dense(_) => {
+                Mask::Document(_) | Mask::Band { .. } | Mask::Dense(_) => {
                     let mut s = String::new();
                     data(top.node, &mut s);
                     s
@@ -528,12 +591,37 @@ fn flatten(node: &Mask) -> Vec<&Mask> {
     out
 }
 
+/// Refuses per-token data of `len` tokens that are not `len` long or not 1 or `batch` rows.
+fn check_rows(
+    arg: &str,
+    ids: &crate::SegmentIds,
+    batch: usize,
+    len: usize,
+    what: &str,
+) -> Result<()> {
+    if ids.len() != len {
+        return Err(Error::invalid(
+            arg,
+            format!("length {len} ({what})"),
+            ids.len(),
+        ));
+    }
+    if ids.rows() != 1 && ids.rows() != batch {
+        return Err(Error::invalid(
+            arg,
+            format!("1 or {batch} rows (the batch size)"),
+            ids.rows(),
+        ));
+    }
+    Ok(())
+}
+
 fn hex8(d: &[u8; 32]) -> String {
     d[..16].iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// The text form (parseable by [`crate::parse`] given the same data bindings), written from an
-/// explicit stack. `dense` names are quoted where the parser needs it (see [`crate::parse`]'s
+/// explicit stack. `dense` and `band` names are quoted where the parser needs it (see [`crate::parse`]'s
 /// rule), so the text of a parsed mask parses back to the same mask and prints identically.
 impl std::fmt::Display for Mask {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -587,6 +675,12 @@ impl std::fmt::Display for Mask {
                 Mask::Chunk { size } => write!(f, "chunk({size})")?,
                 Mask::Prefix { len } => write!(f, "prefix({len})")?,
                 Mask::Document(_) => f.write_str("document")?,
+                Mask::Band { features, lo, hi } => write!(
+                    f,
+                    "band({}, {}, {lo}, {hi})",
+                    list_arg(&features.q_name),
+                    list_arg(&features.kv_name)
+                )?,
                 Mask::Dense(d) => write!(f, "dense({})", dense_arg(d.label()))?,
                 Mask::And(v) => list(&mut stack, m, v, " & "),
                 Mask::Or(v) => list(&mut stack, m, v, " | "),

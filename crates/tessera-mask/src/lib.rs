@@ -23,6 +23,6 @@ mod data;
 mod expr;
 mod parse;
 
-pub use data::{DenseMask, SegmentIds, Segments};
+pub use data::{BandFeatures, DenseMask, SegmentIds, Segments};
 pub use expr::{Dependence, Mask, MAX_TREE_DEPTH};
 pub use parse::{parse, NoData, Resolver, MAX_DEPTH, MAX_LEN};

@@ -7,19 +7,24 @@
 //! unary   := '!' unary | primary
 //! primary := '(' expr ')' | 'heads' '(' expr (',' expr)* ')' | leaf
 //! leaf    := full | causal ['(' [offset=]INT ')'] | window '(' [left=]INT [',' [right=]INT] ')'
-//!          | chunk '(' [size=]INT ')' | prefix '(' [len=]INT ')' | document | dense '(' PATH ')'
-//! PATH    := '"' (any char but '"' | '""')* '"' | "'" (any char but "'" | "''")* "'" | RAW
+//!          | chunk '(' [size=]INT ')' | prefix '(' [len=]INT ')' | document | dense '(' NAME ')'
+//!          | band '(' NAME ',' NAME ',' [lo=]INT ',' [hi=]INT ')'
+//! NAME    := '"' (any char but '"' | '""')* '"' | "'" (any char but "'" | "''")* "'" | RAW
 //! ```
-//! Errors carry the 1-based column and what was expected there.
+//! Errors carry the 1-based column and what was expected there. `band(F, G, LO, HI)` allows
+//! `LO <= F[i] - G[j] <= HI` for the integer features named `F` and `G` (`LO > HI` is an error).
 //!
-//! # Names of `dense` data
+//! # Names of data
 //!
-//! A `dense` name (its file path, or the key of the Python `dense={...}` mapping) is written
-//! one of three ways, and this is the one rule for what needs quoting:
+//! A data name (the file path of a `dense` array or a `band` feature, or the key of the Python
+//! `dense={...}` / `features={...}` mapping) is written one of three ways, and this is the one
+//! rule for what needs quoting, the same for both leaves:
 //!
-//! - **raw**: everything up to the `)` that closes `dense(`, with surrounding whitespace
-//!   trimmed. Parentheses inside must balance (`dense(a b(1).npy)`); commas, `&`, `|`, `!`,
-//!   inner quotes, backslashes and any other character are taken as they are.
+//! - **raw**: everything up to the `)` that closes the leaf's `(` (in `band`, also up to a `,`
+//!   outside parentheses, which separates its arguments), with surrounding whitespace trimmed.
+//!   Parentheses inside must balance (`dense(a b(1).npy)`, `band(f(1,2).npy, g, 0, 3)`); `&`,
+//!   `|`, `!`, inner quotes, backslashes and any other character are taken as they are, and so
+//!   are commas in `dense(...)`.
 //! - **quoted** in `"` or `'`: every character up to the closing quote, whitespace included. The
 //!   quote character itself is written twice (`dense("say ""hi""")` names `say "hi"`); there
 //!   are no backslash escapes, a backslash is an ordinary character (`dense("C:\m\a.npy")`).
@@ -28,25 +33,27 @@
 //!
 //! Printing (`Display` of [`Mask`]) writes a name raw when the raw reading gives it back
 //! exactly (non-empty, no leading or trailing whitespace, not starting with a quote,
-//! parentheses balanced) and otherwise in `"` with each `"` doubled, so every non-empty name
-//! prints to text that parses back to the same name, and printing a parsed mask is a fixpoint.
-//! (An empty name can only come from the typed API; it prints as `dense("")`, which the parser
-//! refuses.)
+//! parentheses balanced, and in `band` no comma outside parentheses) and otherwise in `"` with
+//! each `"` doubled, so every non-empty name prints to text that parses back to the same name,
+//! and printing a parsed mask is a fixpoint. (An empty name can only come from the typed API; it
+//! prints as `""`, which the parser refuses.)
 
-use crate::data::{DenseMask, Segments};
+use crate::data::{BandFeatures, DenseMask, SegmentIds, Segments};
 use crate::expr::Mask;
 use std::sync::Arc;
 use tessera_core::{Error, Result};
 
-/// Supplies the data that `document` and `dense(PATH)` leaves refer to.
+/// Supplies the data that `document`, `dense(NAME)` and `band(F, G, ..)` leaves refer to.
 pub trait Resolver {
     /// Segment ids for `document` (from `--segments`, or `--q-segments`/`--kv-segments`).
     fn segments(&self) -> Result<Arc<Segments>>;
     /// The boolean array stored at `path`.
     fn dense(&self, path: &str) -> Result<DenseMask>;
+    /// The integer feature `[L]` or `[B, L]` named `name` (a `band` argument).
+    fn feature(&self, name: &str) -> Result<SegmentIds>;
 }
 
-/// A resolver with no data: `document` and `dense` leaves are errors.
+/// A resolver with no data: `document`, `dense` and `band` leaves are errors.
 pub struct NoData;
 
 impl Resolver for NoData {
@@ -64,6 +71,13 @@ impl Resolver for NoData {
             "none available",
         ))
     }
+    fn feature(&self, name: &str) -> Result<SegmentIds> {
+        Err(Error::invalid(
+            format!("band feature {}", list_arg(name)),
+            "a feature loader",
+            "none available",
+        ))
+    }
 }
 
 /// Deepest nesting of `(`, `!` and `heads(...)` the parser accepts: every algorithm over a mask
@@ -76,10 +90,11 @@ pub const MAX_LEN: usize = 1 << 20;
 /// Parses a mask expression, resolving data leaves through `resolver`. Input longer than
 /// [`MAX_LEN`] bytes or nested deeper than [`MAX_DEPTH`] is a parse error naming the limit.
 ///
-/// A `dense` name is raw (up to the `)` closing `dense(`, trimmed, parentheses balanced) or
-/// quoted in `"` or `'` with the quote character doubled inside (`dense("say ""hi""")`); there
-/// are no backslash escapes. [`Mask`]'s `Display` quotes exactly the names whose raw reading
-/// would differ, so the printed form of a parsed mask parses back to it.
+/// A data name is raw (up to the `)` closing `dense(`, or the `,` or `)` ending a `band`
+/// argument; trimmed, parentheses balanced) or quoted in `"` or `'` with the quote character
+/// doubled inside (`dense("say ""hi""")`); there are no backslash escapes. [`Mask`]'s `Display`
+/// quotes exactly the names whose raw reading would differ, so the printed form of a parsed
+/// mask parses back to it.
 pub fn parse(text: &str, resolver: &dyn Resolver) -> Result<Mask> {
     if text.len() > MAX_LEN {
         return Err(Error::Parse {
@@ -222,7 +237,7 @@ impl Parser<'_> {
         let name = self.ident();
         match name.as_str() {
             "" => Err(self.error(
-                "a mask leaf (full, causal, window, chunk, prefix, document, dense, heads), '(' or '!'",
+                "a mask leaf (full, causal, window, chunk, prefix, document, dense, band, heads), '(' or '!'",
             )),
             "full" => {
                 self.no_args()?;
@@ -269,14 +284,30 @@ impl Parser<'_> {
             }
             "dense" => {
                 self.expect('(')?;
-                self.skip_ws();
-                let path_pos = self.pos;
-                let path = self.path()?;
+                let path = self.data_name(false, "a file path")?;
                 self.expect(')')?;
-                if path.is_empty() {
-                    return Err(self.error_at(path_pos, "a file path", "nothing".into()));
-                }
                 Ok(Mask::Dense(Arc::new(self.resolver.dense(&path)?)))
+            }
+            "band" => {
+                self.expect('(')?;
+                let q_name = self.data_name(true, "a feature name (the query-side feature)")?;
+                self.expect(',')?;
+                let kv_name = self.data_name(true, "a feature name (the key-side feature)")?;
+                self.expect(',')?;
+                self.skip_ws();
+                let args_pos = self.pos;
+                let args = self.int_list(&["lo", "hi"], 2)?;
+                let (lo, hi) = (args[0].unwrap_or(0), args[1].unwrap_or(0));
+                if lo > hi {
+                    return Err(self.error_at(
+                        args_pos,
+                        "band(F, G, LO, HI) with LO <= HI",
+                        format!("LO {lo} > HI {hi}"),
+                    ));
+                }
+                let q = self.resolver.feature(&q_name)?;
+                let kv = self.resolver.feature(&kv_name)?;
+                Ok(Mask::band(BandFeatures::new(q_name, q, kv_name, kv), lo, hi))
             }
             "heads" => {
                 self.expect('(')?;
@@ -292,7 +323,7 @@ impl Parser<'_> {
             }
             other => Err(self.error_at(
                 start,
-                "a mask leaf (full, causal, window, chunk, prefix, document, dense, heads)",
+                "a mask leaf (full, causal, window, chunk, prefix, document, dense, band, heads)",
                 format!("unknown leaf '{other}'"),
             )),
         }
@@ -328,7 +359,6 @@ impl Parser<'_> {
     /// Parses an optional `(a, b, ...)` of integers, positional or `name=value`.
     /// `required` is how many must be present when there are none at all.
     fn int_args(&mut self, names: &[&str], required: usize) -> Result<Vec<Option<i64>>> {
-        let mut out = vec![None; names.len()];
         let save = self.pos;
         if !self.eat('(') {
             self.pos = save;
@@ -336,8 +366,15 @@ impl Parser<'_> {
                 self.skip_ws();
                 return Err(self.error("'(' followed by the leaf's arguments"));
             }
-            return Ok(out);
+            return Ok(vec![None; names.len()]);
         }
+        self.int_list(names, required)
+    }
+
+    /// The integers of an argument list, positional or `name=value`, through its closing `)`
+    /// (what comes before them, `(` included, already read).
+    fn int_list(&mut self, names: &[&str], required: usize) -> Result<Vec<Option<i64>>> {
+        let mut out = vec![None; names.len()];
         let mut k = 0;
         loop {
             self.skip_ws();
@@ -415,9 +452,21 @@ impl Parser<'_> {
             })
     }
 
-    /// A dense file path: quoted (the quote doubled inside), or raw up to the matching ')'
-    /// (see the module doc).
-    fn path(&mut self) -> Result<String> {
+    /// A non-empty data name (see the module doc); `expected` says what it names when it is
+    /// empty.
+    fn data_name(&mut self, in_list: bool, expected: &str) -> Result<String> {
+        self.skip_ws();
+        let at = self.pos;
+        let name = self.name(in_list)?;
+        if name.is_empty() {
+            return Err(self.error_at(at, expected, "nothing".into()));
+        }
+        Ok(name)
+    }
+
+    /// A data name: quoted (the quote doubled inside), or raw up to the matching ')' (or, in an
+    /// argument list, a ',' outside parentheses); see the module doc.
+    fn name(&mut self, in_list: bool) -> Result<String> {
         if let Some(q @ ('"' | '\'')) = self.peek() {
             let start = self.pos;
             self.pos += 1;
@@ -440,11 +489,13 @@ impl Parser<'_> {
         while let Some(c) = self.peek() {
             if c == '(' {
                 depth += 1;
-            } else if c == ')' {
+            } else if c == ')' || (c == ',' && in_list) {
                 if depth == 0 {
                     break;
                 }
-                depth -= 1;
+                if c == ')' {
+                    depth -= 1;
+                }
             }
             s.push(c);
             self.pos += 1;
@@ -456,7 +507,17 @@ impl Parser<'_> {
 /// `name` as the argument of `dense(...)` in the text form: raw when the parser's raw reading
 /// gives it back exactly, otherwise in `"` with every `"` doubled (see the module doc).
 pub(crate) fn dense_arg(name: &str) -> std::borrow::Cow<'_, str> {
-    if raw_reads_back(name) {
+    quote_name(name, false)
+}
+
+/// `name` as a name argument of `band(...)`: as [`dense_arg`], and quoted also when it holds a
+/// `,` outside parentheses (which would end it there).
+pub(crate) fn list_arg(name: &str) -> std::borrow::Cow<'_, str> {
+    quote_name(name, true)
+}
+
+fn quote_name(name: &str, in_list: bool) -> std::borrow::Cow<'_, str> {
+    if raw_reads_back(name, in_list) {
         return std::borrow::Cow::Borrowed(name);
     }
     let mut s = String::with_capacity(name.len() + 2);
@@ -471,9 +532,10 @@ pub(crate) fn dense_arg(name: &str) -> std::borrow::Cow<'_, str> {
     std::borrow::Cow::Owned(s)
 }
 
-/// Whether `name` written raw in `dense(...)` parses back to `name`: non-empty, not trimmed
-/// by the parser, not read as a quoted name, and not ended early (or never) by its parentheses.
-fn raw_reads_back(name: &str) -> bool {
+/// Whether `name` written raw parses back to `name`: non-empty, not trimmed by the parser, not
+/// read as a quoted name, and not ended early (or never) by its parentheses or, `in_list`, by a
+/// comma outside them.
+fn raw_reads_back(name: &str, in_list: bool) -> bool {
     if name.is_empty() || name.trim().len() != name.len() || name.starts_with(['"', '\'']) {
         return false;
     }
@@ -485,6 +547,7 @@ fn raw_reads_back(name: &str) -> bool {
                 Some(d) => depth = d,
                 None => return false,
             },
+            ',' if in_list && depth == 0 => return false,
             _ => {}
         }
     }

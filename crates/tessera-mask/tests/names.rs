@@ -1,11 +1,11 @@
-//! Names of `dense` data in the text form: printing quotes exactly what the parser needs
-//! quoted, so print → parse → print is a fixpoint for any non-empty name (issue #32, item 0:
-//! `dense("*(")` printed as `dense(*()`, which does not parse).
+//! Names of data (`dense` arrays, `band` features) in the text form: printing quotes exactly
+//! what the parser needs quoted, so print → parse → print is a fixpoint for any non-empty name
+//! (issue #32, item 0: `dense("*(")` printed as `dense(*()`, which does not parse).
 
 use proptest::prelude::*;
 use std::sync::Arc;
 use tessera_core::Result;
-use tessera_mask::{parse, DenseMask, Mask, Resolver, Segments};
+use tessera_mask::{parse, BandFeatures, DenseMask, Mask, Resolver, SegmentIds, Segments};
 
 /// Every name resolves to the same small array labelled with the name.
 struct Names;
@@ -21,6 +21,21 @@ impl Resolver for Names {
     fn dense(&self, path: &str) -> Result<DenseMask> {
         dense(path)
     }
+    fn feature(&self, name: &str) -> Result<SegmentIds> {
+        feature(name)
+    }
+}
+
+/// A feature whose values depend on the name, so that swapped names change the mask.
+fn feature(name: &str) -> Result<SegmentIds> {
+    let n = name.len() as i64;
+    SegmentIds::shared(vec![n, 1 - n, 2 * n])
+}
+
+/// `band(q, kv, -1, 2)` with features named `q` and `kv`.
+fn band(q: &str, kv: &str) -> Mask {
+    let f = BandFeatures::new(q, feature(q).expect("q"), kv, feature(kv).expect("kv"));
+    Mask::band(f, -1, 2)
 }
 
 fn parsed(text: &str) -> Mask {
@@ -32,6 +47,14 @@ fn name_of(m: &Mask) -> &str {
     match m {
         Mask::Dense(d) => d.label(),
         other => panic!("not a dense leaf: {other:?}"),
+    }
+}
+
+/// The two feature names of a band leaf.
+fn band_names(m: &Mask) -> (&str, &str) {
+    match m {
+        Mask::Band { features, .. } => (&features.q_name, &features.kv_name),
+        other => panic!("not a band leaf: {other:?}"),
     }
 }
 
@@ -123,6 +146,55 @@ fn awkward_names_print_quoted_exactly_when_needed_and_round_trip() {
     }
 }
 
+/// A `band` name follows the same rule, and a `,` outside parentheses also needs quotes (it
+/// would end the argument).
+#[test]
+fn awkward_band_names_print_like_dense_ones_and_commas_quoted() {
+    for &(name, dense_form) in CASES {
+        let m = band(name, "g");
+        let printed = round_trips(&m);
+        let arg = &dense_form["dense(".len()..dense_form.len() - 1];
+        let top_comma = {
+            let mut depth = 0i32;
+            name.chars().any(|c| {
+                match c {
+                    '(' => depth += 1,
+                    ')' => depth -= 1,
+                    _ => {}
+                }
+                c == ',' && depth == 0
+            })
+        };
+        let want = if top_comma {
+            format!("band(\"{}\", g, -1, 2)", name.replace('"', "\"\""))
+        } else {
+            format!("band({arg}, g, -1, 2)")
+        };
+        assert_eq!(printed, want, "printed form of {name:?}");
+        assert_eq!(band_names(&parsed(&printed)), (name, "g"));
+        // As the key-side name too.
+        let m = band("f", name);
+        assert_eq!(band_names(&parsed(&round_trips(&m))), ("f", name));
+    }
+    assert_eq!(
+        band_names(&parsed("band(f(1,2).npy, g , 0, 1)")),
+        ("f(1,2).npy", "g")
+    );
+    assert_eq!(
+        band_names(&parsed("band('a,b', \"c\"\"\", 0, 1)")),
+        ("a,b", "c\"")
+    );
+    assert_eq!(
+        band("a,b", "c,(d)").to_string(),
+        "band(\"a,b\", \"c,(d)\", -1, 2)"
+    );
+    assert_eq!(band("(a,b)", "c").to_string(), "band((a,b), c, -1, 2)");
+    for bad in ["band(, g, 0, 1)", "band(f, '', 0, 1)", "band(f,  , 0, 1)"] {
+        let e = parse(bad, &Names).expect_err(bad);
+        assert!(e.to_string().contains("a feature name"), "{bad:?}: {e}");
+    }
+}
+
 #[test]
 fn awkward_names_round_trip_inside_expressions() {
     let names: Vec<&str> = CASES.iter().map(|c| c.0).collect();
@@ -192,6 +264,11 @@ proptest! {
         // Inside an expression too, next to operators and another name.
         let m = !Mask::dense(dense(&name).expect("dense")) | (Mask::causal() & typed);
         round_trips(&m);
+        // As both names of a band leaf.
+        let b = band(&name, &name);
+        let back = parsed(&round_trips(&b));
+        prop_assert_eq!(band_names(&back), (name.as_str(), name.as_str()));
+        round_trips(&(band("x", &name) & !b));
     }
 
     #[test]
@@ -201,6 +278,14 @@ proptest! {
             0 => format!("dense({name})"),
             1 => format!("dense(\"{}\")", name.replace('"', "\"\"")),
             _ => format!("dense('{}')", name.replace('\'', "''")),
+        };
+        if let Ok(m) = parse(&text, &Names) {
+            round_trips(&m);
+        }
+        let text = match quote {
+            0 => format!("band({name}, {name}, 0, 3)"),
+            1 => format!("band(\"{}\", g, 0, 3)", name.replace('"', "\"\"")),
+            _ => format!("band(f, '{}', 0, 3)", name.replace('\'', "''")),
         };
         if let Ok(m) = parse(&text, &Names) {
             round_trips(&m);

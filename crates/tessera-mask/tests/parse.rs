@@ -13,6 +13,9 @@ impl Resolver for Data {
     fn dense(&self, path: &str) -> Result<DenseMask> {
         DenseMask::new(&[2, 3], &[true, false, true, false, true, true], path)
     }
+    fn feature(&self, name: &str) -> Result<SegmentIds> {
+        SegmentIds::shared(vec![name.len() as i64, 0, -2])
+    }
 }
 
 fn data(ids: Vec<i64>) -> Data {

@@ -138,6 +138,70 @@ impl<'a> DocLeaf<'a> {
     }
 }
 
+/// A `band` leaf for one batch row: `lo <= q[i] - kv[j] <= hi`, with the range of each feature
+/// over every tile. All differences are taken in i128, so no feature value or bound wraps.
+pub(crate) struct BandLeaf<'a> {
+    q: &'a [i64],
+    kv: &'a [i64],
+    lo: i128,
+    hi: i128,
+    /// (min, max) of the q feature per q tile and of the kv feature per kv tile.
+    q_sum: Vec<(i64, i64)>,
+    kv_sum: Vec<(i64, i64)>,
+    /// Per kv tile: its features never decrease (positions, sorted ids), so a row's allowed keys
+    /// there are one run, found by binary search in stage 2.
+    kv_sorted: Vec<bool>,
+    /// Per q tile: the hull of kv tiles whose range meets [qmin - hi, qmax - lo].
+    q_reach: Vec<Option<(usize, usize)>>,
+}
+
+impl<'a> BandLeaf<'a> {
+    fn new(g: &Geom, q: &'a [i64], kv: &'a [i64], lo: i64, hi: i64) -> Self {
+        let range = |c: &[i64]| {
+            c.iter()
+                .fold((i64::MAX, i64::MIN), |(a, b), &v| (a.min(v), b.max(v)))
+        };
+        let q_sum: Vec<(i64, i64)> = q.chunks(g.tq).map(range).collect();
+        let kv_sum: Vec<(i64, i64)> = kv.chunks(g.tk).map(range).collect();
+        let kv_sorted = kv
+            .chunks(g.tk)
+            .map(|c| c.windows(2).all(|w| w[0] <= w[1]))
+            .collect();
+        let (lo, hi) = (lo as i128, hi as i128);
+        // When the tile ranges never go down along the keys (positions, sorted ids), the tiles
+        // a query tile meets are one run found by binary search; otherwise every tile is scanned.
+        let monotone = kv_sum
+            .windows(2)
+            .all(|w| w[0].0 <= w[1].0 && w[0].1 <= w[1].1);
+        // A key feature v partners some query of the tile only if qmin - hi <= v <= qmax - lo.
+        let q_reach = q_sum
+            .iter()
+            .map(|&(qa, qb)| {
+                let (want_lo, want_hi) = (qa as i128 - hi, qb as i128 - lo);
+                let meets = |&(ka, kb): &(i64, i64)| kb as i128 >= want_lo && ka as i128 <= want_hi;
+                if monotone {
+                    let first = kv_sum.partition_point(|&(_, kb)| (kb as i128) < want_lo);
+                    let end = kv_sum.partition_point(|&(ka, _)| ka as i128 <= want_hi);
+                    return (first < end).then(|| (first, end - 1));
+                }
+                let first = kv_sum.iter().position(meets)?;
+                let last = kv_sum.iter().rposition(meets)?;
+                Some((first, last))
+            })
+            .collect();
+        BandLeaf {
+            q,
+            kv,
+            lo,
+            hi,
+            q_sum,
+            kv_sum,
+            kv_sorted,
+            q_reach,
+        }
+    }
+}
+
 /// A `dense` leaf for one (batch, head) slice, with per-tile allowed counts.
 pub(crate) struct DenseLeaf<'a> {
     mask: &'a DenseMask,
@@ -215,6 +279,7 @@ pub(crate) enum Node<'a> {
     Chunk(i64),
     Prefix(i64),
     Doc(DocLeaf<'a>),
+    Band(BandLeaf<'a>),
     Dense(DenseLeaf<'a>),
     And(Vec<Node<'a>>),
     Or(Vec<Node<'a>>),
@@ -231,6 +296,13 @@ impl<'a> Node<'a> {
             Mask::Chunk { size } => Node::Chunk((*size).min(i64::MAX as u64) as i64),
             Mask::Prefix { len } => Node::Prefix((*len).min(i64::MAX as u64) as i64),
             Mask::Document(s) => Node::Doc(DocLeaf::new(g, s.q.row(b), s.kv.row(b))),
+            Mask::Band { features, lo, hi } => Node::Band(BandLeaf::new(
+                g,
+                features.q.row(b),
+                features.kv.row(b),
+                *lo,
+                *hi,
+            )),
             Mask::Dense(d) => Node::Dense(DenseLeaf::new(g, d, d.slice_index(b, h))),
             Mask::And(v) => Node::And(v.iter().map(|m| Node::prepare(m, g, b, h)).collect()),
             Mask::Or(v) => Node::Or(v.iter().map(|m| Node::prepare(m, g, b, h)).collect()),
@@ -249,6 +321,7 @@ impl<'a> Node<'a> {
             Node::Chunk(c) => g.kv_tiles(i0 / c * c, (i1 / c + 1).saturating_mul(*c) - 1),
             Node::Prefix(n) => g.kv_tiles(0, n - 1),
             Node::Doc(d) => d.q_reach[qt],
+            Node::Band(d) => d.q_reach[qt],
             Node::Dense(d) => d.q_reach[qt],
             Node::And(v) => v.iter().try_fold((0, g.nk - 1), |(a, b), n| {
                 let (x, y) = n.reach(g, qt)?;
@@ -297,6 +370,13 @@ impl<'a> Node<'a> {
                 let full =
                     !q.any_pad && !k.any_pad && q.min == q.max && k.min == k.max && q.min == k.min;
                 verdict(full, empty)
+            }
+            Node::Band(d) => {
+                // Differences f - g over the tile cover [qmin - kmax, qmax - kmin] (both ends
+                // attained, so Full is exact and Empty sound).
+                let ((qa, qb), (ka, kb)) = (d.q_sum[qt], d.kv_sum[kt]);
+                let (dmin, dmax) = (qa as i128 - kb as i128, qb as i128 - ka as i128);
+                verdict(dmin >= d.lo && dmax <= d.hi, dmax < d.lo || dmin > d.hi)
             }
             Node::Dense(d) => {
                 let c = d.counts[qt * g.nk + kt] as i64;
@@ -394,6 +474,27 @@ impl<'a> Node<'a> {
                     for &(a, b, id) in runs {
                         if id == s {
                             set(out, r, a as i64, b as i64);
+                        }
+                    }
+                }
+            }
+            Node::Band(d) => {
+                let keys = &d.kv[j0 as usize..=j1 as usize];
+                for r in 0..rows {
+                    // Row i allows the keys whose feature lies in [f - hi, f - lo].
+                    let f = d.q[i0 as usize + r] as i128;
+                    let (want_lo, want_hi) = (f - d.hi, f - d.lo);
+                    if d.kv_sorted[kt] {
+                        let a = keys.partition_point(|&v| (v as i128) < want_lo);
+                        let b = keys.partition_point(|&v| (v as i128) <= want_hi);
+                        set(out, r, a as i64, b as i64);
+                    } else {
+                        let row = &mut out[r * wpr..(r + 1) * wpr];
+                        for (c, &v) in keys.iter().enumerate() {
+                            let v = v as i128;
+                            if want_lo <= v && v <= want_hi {
+                                row[c / 64] |= 1u64 << (c % 64);
+                            }
                         }
                     }
                 }

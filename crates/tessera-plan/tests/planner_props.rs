@@ -1,10 +1,12 @@
 //! Property tests: plan states equal a brute-force token-level classification for random mask
-//! trees, every partial bitmask reproduces the token mask, and the backward list is exactly the
-//! transpose of the forward list.
+//! trees (every leaf, `band` over random features included, under `&`, `|`, `!`, `heads`), every
+//! partial bitmask reproduces the token mask, and the backward list is exactly the transpose of
+//! the forward list.
 
 use proptest::prelude::*;
+use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
-use tessera_mask::{DenseMask, Mask, SegmentIds, Segments, MAX_TREE_DEPTH};
+use tessera_mask::{BandFeatures, DenseMask, Mask, SegmentIds, Segments, MAX_TREE_DEPTH};
 use tessera_plan::{build_plan, Plan, PlanShape, TileShape, TileState};
 
 /// Random segment ids for `rows` rows: runs of documents, sometimes padding runs (-1, -3), and
@@ -32,6 +34,58 @@ fn random_segments(rng: &mut impl Rng, rows: usize, len: usize) -> Vec<i64> {
     out
 }
 
+/// Random integer features for `rows` rows: positions (shifted, strided), sorted small values,
+/// shuffled small values, document-like runs, or (rarely) values at the ends of i64.
+fn random_feature(rng: &mut impl Rng, rows: usize, len: usize) -> Vec<i64> {
+    let mut out = Vec::with_capacity(rows * len);
+    for _ in 0..rows {
+        let row: Vec<i64> = match rng.gen_range(0..6) {
+            0 | 1 => {
+                let (shift, step) = (rng.gen_range(-4..=4), rng.gen_range(1..=3));
+                (0..len as i64).map(|i| shift + step * i).collect()
+            }
+            2 => {
+                let mut v = rng.gen_range(-3..3);
+                (0..len)
+                    .map(|_| {
+                        v += rng.gen_range(0..3);
+                        v
+                    })
+                    .collect()
+            }
+            3 => {
+                let mut v: Vec<i64> = (0..len).map(|_| rng.gen_range(-4..8)).collect();
+                v.shuffle(rng);
+                v
+            }
+            4 => random_segments(rng, 1, len),
+            _ => (0..len)
+                .map(|_| match rng.gen_range(0..4) {
+                    0 => i64::MIN,
+                    1 => i64::MAX,
+                    _ => rng.gen_range(-2..3),
+                })
+                .collect(),
+        };
+        out.extend(row);
+    }
+    out
+}
+
+/// Band bounds: small (the usual case), one-sided wide, or at the ends of i64.
+fn random_bounds(rng: &mut impl Rng, l: i64) -> (i64, i64) {
+    fn pick(rng: &mut impl Rng, l: i64) -> i64 {
+        match rng.gen_range(0..8) {
+            0 => i64::MIN,
+            1 => i64::MAX,
+            2 => rng.gen_range(-l..=l),
+            _ => rng.gen_range(-6..=6),
+        }
+    }
+    let (a, b) = (pick(rng, l), pick(rng, l));
+    (a.min(b), a.max(b))
+}
+
 struct Gen<'a, R: Rng> {
     rng: &'a mut R,
     b: usize,
@@ -43,7 +97,7 @@ struct Gen<'a, R: Rng> {
 impl<R: Rng> Gen<'_, R> {
     fn leaf(&mut self) -> Mask {
         let l = self.lq.max(self.lkv) as i64;
-        match self.rng.gen_range(0..9) {
+        match self.rng.gen_range(0..11) {
             0 => Mask::full(),
             1 => Mask::causal(),
             2 => Mask::causal_offset(self.rng.gen_range(-l..=l)),
@@ -66,6 +120,7 @@ impl<R: Rng> Gen<'_, R> {
                 };
                 Mask::document(segs)
             }
+            9 | 10 => self.band(),
             _ => {
                 let shape: Vec<usize> = match self.rng.gen_range(0..3) {
                     0 => vec![self.lq, self.lkv],
@@ -78,6 +133,18 @@ impl<R: Rng> Gen<'_, R> {
                 Mask::dense(DenseMask::new(&shape, &vals, "rand").unwrap())
             }
         }
+    }
+
+    /// A band over random features, each side shared (1 row) or per batch row.
+    fn band(&mut self) -> Mask {
+        let (qr, kr) = (
+            if self.rng.gen_bool(0.5) { 1 } else { self.b },
+            if self.rng.gen_bool(0.5) { 1 } else { self.b },
+        );
+        let q = SegmentIds::new(qr, self.lq, random_feature(self.rng, qr, self.lq)).unwrap();
+        let kv = SegmentIds::new(kr, self.lkv, random_feature(self.rng, kr, self.lkv)).unwrap();
+        let (lo, hi) = random_bounds(self.rng, self.lq.max(self.lkv) as i64);
+        Mask::band(BandFeatures::new("f", q, "g", kv), lo, hi)
     }
 
     fn tree(&mut self, depth: usize) -> Mask {
@@ -211,6 +278,47 @@ proptest! {
         let lkv = if lkv_same { lq } else { lkv };
         let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
         let mask = Gen { rng: &mut rng, b, h, lq, lkv }.tree(depth);
+        let shape = PlanShape::new(b, h, lq, lkv).unwrap();
+        let tile = TileShape::new(1 << tq, 1 << tk).unwrap();
+        let plan = build_plan(&mask, shape, tile).unwrap();
+        check(&mask, &plan)?;
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 160, ..ProptestConfig::default() })]
+
+    /// A band leaf in every position: alone, under `&`, `|` and `!` with random trees of the
+    /// other leaves, and as one head of `heads(...)`.
+    #[test]
+    fn band_in_combinations_matches_brute_force(
+        seed in any::<u64>(),
+        lq in 1usize..400,
+        lkv_same in any::<bool>(),
+        lkv in 1usize..400,
+        tq in 4u32..7,
+        tk in 4u32..7,
+        b in 1usize..3,
+        h in 1usize..3,
+        how in 0usize..6,
+    ) {
+        let lkv = if lkv_same { lq } else { lkv };
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        let mut g = Gen { rng: &mut rng, b, h, lq, lkv };
+        let band = g.band();
+        let mask = match how {
+            0 => band,
+            1 => band & g.tree(2),
+            2 => g.tree(2) | band,
+            3 => !band & g.tree(1),
+            4 => !(band | g.tree(1)),
+            _ => {
+                let at = g.rng.gen_range(0..h);
+                let mut v: Vec<Mask> = (0..h - 1).map(|_| g.tree(1)).collect();
+                v.insert(at, band & g.leaf());
+                Mask::heads(v)
+            }
+        };
         let shape = PlanShape::new(b, h, lq, lkv).unwrap();
         let tile = TileShape::new(1 << tq, 1 << tk).unwrap();
         let plan = build_plan(&mask, shape, tile).unwrap();

@@ -13,8 +13,9 @@ Quick start::
 
 Masks use the same algebra and spelling as the Rust API and the ``tessera`` CLI: leaves
 ``full()``, ``causal(offset)``, ``window(left, right)``, ``chunk(size)``, ``prefix(n)``,
-``document(ids)``, ``dense(array)``, ``heads([...])`` combined with ``&``, ``|`` and ``~``, or
-the text form ``tessera.mask("causal & document", segments=ids)``. ``torch`` and ``jax`` are
+``document(ids)``, ``band(q_feature, kv_feature, lo, hi)``, ``dense(array)``, ``heads([...])``
+combined with ``&``, ``|`` and ``~``, or the text form
+``tessera.mask("causal & document", segments=ids)``. ``torch`` and ``jax`` are
 optional: ``import tessera`` needs numpy only.
 """
 
@@ -40,6 +41,7 @@ __all__ = [
     "chunk",
     "prefix",
     "document",
+    "band",
     "dense",
     "heads",
     "mask",
@@ -53,15 +55,18 @@ __all__ = [
 __version__: str = _tessera.__version__
 
 
-def _int_ids(name: str, ids: Any) -> np.ndarray:
-    """Segment ids as a contiguous int64 array ``[L]`` or ``[B, L]`` (numpy, torch, lists)."""
+def _int_ids(name: str, ids: Any, what: str = "segment ids") -> np.ndarray:
+    """Segment ids (or another per-token integer array, ``what``) as a contiguous int64 array
+    ``[L]`` or ``[B, L]`` (numpy, torch, lists); values outside int64 are refused, not wrapped."""
     if hasattr(ids, "detach") and hasattr(ids, "cpu"):  # a torch tensor, on any device
         ids = ids.detach().cpu().numpy()
     a = np.asarray(ids)
     if a.dtype == np.bool_ or not np.issubdtype(a.dtype, np.integer):
-        raise TypeError(f"{name}: expected an integer array of segment ids, got dtype {a.dtype}")
+        raise TypeError(f"{name}: expected an integer array of {what}, got dtype {a.dtype}")
     if a.ndim not in (1, 2):
-        raise ValueError(f"{name}: expected segment ids of shape [L] or [B, L], got {a.shape}")
+        raise ValueError(f"{name}: expected {what} of shape [L] or [B, L], got {a.shape}")
+    if a.dtype == np.uint64 and a.size and int(a.max()) > np.iinfo(np.int64).max:
+        raise ValueError(f"{name}: {what} must fit in int64, got {int(a.max())}")
     return np.ascontiguousarray(a, dtype=np.int64)
 
 
@@ -123,6 +128,21 @@ def document(ids: Any, kv_ids: Any = None) -> Mask:
     return _tessera.document(q, k)
 
 
+def band(q_feature: Any, kv_feature: Any, lo: int, hi: int) -> Mask:
+    """``lo <= q_feature[b, i] - kv_feature[b, j] <= hi``, in exact integer arithmetic, for
+    per-token integer features ``[L]`` (every batch row) or ``[B, L]`` (numpy, torch, lists):
+    ``q_feature`` over the queries (``Lq`` long), ``kv_feature`` over the keys (``Lkv`` long).
+    ``causal()`` is ``band(pos, pos, 0, 2**63 - 1)`` over positions ``pos = arange(L)``,
+    ``window(l, r)`` is ``band(pos, pos, -r, l)``, and ``document(ids)`` on ids ``>= 0`` is
+    ``band(ids, ids, 0, 0)`` (those leaves keep their own faster planning). A float or bool
+    feature is a ``TypeError``, ``lo > hi`` a ``ValueError``; a feature of the wrong length is a
+    ``ValueError`` naming it when the mask is planned."""
+    q = _int_ids("q_feature", q_feature, "a feature")
+    k = _int_ids("kv_feature", kv_feature, "a feature")
+    bound = (-(2**63), 2**63)
+    return _tessera.band(q, k, _int_arg("band", "lo", lo, *bound), _int_arg("band", "hi", hi, *bound))
+
+
 def dense(values: Any) -> Mask:
     """A boolean array ``[Lq, Lkv]``, ``[H, Lq, Lkv]`` or ``[B, H, Lq, Lkv]``."""
     return _tessera.dense(_bool_array("dense", values))
@@ -144,10 +164,12 @@ def mask(
     q_segments: Any = None,
     kv_segments: Any = None,
     dense: Optional[Dict[str, Any]] = None,
+    features: Optional[Dict[str, Any]] = None,
 ) -> Mask:
     """Parses a mask expression in the CLI's language, e.g. ``"causal & document"`` with
-    ``segments=ids``, ``"window(4K) | prefix(64)"``, ``"heads(causal, full)"``, or
-    ``"dense(m) & causal"`` with ``dense={"m": array}``."""
+    ``segments=ids``, ``"window(4K) | prefix(64)"``, ``"heads(causal, full)"``,
+    ``"dense(m) & causal"`` with ``dense={"m": array}``, or ``"band(t, t, 0, 64)"`` with
+    ``features={"t": ints}`` (integer arrays ``[L]`` or ``[B, L]``)."""
     if not isinstance(expr, str):
         raise TypeError(f"expr: expected a str, got {type(expr).__name__}")
     seg = None if segments is None else _int_ids("segments", segments)
@@ -158,7 +180,12 @@ def mask(
         if not isinstance(dense, dict):
             raise TypeError("dense: expected a dict of name -> bool array")
         table = {str(k): _bool_array(f"dense['{k}']", v) for k, v in dense.items()}
-    return _tessera.mask(expr, seg, qs, ks, table)
+    feats = None
+    if features is not None:
+        if not isinstance(features, dict):
+            raise TypeError("features: expected a dict of name -> integer array")
+        feats = {str(k): _int_ids(f"features['{k}']", v, "a feature") for k, v in features.items()}
+    return _tessera.mask(expr, seg, qs, ks, table, feats)
 
 
 # -- key-side documents for other engines -------------------------------------------------------
