@@ -148,9 +148,12 @@ pub(crate) struct BandLeaf<'a> {
     /// (min, max) of the q feature per q tile and of the kv feature per kv tile.
     q_sum: Vec<(i64, i64)>,
     kv_sum: Vec<(i64, i64)>,
-    /// Per kv tile: its features never decrease (positions, sorted ids), so a row's allowed keys
-    /// there are one run, found by binary search in stage 2.
-    kv_sorted: Vec<bool>,
+    /// Per kv tile: `None` when its features never decrease (positions, sorted ids), so a row's
+    /// allowed keys there are one run found by binary search in stage 2; otherwise the offset in
+    /// `kv_order` of the tile's (feature, column) pairs sorted by feature, where a binary search
+    /// finds the same keys as a run of columns (no per-key scan of every row).
+    kv_order_at: Vec<Option<usize>>,
+    kv_order: Vec<(i64, u16)>,
     /// Per q tile: the hull of kv tiles whose range meets [qmin - hi, qmax - lo].
     q_reach: Vec<Option<(usize, usize)>>,
 }
@@ -163,9 +166,19 @@ impl<'a> BandLeaf<'a> {
         };
         let q_sum: Vec<(i64, i64)> = q.chunks(g.tq).map(range).collect();
         let kv_sum: Vec<(i64, i64)> = kv.chunks(g.tk).map(range).collect();
-        let kv_sorted = kv
+        let mut kv_order = Vec::new();
+        let kv_order_at = kv
             .chunks(g.tk)
-            .map(|c| c.windows(2).all(|w| w[0] <= w[1]))
+            .map(|c| {
+                if c.windows(2).all(|w| w[0] <= w[1]) {
+                    return None;
+                }
+                let at = kv_order.len();
+                // Columns fit u16: tiles are at most MAX_TILE (4096) wide.
+                kv_order.extend(c.iter().enumerate().map(|(col, &v)| (v, col as u16)));
+                kv_order[at..].sort_unstable();
+                Some(at)
+            })
             .collect();
         let (lo, hi) = (lo as i128, hi as i128);
         // When the tile ranges never go down along the keys (positions, sorted ids), the tiles
@@ -196,7 +209,8 @@ impl<'a> BandLeaf<'a> {
             hi,
             q_sum,
             kv_sum,
-            kv_sorted,
+            kv_order_at,
+            kv_order,
             q_reach,
         }
     }
@@ -480,23 +494,76 @@ impl<'a> Node<'a> {
             }
             Node::Band(d) => {
                 let keys = &d.kv[j0 as usize..=j1 as usize];
+                let order = d.kv_order_at[kt].map(|at| &d.kv_order[at..at + keys.len()]);
+                let n = keys.len();
+                let value = |i: usize| match order {
+                    None => keys[i] as i128,
+                    Some(o) => o[i].0 as i128,
+                };
+                // Row i allows the keys whose feature lies in [f - hi, f - lo]: positions [a, b)
+                // of `keys` (sorted tile) or of `order` (the tile's keys sorted by feature).
+                // Rows repeat few feature values (tile coordinates, clamped window starts,
+                // dilation groups): a row whose value is among the last ones computed is a copy.
+                // When the value grows from the last row computed (positions) the bounds only
+                // move forward: they are galloped from there, and an unsorted tile's row is that
+                // row with the keys that left cleared and those that came set, when fewer change
+                // than the row holds.
+                let mut recent = [(0i64, 0usize); BAND_MEMO];
+                let mut computed = 0usize;
+                // The largest value computed: a larger one (growing features) is not remembered.
+                let mut top = i64::MIN;
+                let (mut a, mut b) = (0usize, 0usize);
                 for r in 0..rows {
-                    // Row i allows the keys whose feature lies in [f - hi, f - lo].
-                    let f = d.q[i0 as usize + r] as i128;
+                    let fv = d.q[i0 as usize + r];
+                    if computed > 0 && fv <= top {
+                        let known = recent[..computed.min(BAND_MEMO)].iter().find(|e| e.0 == fv);
+                        if let Some(&(_, src)) = known {
+                            out.copy_within(src * wpr..(src + 1) * wpr, r * wpr);
+                            continue;
+                        }
+                    }
+                    top = top.max(fv);
+                    let last = (computed > 0).then(|| recent[(computed - 1) % BAND_MEMO]);
+                    let forward = last.filter(|&(lf, _)| lf < fv);
+                    let f = fv as i128;
                     let (want_lo, want_hi) = (f - d.hi, f - d.lo);
-                    if d.kv_sorted[kt] {
-                        let a = keys.partition_point(|&v| (v as i128) < want_lo);
-                        let b = keys.partition_point(|&v| (v as i128) <= want_hi);
-                        set(out, r, a as i64, b as i64);
+                    let (na, nb) = if forward.is_some() {
+                        let x = gallop(a, n, |i| value(i) < want_lo);
+                        (x, gallop(b.max(x), n, |i| value(i) <= want_hi))
                     } else {
-                        let row = &mut out[r * wpr..(r + 1) * wpr];
-                        for (c, &v) in keys.iter().enumerate() {
-                            let v = v as i128;
-                            if want_lo <= v && v <= want_hi {
-                                row[c / 64] |= 1u64 << (c % 64);
+                        let x = partition(n, |i| value(i) < want_lo);
+                        (x, x.max(partition(n, |i| value(i) <= want_hi)))
+                    };
+                    match order {
+                        None => set(out, r, na as i64, nb as i64),
+                        Some(o) => {
+                            let bit = |c: u16| (c as usize / 64, 1u64 << (c % 64));
+                            match forward {
+                                Some((_, src)) if na <= b && (na - a) + (nb - b) < nb - na => {
+                                    out.copy_within(src * wpr..(src + 1) * wpr, r * wpr);
+                                    let row = &mut out[r * wpr..(r + 1) * wpr];
+                                    for &(_, c) in &o[a..na] {
+                                        let (w, m) = bit(c);
+                                        row[w] &= !m;
+                                    }
+                                    for &(_, c) in &o[b..nb] {
+                                        let (w, m) = bit(c);
+                                        row[w] |= m;
+                                    }
+                                }
+                                _ => {
+                                    let row = &mut out[r * wpr..(r + 1) * wpr];
+                                    for &(_, c) in &o[na..nb] {
+                                        let (w, m) = bit(c);
+                                        row[w] |= m;
+                                    }
+                                }
                             }
                         }
                     }
+                    (a, b) = (na, nb);
+                    recent[computed % BAND_MEMO] = (fv, r);
+                    computed += 1;
                 }
             }
             Node::Dense(d) => {
@@ -569,6 +636,36 @@ impl<'a> Node<'a> {
             }
         }
     }
+}
+
+/// Distinct feature values a band tile remembers its computed rows by (a period-8 dilation or
+/// residue feature costs 8 row evaluations per tile, the other rows are copies).
+const BAND_MEMO: usize = 8;
+
+/// The first index in [from, n) where `below` turns false (`below` true on a prefix that
+/// covers [0, from)), found by doubling steps from `from` then bisection: O(log distance).
+fn gallop(from: usize, n: usize, below: impl Fn(usize) -> bool) -> usize {
+    let (mut lo, mut hi, mut step) = (from, from, 1);
+    while hi < n && below(hi) {
+        lo = hi + 1;
+        hi = (hi + step).min(n);
+        step *= 2;
+    }
+    lo + partition(hi - lo, |i| below(lo + i))
+}
+
+/// The first index in [0, n) where `below` turns false (`below` true on a prefix).
+fn partition(n: usize, below: impl Fn(usize) -> bool) -> usize {
+    let (mut lo, mut hi) = (0, n);
+    while lo < hi {
+        let mid = lo + (hi - lo) / 2;
+        if below(mid) {
+            lo = mid + 1;
+        } else {
+            hi = mid;
+        }
+    }
+    lo
 }
 
 /// Sets bits [lo, hi) of `row`, clipped to [0, ncols).
