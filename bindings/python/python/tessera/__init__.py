@@ -15,8 +15,11 @@ Masks use the same algebra and spelling as the Rust API and the ``tessera`` CLI:
 ``full()``, ``causal(offset)``, ``window(left, right)``, ``chunk(size)``, ``prefix(n)``,
 ``document(ids)``, ``band(q_feature, kv_feature, lo, hi)``, ``dense(array)``, ``heads([...])``
 combined with ``&``, ``|`` and ``~``, or the text form
-``tessera.mask("causal & document", segments=ids)``. ``torch`` and ``jax`` are
-optional: ``import tessera`` needs numpy only.
+``tessera.mask("causal & document", segments=ids)``. Layout helpers build the masks of
+common token layouts from a few of those leaves (``tessera.layouts``): ``neighborhood``
+(NATTEN), ``tiled_neighborhood`` (Sliding Tile Attention), ``tile_order``, ``dilated_window``,
+``global_tokens``; docs/mask-cookbook.md writes the masks published for FlexAttention with them.
+``torch`` and ``jax`` are optional: ``import tessera`` needs numpy only.
 """
 
 from __future__ import annotations
@@ -45,6 +48,11 @@ __all__ = [
     "dense",
     "heads",
     "mask",
+    "neighborhood",
+    "tiled_neighborhood",
+    "tile_order",
+    "dilated_window",
+    "global_tokens",
     "plan",
     "pack",
     "cache_stats",
@@ -399,3 +407,13 @@ def pack(
         if any(t < 0 or t > 2**31 - 1 for t in d):
             raise ValueError(f"docs[{i}]: token ids must be in 0..2**31-1")
     return _tessera.pack(lists, seq_len, strategy, bos)
+
+
+# The layout helpers build on the leaves above (imported last: they use them).
+from .layouts import (  # noqa: E402
+    dilated_window,
+    global_tokens,
+    neighborhood,
+    tile_order,
+    tiled_neighborhood,
+)

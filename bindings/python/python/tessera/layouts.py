@@ -1,7 +1,7 @@
 """Masks for the token layouts people use, each a few leaves of the mask algebra (SPEC §13).
 
-Contract: every helper returns a plain :class:`tessera.Mask` built from ``band``, ``window``,
-``document`` and ``prefix`` leaves whose per-token integer features are computed here in numpy
+Contract: every helper returns a plain :class:`tessera.Mask` built from ``band``, ``window``
+and ``prefix`` leaves whose per-token integer features are computed here in numpy
 (O(L) memory, never an ``[Lq, Lkv]`` array), so a plan of it is exact and cheap like any other
 mask and combines with ``&``, ``|``, ``~`` and ``heads``. Canvases are flattened row-major (the
 last axis varies fastest) unless an ``order`` says where each token sits.
@@ -27,7 +27,7 @@ from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from . import Mask, _bool_array, _int_arg, band, document, prefix, window
+from . import Mask, _bool_array, _int_arg, band, prefix, window
 
 __all__ = ["neighborhood", "tiled_neighborhood", "tile_order", "dilated_window", "global_tokens"]
 
@@ -170,8 +170,9 @@ def neighborhood(
     (:func:`tile_order`: attention-gym's ``generate_tiled_natten``), a Morton curve, or extra
     tokens around the canvas. Without it ``L = prod(grid)`` and token ``t`` is cell ``t``.
 
-    Leaves: one ``band`` per axis (two on a causal axis with stride > 1), plus one
-    ``document`` over the dilation groups when some ``d > 1`` or some token is off the canvas.
+    Leaves: one ``band`` per axis (two on a causal axis with stride > 1), plus one ``band``
+    matching the dilation groups (difference 0) when some ``d > 1`` or some token is off the
+    canvas.
     """
     fn = "neighborhood"
     g = _grid(fn, grid)
@@ -203,7 +204,9 @@ def neighborhood(
             terms.append(band(f, h, lo, hi))
         group = group * ds[a] + x % ds[a]
     if max(ds) > 1 or not on.all():
-        terms.append(document(np.where(on, group, -1)))
+        # Same dilation group, both on the canvas: off-canvas queries carry -1 and keys -2,
+        # which no difference of 0 pairs with anything.
+        terms.append(band(np.where(on, group, -1), np.where(on, group, -2), 0, 0))
     return _join(terms)
 
 
@@ -302,7 +305,7 @@ def dilated_window(
     ``q_len``) are the lengths it will be planned for: the residue classes are segment ids.
     For NATTEN's 1-D dilated windows (clamped at the borders) use ``neighborhood((L,), k, d)``.
 
-    Leaves: ``window(left, right)``, plus a ``document`` over ``i % dilation`` when
+    Leaves: ``window(left, right)``, plus ``band(i % dilation, j % dilation, 0, 0)`` when
     ``dilation > 1``."""
     fn = "dilated_window"
     d = _int_arg(fn, "dilation", dilation, 1, _MAX_TOKENS)
@@ -311,7 +314,7 @@ def dilated_window(
     w = window(_int_arg(fn, "left", left, -(2**62)), _int_arg(fn, "right", right, -(2**62)))
     if d == 1:
         return w
-    return w & document(np.arange(lq) % d, np.arange(lk) % d)
+    return w & band(np.arange(lq) % d, np.arange(lk) % d, 0, 0)
 
 
 def global_tokens(is_global_q: Any, is_global_kv: Any = None) -> Mask:
