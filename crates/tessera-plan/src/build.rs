@@ -2,7 +2,7 @@
 //! A mask `blocks & rest` (a block selection intersected with a mask) refines each of the
 //! rest's partial tiles once for every head plan that selects it.
 
-use crate::classify::{Candidates, Geom, Node};
+use crate::classify::{hash_words, Candidates, Geom, Node};
 use crate::contract::{contract_key, PLAN_FORMAT_VERSION};
 use crate::plan::{HeadPlan, PartialMasks, Plan, PlanStats, TileEntry, TileState, FULL_TILE};
 use crate::shape::{PlanShape, TileShape};
@@ -179,10 +179,8 @@ impl PartialDedup {
         bits: &[u64],
         what: &dyn Fn() -> String,
     ) -> Result<u32> {
-        // FNV-style mix: cheap, and collisions are resolved by comparing content.
-        let h = bits.iter().fold(0xcbf2_9ce4_8422_2325u64, |a, &w| {
-            (a ^ w).wrapping_mul(0x0100_0000_01b3).rotate_left(29)
-        });
+        // Collisions are resolved by comparing content.
+        let h = hash_words(bits);
         let ids = self.by_hash.entry(h).or_default();
         for &id in ids.iter() {
             if table.get(id) == bits {

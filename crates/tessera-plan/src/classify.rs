@@ -157,12 +157,69 @@ pub(crate) struct BandLeaf<'a> {
     /// (min, max) of the q feature per q tile and of the kv feature per kv tile.
     q_sum: Vec<(i64, i64)>,
     kv_sum: Vec<(i64, i64)>,
-    /// Per kv tile: its features never decrease (positions, sorted ids), so a row's allowed keys
-    /// there are one run, found by binary search in stage 2.
-    kv_sorted: Vec<bool>,
+    /// Per kv tile: `None` when its features never decrease (positions, sorted ids), so a row's
+    /// allowed keys there are one run found by binary search in stage 2; otherwise the offset in
+    /// `kv_order` of the tile's (feature, column) pairs sorted by feature, where a binary search
+    /// finds the same keys as a run of columns (no per-key scan of every row).
+    kv_order_at: Vec<Option<usize>>,
+    kv_order: Vec<(i64, u16)>,
     /// Per q tile: the hull of kv tiles whose range meets [qmin - hi, qmax - lo].
     q_reach: Vec<Option<(usize, usize)>>,
+    /// Tiles whose features are equal up to a shift (every q tile of a canvas row, every kv
+    /// tile of a frame) have the same bitmask at the same offset between them: stage 2 computes
+    /// it once per (q shape, kv shape, offset) and copies it afterwards.
+    q_shape: TileShapes,
+    kv_shape: TileShapes,
+    memo: std::cell::RefCell<TileMemo>,
 }
+
+/// The tiles of one feature numbered by shape: `id[t]` is equal for two tiles exactly when
+/// their lengths and their values minus their first value (`first[t]`) are equal.
+struct TileShapes {
+    id: Vec<u32>,
+    first: Vec<i64>,
+}
+
+impl TileShapes {
+    fn new(feature: &[i64], tile: usize) -> Self {
+        let chunks: Vec<&[i64]> = feature.chunks(tile).collect();
+        let rel = |c: &[i64], i: usize| c[i] as i128 - c[0] as i128;
+        let same = |a: &[i64], b: &[i64]| {
+            a.len() == b.len() && (0..a.len()).all(|i| rel(a, i) == rel(b, i))
+        };
+        // Shapes by hash of the shifted values; collisions are resolved by comparing them.
+        let mut by_hash: HashMap<u64, Vec<u32>> = HashMap::new();
+        let mut rep: Vec<usize> = Vec::new();
+        let mut shifted = Vec::with_capacity(tile);
+        let id = (0..chunks.len())
+            .map(|t| {
+                let c = chunks[t];
+                shifted.clear();
+                shifted.extend((0..c.len()).map(|i| rel(c, i) as u64));
+                let h = hash_words(&shifted);
+                let ids = by_hash.entry(h).or_default();
+                if let Some(&s) = ids.iter().find(|&&s| same(chunks[rep[s as usize]], c)) {
+                    return s;
+                }
+                rep.push(t);
+                ids.push(rep.len() as u32 - 1);
+                rep.len() as u32 - 1
+            })
+            .collect();
+        let first = chunks.iter().map(|c| c[0]).collect();
+        TileShapes { id, first }
+    }
+}
+
+/// Band tile bitmasks computed so far, by (q shape, kv shape, kv first - q first).
+#[derive(Default)]
+struct TileMemo {
+    at: HashMap<(u32, u32, i128), usize>,
+    words: Vec<u64>,
+}
+
+/// Words of bitmasks a band leaf keeps (64 MiB at most; past it tiles are computed every time).
+const MEMO_WORDS: usize = 8 << 20;
 
 impl<'a> BandLeaf<'a> {
     fn new(g: &Geom, q: &'a [i64], kv: &'a [i64], lo: i64, hi: i64) -> Self {
@@ -172,9 +229,19 @@ impl<'a> BandLeaf<'a> {
         };
         let q_sum: Vec<(i64, i64)> = q.chunks(g.tq).map(range).collect();
         let kv_sum: Vec<(i64, i64)> = kv.chunks(g.tk).map(range).collect();
-        let kv_sorted = kv
+        let mut kv_order = Vec::new();
+        let kv_order_at = kv
             .chunks(g.tk)
-            .map(|c| c.windows(2).all(|w| w[0] <= w[1]))
+            .map(|c| {
+                if c.windows(2).all(|w| w[0] <= w[1]) {
+                    return None;
+                }
+                let at = kv_order.len();
+                // Columns fit u16: tiles are at most MAX_TILE (4096) wide.
+                kv_order.extend(c.iter().enumerate().map(|(col, &v)| (v, col as u16)));
+                kv_order[at..].sort_unstable();
+                Some(at)
+            })
             .collect();
         let (lo, hi) = (lo as i128, hi as i128);
         // When the tile ranges never go down along the keys (positions, sorted ids), the tiles
@@ -205,8 +272,96 @@ impl<'a> BandLeaf<'a> {
             hi,
             q_sum,
             kv_sum,
-            kv_sorted,
+            kv_order_at,
+            kv_order,
             q_reach,
+            q_shape: TileShapes::new(q, g.tq),
+            kv_shape: TileShapes::new(kv, g.tk),
+            memo: Default::default(),
+        }
+    }
+}
+
+impl BandLeaf<'_> {
+    /// Stage 2 of tile (`qt`, `kt`) into `out` (zeroed, `tq` rows of `wpr` words).
+    fn eval(&self, g: &Geom, qt: usize, kt: usize, out: &mut [u64]) {
+        let (i0, i1) = g.qr(qt);
+        let (j0, j1) = g.kr(kt);
+        let (rows, ncols, wpr) = ((i1 - i0 + 1) as usize, (j1 - j0 + 1) as usize, g.wpr);
+        let set = |out: &mut [u64], r: usize, lo: i64, hi: i64| {
+            set_range(&mut out[r * wpr..(r + 1) * wpr], lo, hi, ncols);
+        };
+        let keys = &self.kv[j0 as usize..=j1 as usize];
+        let order = self.kv_order_at[kt].map(|at| &self.kv_order[at..at + keys.len()]);
+        let n = keys.len();
+        let value = |i: usize| match order {
+            None => keys[i] as i128,
+            Some(o) => o[i].0 as i128,
+        };
+        // Row i allows the keys whose feature lies in [f - hi, f - lo]: positions [a, b)
+        // of `keys` (sorted tile) or of `order` (the tile's keys sorted by feature).
+        // Rows repeat few feature values (tile coordinates, clamped window starts,
+        // dilation groups): a row whose value is among the last ones computed is a copy.
+        // When the value grows from the last row computed (positions) the bounds only
+        // move forward: they are galloped from there, and an unsorted tile's row is that
+        // row with the keys that left cleared and those that came set, when fewer change
+        // than the row holds.
+        let mut recent = [(0i64, 0usize); BAND_MEMO];
+        let mut computed = 0usize;
+        // The largest value computed: a larger one (growing features) is not remembered.
+        let mut top = i64::MIN;
+        let (mut a, mut b) = (0usize, 0usize);
+        for r in 0..rows {
+            let fv = self.q[i0 as usize + r];
+            if computed > 0 && fv <= top {
+                let known = recent[..computed.min(BAND_MEMO)].iter().find(|e| e.0 == fv);
+                if let Some(&(_, src)) = known {
+                    out.copy_within(src * wpr..(src + 1) * wpr, r * wpr);
+                    continue;
+                }
+            }
+            top = top.max(fv);
+            let last = (computed > 0).then(|| recent[(computed - 1) % BAND_MEMO]);
+            let forward = last.filter(|&(lf, _)| lf < fv);
+            let f = fv as i128;
+            let (want_lo, want_hi) = (f - self.hi, f - self.lo);
+            let (na, nb) = if forward.is_some() {
+                let x = gallop(a, n, |i| value(i) < want_lo);
+                (x, gallop(b.max(x), n, |i| value(i) <= want_hi))
+            } else {
+                let x = partition(n, |i| value(i) < want_lo);
+                (x, x.max(partition(n, |i| value(i) <= want_hi)))
+            };
+            match order {
+                None => set(out, r, na as i64, nb as i64),
+                Some(o) => {
+                    let bit = |c: u16| (c as usize / 64, 1u64 << (c % 64));
+                    match forward {
+                        Some((_, src)) if na <= b && (na - a) + (nb - b) < nb - na => {
+                            out.copy_within(src * wpr..(src + 1) * wpr, r * wpr);
+                            let row = &mut out[r * wpr..(r + 1) * wpr];
+                            for &(_, c) in &o[a..na] {
+                                let (w, m) = bit(c);
+                                row[w] &= !m;
+                            }
+                            for &(_, c) in &o[b..nb] {
+                                let (w, m) = bit(c);
+                                row[w] |= m;
+                            }
+                        }
+                        _ => {
+                            let row = &mut out[r * wpr..(r + 1) * wpr];
+                            for &(_, c) in &o[na..nb] {
+                                let (w, m) = bit(c);
+                                row[w] |= m;
+                            }
+                        }
+                    }
+                }
+            }
+            (a, b) = (na, nb);
+            recent[computed % BAND_MEMO] = (fv, r);
+            computed += 1;
         }
     }
 }
@@ -481,7 +636,7 @@ pub(crate) enum Node<'a> {
     Chunk(i64),
     Prefix(i64),
     Doc(DocLeaf),
-    Band(BandLeaf<'a>),
+    Band(Box<BandLeaf<'a>>),
     Dense(DenseLeaf<'a>),
     Blocks(BlocksLeaf<'a>),
     And(Vec<Node<'a>>),
@@ -499,13 +654,13 @@ impl<'a> Node<'a> {
             Mask::Chunk { size } => Node::Chunk((*size).min(i64::MAX as u64) as i64),
             Mask::Prefix { len } => Node::Prefix((*len).min(i64::MAX as u64) as i64),
             Mask::Document(s) => Node::Doc(DocLeaf::new(g, s.q.row(b), s.kv.row(b))),
-            Mask::Band { features, lo, hi } => Node::Band(BandLeaf::new(
+            Mask::Band { features, lo, hi } => Node::Band(Box::new(BandLeaf::new(
                 g,
                 features.q.row(b),
                 features.kv.row(b),
                 *lo,
                 *hi,
-            )),
+            ))),
             Mask::Dense(d) => Node::Dense(DenseLeaf::new(g, d, d.slice_index(b, h))),
             Mask::Blocks(s) => Node::Blocks(BlocksLeaf {
                 sel: s,
@@ -780,27 +935,18 @@ impl<'a> Node<'a> {
                 }
             }
             Node::Band(d) => {
-                let keys = &d.kv[j0 as usize..=j1 as usize];
-                for r in 0..rows {
-                    // Row i allows the keys whose feature lies in [f - hi, f - lo].
-                    let f = d.q[i0 as usize + r] as i128;
-                    let (want_lo, want_hi) = (f - d.hi, f - d.lo);
-                    if d.kv_sorted[kt] {
-                        let a = keys.partition_point(|&v| (v as i128) < want_lo);
-                        let b = keys.partition_point(|&v| (v as i128) <= want_hi);
-                        set(out, r, a as i64, b as i64);
-                    } else if want_lo <= i64::MAX as i128 && want_hi >= i64::MIN as i128 {
-                        // Clamped to i64 the bounds select the same keys; v lies in [a, b] iff
-                        // v - a <= b - a as unsigned (wrapping), one compare per key.
-                        let a = want_lo.max(i64::MIN as i128) as i64;
-                        let span = (want_hi.min(i64::MAX as i128) as i64).wrapping_sub(a) as u64;
-                        let row = &mut out[r * wpr..(r + 1) * wpr];
-                        for (word, chunk) in row.iter_mut().zip(keys.chunks(64)) {
-                            *word = chunk.iter().enumerate().fold(0u64, |w, (c, &v)| {
-                                w | (((v.wrapping_sub(a) as u64) <= span) as u64) << c
-                            });
-                        }
-                    }
+                let shift = d.kv_shape.first[kt] as i128 - d.q_shape.first[qt] as i128;
+                let key = (d.q_shape.id[qt], d.kv_shape.id[kt], shift);
+                if let Some(&at) = d.memo.borrow().at.get(&key) {
+                    out.copy_from_slice(&d.memo.borrow().words[at..at + out.len()]);
+                    return;
+                }
+                d.eval(g, qt, kt, out);
+                let mut memo = d.memo.borrow_mut();
+                if memo.words.len() + out.len() <= MEMO_WORDS {
+                    let at = memo.words.len();
+                    memo.words.extend_from_slice(out);
+                    memo.at.insert(key, at);
                 }
             }
             Node::Dense(d) => {
@@ -897,6 +1043,60 @@ impl<'a> Node<'a> {
             }
         }
     }
+}
+
+/// A 64-bit hash of `words` (the length included) for content-addressed tables, whose
+/// collisions are resolved by comparing contents: four independent multiply-rotate lanes, so
+/// hashing a partial bitmask is not one long dependency chain.
+pub(crate) fn hash_words(words: &[u64]) -> u64 {
+    const P: u64 = 0x0100_0000_01b3;
+    let step = |a: u64, w: u64| (a ^ w).wrapping_mul(P).rotate_left(29);
+    let mut lanes = [
+        0xcbf2_9ce4_8422_2325u64,
+        0x9e37_79b9_7f4a_7c15,
+        0x6c62_272e_07bb_0142,
+        0x2545_f491_4f6c_dd1d,
+    ];
+    let mut quads = words.chunks_exact(4);
+    for q in &mut quads {
+        for k in 0..4 {
+            lanes[k] = step(lanes[k], q[k]);
+        }
+    }
+    for (k, &w) in quads.remainder().iter().enumerate() {
+        lanes[k] = step(lanes[k], w);
+    }
+    lanes.iter().fold(words.len() as u64, |a, &l| step(a, l))
+}
+
+/// Distinct feature values a band tile remembers its computed rows by (a period-8 dilation or
+/// residue feature costs 8 row evaluations per tile, the other rows are copies).
+const BAND_MEMO: usize = 8;
+
+/// The first index in [from, n) where `below` turns false (`below` true on a prefix that
+/// covers [0, from)), found by doubling steps from `from` then bisection: O(log distance).
+fn gallop(from: usize, n: usize, below: impl Fn(usize) -> bool) -> usize {
+    let (mut lo, mut hi, mut step) = (from, from, 1);
+    while hi < n && below(hi) {
+        lo = hi + 1;
+        hi = (hi + step).min(n);
+        step *= 2;
+    }
+    lo + partition(hi - lo, |i| below(lo + i))
+}
+
+/// The first index in [0, n) where `below` turns false (`below` true on a prefix).
+fn partition(n: usize, below: impl Fn(usize) -> bool) -> usize {
+    let (mut lo, mut hi) = (0, n);
+    while lo < hi {
+        let mid = lo + (hi - lo) / 2;
+        if below(mid) {
+            lo = mid + 1;
+        } else {
+            hi = mid;
+        }
+    }
+    lo
 }
 
 /// Sets bits [lo, hi) of `row`, clipped to [0, ncols).

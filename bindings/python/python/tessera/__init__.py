@@ -16,8 +16,11 @@ Masks use the same algebra and spelling as the Rust API and the ``tessera`` CLI:
 ``document(ids)``, ``band(q_feature, kv_feature, lo, hi)``, ``dense(array)``,
 ``blocks(kv_tiles, block)``, ``heads([...])`` combined with ``&``, ``|`` and ``~``, or the text form
 ``tessera.mask("causal & document", segments=ids)``. :func:`plan_from_blocks` plans a per-step
-block selection (a MoBA / NSA gate's top-k) intersected with a mask. ``torch`` and ``jax`` are
-optional: ``import tessera`` needs numpy only.
+block selection (a MoBA / NSA gate's top-k) intersected with a mask. Layout helpers build the
+masks of common token layouts from a few of those leaves (``tessera.layouts``): ``neighborhood``
+(NATTEN), ``tiled_neighborhood`` (Sliding Tile Attention), ``tile_order``, ``dilated_window``,
+``global_tokens``; docs/mask-cookbook.md writes the masks published for FlexAttention with them.
+``torch`` and ``jax`` are optional: ``import tessera`` needs numpy only.
 """
 
 from __future__ import annotations
@@ -47,6 +50,11 @@ __all__ = [
     "heads",
     "blocks",
     "mask",
+    "neighborhood",
+    "tiled_neighborhood",
+    "tile_order",
+    "dilated_window",
+    "global_tokens",
     "plan",
     "plan_from_blocks",
     "pack",
@@ -483,3 +491,13 @@ def pack(
         if any(t < 0 or t > 2**31 - 1 for t in d):
             raise ValueError(f"docs[{i}]: token ids must be in 0..2**31-1")
     return _tessera.pack(lists, seq_len, strategy, bos)
+
+
+# The layout helpers build on the leaves above (imported last: they use them).
+from .layouts import (  # noqa: E402
+    dilated_window,
+    global_tokens,
+    neighborhood,
+    tile_order,
+    tiled_neighborhood,
+)
