@@ -1,9 +1,23 @@
 """Helpers the bench scripts share (importable from `bench/` when a script runs as
-`python bench/NAME.py`): the CPU model for the records, and seeded packed-document ids."""
+`python bench/NAME.py`): the CPU model for the records, seeded packed-document ids, the names
+of a FlexAttention BlockMask's eight block tables (compared between engines) and median timing."""
 
 import platform
+import statistics
+import time
 
 import numpy as np
+
+TABLES = (
+    "kv_num_blocks",
+    "kv_indices",
+    "full_kv_num_blocks",
+    "full_kv_indices",
+    "q_num_blocks",
+    "q_indices",
+    "full_q_num_blocks",
+    "full_q_indices",
+)
 
 
 def cpu_model():
@@ -28,3 +42,13 @@ def doc_ids(n, mean=2048, seed=7):
         ids += [doc] * k
         doc += 1
     return np.asarray(ids, dtype=np.int64)
+
+
+def median_time(fn, reps):
+    """``(median seconds of reps calls of fn, fn's last result)``."""
+    ts, out = [], None
+    for _ in range(reps):
+        t = time.perf_counter()
+        out = fn()
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts), out

@@ -14,45 +14,13 @@ Usage: .venv/bin/python bench/flex_block_mask.py [--lens 32768,131072] [--reps 3
 
 import argparse
 import json
-import statistics
-import time
 
-import numpy as np
 import torch
 from torch.nn.attention.flex_attention import create_block_mask
 
 import tessera
 import tessera.torch
-
-TABLES = (
-    "kv_num_blocks",
-    "kv_indices",
-    "full_kv_num_blocks",
-    "full_kv_indices",
-    "q_num_blocks",
-    "q_indices",
-    "full_q_num_blocks",
-    "full_q_indices",
-)
-
-
-def doc_ids(n, seed=11):
-    rng = np.random.default_rng(seed)
-    ids, doc = [], 0
-    while len(ids) < n:
-        k = int(min(rng.integers(1024, 3073), n - len(ids)))
-        ids += [doc] * k
-        doc += 1
-    return np.asarray(ids, dtype=np.int64)
-
-
-def median_time(fn, reps):
-    ts, out = [], None
-    for _ in range(reps):
-        t = time.perf_counter()
-        out = fn()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts), out
+from bench_common import TABLES, doc_ids, median_time
 
 
 def main():
@@ -64,7 +32,7 @@ def main():
     results = []
     compiled = torch.compile(create_block_mask)
     for n in [int(x) for x in args.lens.split(",")]:
-        ids = doc_ids(n)
+        ids = doc_ids(n, mean=2048, seed=11)
         tids = torch.from_numpy(ids)
 
         def documents(b, h, q, k):

@@ -25,11 +25,9 @@ import argparse
 import json
 import math
 import os
-import statistics
 import sys
-import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -38,19 +36,7 @@ from torch.nn.attention.flex_attention import create_block_mask
 import tessera
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import cpu_model, doc_ids  # noqa: E402
-
-TABLES = (
-    "kv_num_blocks",
-    "kv_indices",
-    "full_kv_num_blocks",
-    "full_kv_indices",
-    "q_num_blocks",
-    "q_indices",
-    "full_q_num_blocks",
-    "full_q_indices",
-)
-
+from bench_common import TABLES, cpu_model, doc_ids, median_time  # noqa: E402
 
 @dataclass
 class Recipe:
@@ -561,15 +547,6 @@ SIZES: Dict[str, Callable[[int], Recipe]] = {
 # -- timing -------------------------------------------------------------------------------------
 
 
-def median_time(fn, reps):
-    ts, out = [], None
-    for _ in range(reps):
-        t = time.perf_counter()
-        out = fn()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts), out
-
-
 def tessera_block_mask(r: Recipe):
     return tessera.plan(
         r.mask, q_len=r.q_len, kv_len=r.kv_len, heads=r.heads, batch=r.batch, cache=False
@@ -599,7 +576,8 @@ def time_recipe(r: Recipe, reps: int) -> dict:
 
 
 def pictures(out_dir: str) -> List[str]:
-    """Small PNGs of every family (tile 16 or 32) for docs/img/cookbook/."""
+    """Small PNGs of every family (tile 16 or 32) for docs/img/cookbook/ (the two-head video
+    recipe is its two single-head pictures)."""
     os.makedirs(out_dir, exist_ok=True)
     rng = np.random.default_rng(3)
     small = {
@@ -625,22 +603,19 @@ def pictures(out_dir: str) -> List[str]:
         "2D window (SASA)": (sasa(32, 32, 4), 16),
         "video spatial head": (svg_spatial(64, 8, 120, sink=True, round_width=32), 16),
         "video temporal head": (svg_temporal(64, 8, 120), 16),
-        "video spatial + temporal heads": (video_heads(64, 8, 120), 16),
         "image cross-attention": (image_cross_attention(1024, _intervals(rng, 1024, 8), 96), 32),
     }
     written = []
     for name, (r, tile) in small.items():
         p = tessera.plan(r.mask, q_len=r.q_len, kv_len=r.kv_len, heads=r.heads, batch=r.batch, block=tile)
-        for head in range(r.heads):
-            suffix = f"-h{head}" if r.heads > 1 else ""
-            path = os.path.join(out_dir, _slug(name) + suffix + ".png")
-            p.save_png(path, head=head, title=f"{name}{' head ' + str(head) if r.heads > 1 else ''}")
-            written.append(path)
+        path = os.path.join(out_dir, _slug(name) + ".png")
+        p.save_png(path, title=name)
+        written.append(path)
     return written
 
 
 def _slug(name: str) -> str:
-    return "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-").replace("--", "-")
+    return "-".join("".join(c if c.isalnum() else " " for c in name.lower()).split())
 
 
 def bar(r: dict) -> int:
@@ -658,7 +633,16 @@ def main():
     ap.add_argument("--doc-causal", type=int, default=32768, help="the doc-causal row length (0: skip)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--png", default="", help="write the docs' pictures into this directory and exit")
+    ap.add_argument(
+        "--torch-threads",
+        type=int,
+        default=0,
+        help="torch.set_num_threads for create_block_mask (0: torch's default; 1 is steadier on a "
+        "shared machine, where idle OpenMP threads spin against other processes)",
+    )
     args = ap.parse_args()
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
     if args.png:
         for p in pictures(args.png):
             print(p)
@@ -684,9 +668,14 @@ def main():
         r.family = "doc-causal (bench/flex_block_mask.py ids)"
         run(r)
     if args.json:
-        print(json.dumps(dict(cpu=cpu_model(), threads=torch.get_num_threads(), results=results), indent=1))
+        meta = dict(cpu=cpu_model(), threads=torch.get_num_threads(), load=os.getloadavg())
+        print(json.dumps(dict(meta, results=results), indent=1))
         return
-    print(f"CPU: {cpu_model()}; torch {torch.__version__}, {torch.get_num_threads()} threads; medians of {args.reps}")
+    load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
+    print(
+        f"CPU: {cpu_model()}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
+        f"medians of {args.reps}; load average at the end {load}"
+    )
     print("| family | tokens | tessera plan + BlockMask ms | compiled create_block_mask ms | speedup | bar | tables equal |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in results:

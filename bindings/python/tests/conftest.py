@@ -9,7 +9,8 @@ test compares the package against semantics written here from the spec, never ag
 package's own ``Mask.allowed``.
 
 Test modules import these helpers with ``from conftest import ...`` (the directory is put on
-``sys.path`` below so that this works under every pytest import mode).
+``sys.path`` below so that this works under every pytest import mode), and ``TABLES``, the
+names of a FlexAttention BlockMask's eight block tables.
 """
 
 from __future__ import annotations
@@ -24,6 +25,10 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# The repository's bench/ directory: the mask cookbook's recipes (bench/mask_cookbook.py) and
+# the names of a BlockMask's eight tables (bench/bench_common.py) are shared with the benches.
+sys.path.insert(1, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "bench"))
+from bench_common import TABLES  # noqa: E402,F401
 
 # The tests plan through the process-wide plan cache: point it at a fresh directory (set before
 # the first plan of the process) so that runs neither read nor fill the user's cache.

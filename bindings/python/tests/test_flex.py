@@ -11,6 +11,7 @@ flex = pytest.importorskip("torch.nn.attention.flex_attention")
 import tessera  # noqa: E402
 import tessera.torch as tt  # noqa: E402
 from conftest import (  # noqa: E402
+    TABLES,
     brute_states,
     causal,
     chunk,
@@ -24,17 +25,6 @@ from conftest import (  # noqa: E402
     ref_attention,
     rel,
     window,
-)
-
-TABLES = (
-    "kv_num_blocks",
-    "kv_indices",
-    "full_kv_num_blocks",
-    "full_kv_indices",
-    "q_num_blocks",
-    "q_indices",
-    "full_q_num_blocks",
-    "full_q_indices",
 )
 
 

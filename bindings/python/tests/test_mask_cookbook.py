@@ -10,9 +10,7 @@ test's name): lengths that are not multiples of the tile, small canvases, kernel
 canvas, dilation, stride, causal axes, tiles from 16 to 128 and rectangular.
 """
 
-import os
 import re
-import sys
 
 import numpy as np
 import pytest
@@ -20,10 +18,9 @@ import pytest
 torch = pytest.importorskip("torch")
 flex = pytest.importorskip("torch.nn.attention.flex_attention")
 
+import mask_cookbook as cb  # noqa: E402  (bench/, on the path from conftest)
 import tessera  # noqa: E402
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "bench"))
-import mask_cookbook as cb  # noqa: E402
+from conftest import TABLES, packed_ids  # noqa: E402
 
 BLOCKS = [(16, 16), (32, 32), (64, 64), (128, 128), (32, 64), (64, 16)]
 LEAF = re.compile(r"\b(full|causal|window|chunk|prefix|document|dense|band)\b")
@@ -47,7 +44,7 @@ def check(r, block):
     ref = flex.create_block_mask(
         r.mask_mod, r.batch, r.heads, r.q_len, r.kv_len, device="cpu", BLOCK_SIZE=block
     )
-    for t in cb.TABLES:
+    for t in TABLES:
         a, b = getattr(bm, t), getattr(ref, t)
         assert a.shape == b.shape and torch.equal(a, b), (r.family, t, block)
     want = flex.create_mask(r.mask_mod, r.batch, r.heads, r.q_len, r.kv_len, device="cpu")
@@ -73,8 +70,6 @@ def test_causal_sliding_window_prefix_lm(rng):
 
 
 def test_document_causal(rng):
-    from conftest import packed_ids
-
     for rows in (1, 2):
         n = int(rng.integers(150, 700))
         ids = packed_ids(rng, rows, n, int(rng.integers(20, 200)), pad_inside=True)
@@ -113,21 +108,29 @@ def test_global_tokens_with_window(rng):
         check(cb.global_window(flags[0] if rows == 1 else flags, int(rng.integers(0, 64))), pick(rng, BLOCKS))
 
 
-def _natten_case(rng, nd):
+def _natten_case(rng, nd, force):
+    """A random NATTEN configuration; ``force`` makes one axis dilated, causal or strided."""
     grid = tuple(int(rng.integers(2, {1: 600, 2: 30, 3: 10}[nd])) for _ in range(nd))
-    dil = tuple(int(rng.integers(1, 4)) if rng.random() < 0.3 else 1 for _ in grid)
+    dil = [int(rng.integers(1, 4)) if rng.random() < 0.3 else 1 for _ in grid]
+    causal = [bool(rng.random() < 0.2) for _ in grid]
+    a = int(rng.integers(0, nd))
+    if force == "dilation":
+        dil[a] = int(rng.integers(2, 4))
+    elif force == "causal":
+        causal[a] = True
     dil = tuple(min(d, n) for d, n in zip(dil, grid))
     # kernels up to the whole (dilated) axis: windows pinned at both borders
     kernel = tuple(int(rng.integers(1, n // d + 1)) for n, d in zip(grid, dil))
-    stride = tuple(int(rng.integers(1, k + 1)) if rng.random() < 0.25 else 1 for k in kernel)
-    causal = tuple(bool(rng.random() < 0.2) for _ in grid)
-    return grid, kernel, dil, stride, causal
+    stride = [int(rng.integers(1, k + 1)) if rng.random() < 0.25 else 1 for k in kernel]
+    if force == "stride" and kernel[a] > 1:
+        stride[a] = int(rng.integers(2, kernel[a] + 1))
+    return grid, kernel, dil, tuple(stride), tuple(causal)
 
 
 @pytest.mark.parametrize("nd", [1, 2, 3])
 def test_natten(rng, nd):
-    for _ in range(4):
-        grid, kernel, dil, stride, causal = _natten_case(rng, nd)
+    for force in ("dilation", "causal", "stride", None):
+        grid, kernel, dil, stride, causal = _natten_case(rng, nd, force)
         check(cb.natten(grid, kernel, dil, stride, causal), pick(rng, BLOCKS))
 
 

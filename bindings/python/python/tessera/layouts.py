@@ -148,13 +148,15 @@ def neighborhood(
     dilation ``d``, stride ``s`` (each an int for every axis or one per axis), and the two
     tokens' coordinates ``x`` and ``y`` on that axis:
 
-    - both are in the same dilation group, ``x % d == y % d``; inside the group (positions
-      ``x // d``, ``lg = ceil((n - x % d) / d)`` of them) let ``p = x // d``, ``q = y // d``;
-    - non-causal axis: with the stride-group leader ``c = min(p // s·s + s // 2, lg - 1)``,
-      ``q`` lies in the ``k`` positions starting at ``clamp(c - k // 2, 0, lg - k)``: the window
-      is centred on the query (``k // 2`` before, ``k - 1 - k // 2`` after) and shifted inwards
-      at the borders, so every query sees exactly ``k`` positions per axis;
-    - causal axis: ``q <= p`` and ``min(p // s·s + s - 1, lg - 1) - q < k`` (with ``s = 1``:
+    - both are in the same dilation group, ``x % d == y % d``; inside the group (its
+      ``lg = ceil((n - x % d) / d)`` positions) the query is at ``p = x // d``, the key at
+      ``u = y // d``;
+    - non-causal axis: with the stride-group leader ``c = min(p // s·s + s // 2, lg - 1)``
+      (``c = p`` when ``s = 1``), ``u`` lies in the ``k`` positions starting at
+      ``clamp(c - k // 2, 0, lg - k)``: the window is centred on the leader (``k // 2`` before,
+      ``k - 1 - k // 2`` after) and shifted inwards at the borders, so every query sees exactly
+      ``k`` positions per axis;
+    - causal axis: ``u <= p`` and ``min(p // s·s + s - 1, lg - 1) - u < k`` (with ``s = 1``:
       the ``k`` positions ending at the query, fewer near the start).
 
     This is NATTEN's definition (Hassani et al., "Neighborhood Attention Transformer", CVPR 2023;
