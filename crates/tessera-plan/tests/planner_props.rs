@@ -212,6 +212,14 @@ impl<R: Rng> Gen<'_, R> {
 
 impl<R: Rng> Gen<'_, R> {
     /// A tree exactly `depth` levels deep: a random small tree wrapped, one level at a time, in
+    /// `heads(...)` with `m` at a random head and random small trees for the others.
+    fn one_head_of(&mut self, m: Mask) -> Mask {
+        let at = self.rng.gen_range(0..self.h);
+        let mut v: Vec<Mask> = (0..self.h - 1).map(|_| self.tree(1)).collect();
+        v.insert(at, m);
+        Mask::heads(v)
+    }
+
     /// `!`, `&` or `|` with a leaf, or `heads(...)` with leaves for the other heads (explicit
     /// nodes: the operators would flatten same-kind chains).
     fn deep(&mut self, depth: usize) -> Mask {
@@ -231,6 +239,16 @@ impl<R: Rng> Gen<'_, R> {
         }
         m
     }
+}
+
+/// Plans `mask` for `[b, h, lq, lkv]` in `tile` and checks it by brute force.
+fn plan_and_check(
+    mask: &Mask,
+    (b, h, lq, lkv): (usize, usize, usize, usize),
+    tile: TileShape,
+) -> Result<(), TestCaseError> {
+    let plan = build_plan(mask, PlanShape::new(b, h, lq, lkv).unwrap(), tile).unwrap();
+    check(mask, &plan)
 }
 
 /// Brute-force checks of every tile of every (b, h) against `Mask::allowed`.
@@ -325,10 +343,7 @@ proptest! {
         let lkv = if lkv_same { lq } else { lkv };
         let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
         let mask = Gen { rng: &mut rng, b, h, lq, lkv }.tree(depth);
-        let shape = PlanShape::new(b, h, lq, lkv).unwrap();
-        let tile = TileShape::new(1 << tq, 1 << tk).unwrap();
-        let plan = build_plan(&mask, shape, tile).unwrap();
-        check(&mask, &plan)?;
+        plan_and_check(&mask, (b, h, lq, lkv), TileShape::new(1 << tq, 1 << tk).unwrap())?;
     }
 }
 
@@ -360,16 +375,11 @@ proptest! {
             3 => !band & g.tree(1),
             4 => !(band | g.tree(1)),
             _ => {
-                let at = g.rng.gen_range(0..h);
-                let mut v: Vec<Mask> = (0..h - 1).map(|_| g.tree(1)).collect();
-                v.insert(at, band & g.leaf());
-                Mask::heads(v)
+                let m = band & g.leaf();
+                g.one_head_of(m)
             }
         };
-        let shape = PlanShape::new(b, h, lq, lkv).unwrap();
-        let tile = TileShape::new(1 << tq, 1 << tk).unwrap();
-        let plan = build_plan(&mask, shape, tile).unwrap();
-        check(&mask, &plan)?;
+        plan_and_check(&mask, (b, h, lq, lkv), TileShape::new(1 << tq, 1 << tk).unwrap())?;
     }
 }
 
@@ -489,16 +499,11 @@ proptest! {
             1 => union & g.tree(1),
             2 => !union | g.leaf(),
             _ => {
-                let at = g.rng.gen_range(0..h);
-                let mut v: Vec<Mask> = (0..h - 1).map(|_| g.tree(1)).collect();
-                v.insert(at, union);
-                Mask::heads(v)
+                let m = union;
+                g.one_head_of(m)
             }
         };
-        let shape = PlanShape::new(b, h, lq, lkv).unwrap();
-        let tile = TileShape::new(1 << tq, 1 << tk).unwrap();
-        let plan = build_plan(&mask, shape, tile).unwrap();
-        check(&mask, &plan)?;
+        plan_and_check(&mask, (b, h, lq, lkv), TileShape::new(1 << tq, 1 << tk).unwrap())?;
     }
 }
 
