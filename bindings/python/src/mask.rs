@@ -217,6 +217,28 @@ impl Resolver for Data {
     }
 }
 
+/// The `{name: array}` mapping passed as `arg` (`dense=`, `features=`), each numpy array of
+/// element type `dtype` converted by `convert` (which names it `arg['name']`).
+fn named_arrays<'py, E: numpy::Element, T>(
+    table: Option<&Bound<'py, PyDict>>,
+    arg: &str,
+    dtype: &str,
+    convert: impl Fn(&str, PyReadonlyArrayDyn<'py, E>) -> PyResult<T>,
+) -> PyResult<HashMap<String, T>> {
+    let mut out = HashMap::new();
+    for (k, v) in table.iter().flat_map(|d| d.iter()) {
+        let name: String = k.extract().map_err(|_| {
+            PyTypeError::new_err(format!("{arg}: expected a dict of str -> {dtype} array"))
+        })?;
+        let what = format!("{arg}['{name}']");
+        let arr: PyReadonlyArrayDyn<'py, E> = v
+            .extract()
+            .map_err(|_| PyTypeError::new_err(format!("{what}: expected a numpy {dtype} array")))?;
+        out.insert(name, convert(&what, arr)?);
+    }
+    Ok(out)
+}
+
 /// Parses a mask expression (`causal & document`, `window(4K) | prefix(64)`,
 /// `band(t, t, 0, 64)` with `features={'t': ...}`, ...).
 #[pyfunction]
@@ -245,36 +267,12 @@ pub fn mask(
             ))
         }
     };
-    let mut table = HashMap::new();
-    if let Some(d) = dense {
-        for (k, v) in d.iter() {
-            let name: String = k
-                .extract()
-                .map_err(|_| PyTypeError::new_err("dense: expected a dict of str -> bool array"))?;
-            let arr: PyReadonlyArrayDyn<'_, bool> = v.extract().map_err(|_| {
-                PyTypeError::new_err(format!("dense['{name}']: expected a numpy bool array"))
-            })?;
-            let m = dense_mask(&format!("dense['{name}']"), arr)?;
-            table.insert(name, m);
-        }
-    }
-    let mut feature_table = HashMap::new();
-    if let Some(d) = features {
-        for (k, v) in d.iter() {
-            let name: String = k.extract().map_err(|_| {
-                PyTypeError::new_err("features: expected a dict of str -> int64 array")
-            })?;
-            let arr: PyReadonlyArrayDyn<'_, i64> = v.extract().map_err(|_| {
-                PyTypeError::new_err(format!("features['{name}']: expected a numpy int64 array"))
-            })?;
-            let f = int_rows(&format!("features['{name}']"), "a feature", arr)?;
-            feature_table.insert(name, f);
-        }
-    }
     let data = Data {
         segments,
-        dense: table,
-        features: feature_table,
+        dense: named_arrays(dense, "dense", "bool", |n, a| dense_mask(n, a))?,
+        features: named_arrays(features, "features", "int64", |n, a| {
+            int_rows(n, "a feature", a)
+        })?,
     };
     parse(expr, &data).map(wrap).map_err(to_py)
 }
