@@ -157,12 +157,11 @@ pub(crate) struct BandLeaf<'a> {
     /// (min, max) of the q feature per q tile and of the kv feature per kv tile.
     q_sum: Vec<(i64, i64)>,
     kv_sum: Vec<(i64, i64)>,
-    /// Per kv tile: `None` when its features never decrease (positions, sorted ids), so a row's
-    /// allowed keys there are one run found by binary search in stage 2; otherwise the offset in
-    /// `kv_order` of the tile's (feature, column) pairs sorted by feature, where a binary search
-    /// finds the same keys as a run of columns (no per-key scan of every row).
-    kv_order_at: Vec<Option<usize>>,
-    kv_order: Vec<(i64, u16)>,
+    /// Per kv tile: where its runs of non-decreasing features start (positions and sorted ids
+    /// are one run; a frame boundary or a canvas row inside the tile adds one), up to
+    /// `BAND_RUNS`: a row's allowed keys in a run are found by binary search. Empty: more runs
+    /// (shuffled, tile-ordered, residue features); each key is compared.
+    kv_runs: Vec<Vec<u16>>,
     /// Per q tile: the hull of kv tiles whose range meets [qmin - hi, qmax - lo].
     q_reach: Vec<Option<(usize, usize)>>,
     /// Tiles whose features are equal up to a shift (every q tile of a canvas row, every kv
@@ -229,18 +228,19 @@ impl<'a> BandLeaf<'a> {
         };
         let q_sum: Vec<(i64, i64)> = q.chunks(g.tq).map(range).collect();
         let kv_sum: Vec<(i64, i64)> = kv.chunks(g.tk).map(range).collect();
-        let mut kv_order = Vec::new();
-        let kv_order_at = kv
+        let kv_runs = kv
             .chunks(g.tk)
             .map(|c| {
-                if c.windows(2).all(|w| w[0] <= w[1]) {
-                    return None;
-                }
-                let at = kv_order.len();
                 // Columns fit u16: tiles are at most MAX_TILE (4096) wide.
-                kv_order.extend(c.iter().enumerate().map(|(col, &v)| (v, col as u16)));
-                kv_order[at..].sort_unstable();
-                Some(at)
+                let starts: Vec<u16> = std::iter::once(0)
+                    .chain((1..c.len()).filter(|&i| c[i] < c[i - 1]).map(|i| i as u16))
+                    .take(BAND_RUNS + 1)
+                    .collect();
+                if starts.len() > BAND_RUNS {
+                    Vec::new()
+                } else {
+                    starts
+                }
             })
             .collect();
         let (lo, hi) = (lo as i128, hi as i128);
@@ -272,8 +272,7 @@ impl<'a> BandLeaf<'a> {
             hi,
             q_sum,
             kv_sum,
-            kv_order_at,
-            kv_order,
+            kv_runs,
             q_reach,
             q_shape: TileShapes::new(q, g.tq),
             kv_shape: TileShapes::new(kv, g.tk),
@@ -292,25 +291,20 @@ impl BandLeaf<'_> {
             set_range(&mut out[r * wpr..(r + 1) * wpr], lo, hi, ncols);
         };
         let keys = &self.kv[j0 as usize..=j1 as usize];
-        let order = self.kv_order_at[kt].map(|at| &self.kv_order[at..at + keys.len()]);
         let n = keys.len();
-        let value = |i: usize| match order {
-            None => keys[i] as i128,
-            Some(o) => o[i].0 as i128,
-        };
-        // Row i allows the keys whose feature lies in [f - hi, f - lo]: positions [a, b)
-        // of `keys` (sorted tile) or of `order` (the tile's keys sorted by feature).
-        // Rows repeat few feature values (tile coordinates, clamped window starts,
-        // dilation groups): a row whose value is among the last ones computed is a copy.
-        // When the value grows from the last row computed (positions) the bounds only
-        // move forward: they are galloped from there, and an unsorted tile's row is that
-        // row with the keys that left cleared and those that came set, when fewer change
-        // than the row holds.
+        // Row i allows the keys whose feature lies in [f - hi, f - lo]. Rows repeat few feature
+        // values (tile coordinates, clamped window starts, dilation groups): a row whose value
+        // is among the last ones computed is a copy. In each sorted run of the key tile the
+        // keys are a range [a, b), galloped from the row before when the value grows
+        // (positions), else searched; a tile of more runs builds each row word by word, one
+        // compare per key.
+        let runs = &self.kv_runs[kt];
         let mut recent = [(0i64, 0usize); BAND_MEMO];
         let mut computed = 0usize;
         // The largest value computed: a larger one (growing features) is not remembered.
         let mut top = i64::MIN;
-        let (mut a, mut b) = (0usize, 0usize);
+        // Per run: its allowed range [a, b) for the last row computed.
+        let mut bounds = [(0usize, 0usize); BAND_RUNS];
         for r in 0..rows {
             let fv = self.q[i0 as usize + r];
             if computed > 0 && fv <= top {
@@ -321,45 +315,36 @@ impl BandLeaf<'_> {
                 }
             }
             top = top.max(fv);
-            let last = (computed > 0).then(|| recent[(computed - 1) % BAND_MEMO]);
-            let forward = last.filter(|&(lf, _)| lf < fv);
             let f = fv as i128;
             let (want_lo, want_hi) = (f - self.hi, f - self.lo);
-            let (na, nb) = if forward.is_some() {
-                let x = gallop(a, n, |i| value(i) < want_lo);
-                (x, gallop(b.max(x), n, |i| value(i) <= want_hi))
-            } else {
-                let x = partition(n, |i| value(i) < want_lo);
-                (x, x.max(partition(n, |i| value(i) <= want_hi)))
-            };
-            match order {
-                None => set(out, r, na as i64, nb as i64),
-                Some(o) => {
-                    let bit = |c: u16| (c as usize / 64, 1u64 << (c % 64));
-                    match forward {
-                        Some((_, src)) if na <= b && (na - a) + (nb - b) < nb - na => {
-                            out.copy_within(src * wpr..(src + 1) * wpr, r * wpr);
-                            let row = &mut out[r * wpr..(r + 1) * wpr];
-                            for &(_, c) in &o[a..na] {
-                                let (w, m) = bit(c);
-                                row[w] &= !m;
-                            }
-                            for &(_, c) in &o[b..nb] {
-                                let (w, m) = bit(c);
-                                row[w] |= m;
-                            }
-                        }
-                        _ => {
-                            let row = &mut out[r * wpr..(r + 1) * wpr];
-                            for &(_, c) in &o[na..nb] {
-                                let (w, m) = bit(c);
-                                row[w] |= m;
-                            }
-                        }
-                    }
+            if !runs.is_empty() {
+                let forward = computed > 0 && recent[(computed - 1) % BAND_MEMO].0 < fv;
+                for (k, &start) in runs.iter().enumerate() {
+                    let (s0, s1) = (start as usize, runs.get(k + 1).map_or(n, |&e| e as usize));
+                    let value = |i: usize| keys[s0 + i] as i128;
+                    let (a, b) = bounds[k];
+                    let (x, y) = if forward {
+                        let x = gallop(a, s1 - s0, |i| value(i) < want_lo);
+                        (x, gallop(b.max(x), s1 - s0, |i| value(i) <= want_hi))
+                    } else {
+                        let x = partition(s1 - s0, |i| value(i) < want_lo);
+                        (x, x.max(partition(s1 - s0, |i| value(i) <= want_hi)))
+                    };
+                    set(out, r, (s0 + x) as i64, (s0 + y) as i64);
+                    bounds[k] = (x, y);
+                }
+            } else if want_lo <= i64::MAX as i128 && want_hi >= i64::MIN as i128 {
+                // Clamped to i64 the bounds select the same keys; v lies in [lo, hi] iff
+                // v - lo <= hi - lo as unsigned (wrapping), one compare per key.
+                let lo = want_lo.max(i64::MIN as i128) as i64;
+                let span = (want_hi.min(i64::MAX as i128) as i64).wrapping_sub(lo) as u64;
+                let row = &mut out[r * wpr..(r + 1) * wpr];
+                for (word, chunk) in row.iter_mut().zip(keys.chunks(64)) {
+                    *word = chunk.iter().enumerate().fold(0u64, |w, (c, &v)| {
+                        w | (((v.wrapping_sub(lo) as u64) <= span) as u64) << c
+                    });
                 }
             }
-            (a, b) = (na, nb);
             recent[computed % BAND_MEMO] = (fv, r);
             computed += 1;
         }
@@ -1068,6 +1053,9 @@ pub(crate) fn hash_words(words: &[u64]) -> u64 {
     }
     lanes.iter().fold(words.len() as u64, |a, &l| step(a, l))
 }
+
+/// Sorted runs up to which a band key tile is searched run by run rather than compared key by key.
+const BAND_RUNS: usize = 4;
 
 /// Distinct feature values a band tile remembers its computed rows by (a period-8 dilation or
 /// residue feature costs 8 row evaluations per tile, the other rows are copies).

@@ -1,9 +1,10 @@
 //! `band` plans over the features layout masks use (NATTEN's clamped window starts on a canvas
 //! flattened row-major or tile by tile, dilation groups, positions inside repeating frames,
 //! 0/1 flags), checked pair by pair and tile by tile against the band's definition. These
-//! features exercise every stage-2 path of the band leaf: sorted and unsorted key tiles, rows
-//! repeating a recent value, rows whose value grows (bounds advanced from the row before, an
-//! unsorted tile's row updated from it) and rows whose value drops.
+//! features exercise every stage-2 path of the band leaf: sorted key tiles, tiles of a few sorted
+//! runs (frame and canvas-row boundaries) and of many (tile orders, residues, shuffles), rows
+//! repeating a recent value, rows whose value grows (bounds galloped from the row before) or
+//! drops, and tiles sharing one bitmask because their features are equal up to a shift.
 
 use rand::{Rng, SeedableRng};
 use tessera_mask::{BandFeatures, Mask, SegmentIds};
@@ -133,8 +134,8 @@ fn residues_and_rising_rows_over_shuffled_keys() {
         let res: Vec<i64> = (0..n as i64).map(|i| i % d).collect();
         let tile = TILES[rng.gen_range(0..TILES.len())];
         check(&res, &res, 0, 0, tile, &format!("residues mod {d}"));
-        // Rising query values (steps of 0 to 3) against shuffled keys: bounds advance, and an
-        // unsorted key tile's row is updated from the row before.
+        // Rising query values (steps of 0 to 3) against shuffled keys (rows built key by key)
+        // and against the same keys sorted (bounds galloped from the row before).
         let mut v = 0;
         let rising: Vec<i64> = (0..n)
             .map(|_| {
@@ -152,5 +153,9 @@ fn residues_and_rising_rows_over_shuffled_keys() {
             tile,
             &format!("rising vs shuffled [{lo}, {hi}]"),
         );
+        let mut sorted = keys.clone();
+        sorted.sort_unstable();
+        let what = format!("rising vs sorted [{lo}, {hi}]");
+        check(&rising, &sorted, lo, hi, tile, &what);
     }
 }
