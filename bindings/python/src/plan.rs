@@ -3,7 +3,7 @@
 //! picture, hands its work lists to FlexAttention / Splash, and is prepared for the CPU kernels
 //! once (on first use) for every attention call that uses it.
 
-use numpy::{IntoPyArray, PyArray4, PyArrayMethods};
+use numpy::{IntoPyArray, PyArray1, PyArray4, PyArrayMethods};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -386,6 +386,84 @@ impl PyPlan {
         d.set_item("block_size", f.block_size)?;
         d.set_item("seq_lengths", (f.shape[2], f.shape[3]))?;
         Ok(d)
+    }
+
+    /// The BlockMask tables in two arrays (one conversion each, then views):
+    /// - int32, back to back: `kv_num_blocks`, `kv_indices`, `full_kv_num_blocks`,
+    ///   `full_kv_indices`, `q_num_blocks`, `q_indices`, `full_q_num_blocks`, `full_q_indices`
+    ///   (shapes as in `_flex_arrays`), then `[B', H', nq, nk]` block codes: 0 for an empty
+    ///   tile, 1 for a full one, `2 + i` for partial block `i`;
+    /// - int64 `[capacity, tq, ceil(tk / 64)]` packed bit rows per code (bit `c % 64` of word
+    ///   `c / 64`): code 0 all clear, code 1 all set, then the plan's partial blocks, zero past
+    ///   them. `capacity` is the next power of two of at least the codes used and of
+    ///   `min(per_tile * B' * H' * max(nq, nk), max_floor)`.
+    ///
+    /// With `(B', H', nq, nk, tq, tk, Lq, Lkv)`.
+    #[allow(clippy::type_complexity)]
+    fn _flex_tables<'py>(
+        &self,
+        py: Python<'py>,
+        per_tile: usize,
+        max_floor: usize,
+    ) -> PyResult<(
+        Bound<'py, PyArray1<i32>>,
+        Bound<'py, PyAny>,
+        (usize, usize, usize, usize, usize, usize, usize, usize),
+    )> {
+        let plan = self.inner.clone();
+        let (f, bits) = py
+            .detach(|| tessera::export::flex::export_packed(&plan))
+            .map_err(to_py)?;
+        let (bg, hg) = f.groups;
+        let (nq, nk) = f.blocks;
+        let (tq, tk) = f.block_size;
+        let cells = bg * hg * nq * nk;
+        let mut flat: Vec<i32> = Vec::with_capacity(5 * cells + 4 * bg * hg * (nq + nk));
+        for part in [
+            &f.kv_num_blocks,
+            &f.kv_indices,
+            &f.full_kv_num_blocks,
+            &f.full_kv_indices,
+            &f.q_num_blocks,
+            &f.q_indices,
+            &f.full_q_num_blocks,
+            &f.full_q_indices,
+        ] {
+            flat.extend_from_slice(part);
+        }
+        flat.extend(
+            f.mask_tile_states
+                .iter()
+                .zip(&f.mask_block_ids)
+                .map(|(&st, &id)| match st {
+                    0 => 0,
+                    2 => 1,
+                    _ => id.saturating_add(2),
+                }),
+        );
+        let row = tq * tk.div_ceil(64);
+        let n = bits.len() / row.max(1);
+        let floor = per_tile
+            .saturating_mul(bg * hg)
+            .saturating_mul(nq.max(nk))
+            .min(max_floor);
+        let capacity = (n + 2).max(floor).next_power_of_two();
+        // The same bits as int64 (torch has no general uint64 support).
+        let mut padded = vec![0i64; capacity * row];
+        padded[row..2 * row].fill(-1);
+        padded[2 * row..]
+            .iter_mut()
+            .zip(&bits)
+            .for_each(|(o, &w)| *o = w as i64);
+        let padded = padded
+            .into_pyarray(py)
+            .reshape([capacity, tq, tk.div_ceil(64)])?
+            .into_any();
+        Ok((
+            flat.into_pyarray(py),
+            padded,
+            (bg, hg, nq, nk, tq, tk, f.shape[2], f.shape[3]),
+        ))
     }
 
     /// Splash `MaskInfo` arrays per distinct batch row: a list of `(fwd, dkv)` dicts of numpy

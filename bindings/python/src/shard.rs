@@ -90,11 +90,7 @@ impl PySharding {
     /// Hex digest of plan contract, scheme, `R`, cost model and assignment.
     #[getter]
     fn fingerprint(&self) -> String {
-        self.inner
-            .fingerprint
-            .iter()
-            .map(|b| format!("{b:02x}"))
-            .collect()
+        tessera::core::hex(&self.inner.fingerprint)
     }
     /// Largest over mean per-rank modelled cost.
     fn imbalance(&self) -> f64 {

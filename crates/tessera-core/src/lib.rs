@@ -2,7 +2,7 @@
 //!
 //! Contract: every other crate reports failures through [`Error`], stores tensors as [`Tensor`]
 //! (row-major, contiguous, f32 or bf16 or integer storage), records counters in [`metrics`] and
-//! finds its per-user cache directory with [`cache_dir`].
+//! finds its per-user cache directory with [`cache_dir`] and writes digests as text with [`hex`].
 //! Nothing here knows about masks, plans or kernels.
 //!
 //! ```
@@ -19,8 +19,10 @@
 pub mod budget;
 pub mod cache_dir;
 pub mod error;
+pub mod hex;
 pub mod metrics;
 pub mod tensor;
 
 pub use error::{Error, Result};
+pub use hex::hex;
 pub use tensor::{DType, Tensor, TensorData};

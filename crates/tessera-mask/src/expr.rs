@@ -638,7 +638,7 @@ fn check_rows(
 }
 
 fn hex8(d: &[u8; 32]) -> String {
-    d[..16].iter().map(|b| format!("{b:02x}")).collect()
+    tessera_core::hex(&d[..16])
 }
 
 /// The text form (parseable by [`crate::parse`] given the same data bindings), written from an

@@ -3,9 +3,10 @@
 //! rest's partial tiles once for every head plan that selects it.
 
 use crate::classify::{hash_words, Candidates, Geom, Node};
-use crate::contract::{contract_key, PLAN_FORMAT_VERSION};
+use crate::contract::{contract_key_of_canonical, PLAN_FORMAT_VERSION};
 use crate::plan::{HeadPlan, PartialMasks, Plan, PlanStats, TileEntry, TileState, FULL_TILE};
 use crate::shape::{PlanShape, TileShape};
+use rustc_hash::FxHashMap;
 use std::collections::HashMap;
 use std::time::Instant;
 use tessera_core::{budget, metrics, Error, Result};
@@ -64,6 +65,8 @@ pub fn build_plan(mask: &Mask, shape: PlanShape, tile: TileShape) -> Result<Plan
         g: &g,
         bits: vec![0u64; g.tq * g.wpr],
         pool: Vec::new(),
+        memo: FxHashMap::default(),
+        key: Vec::new(),
         table: &mut partials,
         dedup: &mut dedup,
         what: &what,
@@ -125,10 +128,11 @@ pub fn build_plan(mask: &Mask, shape: PlanShape, tile: TileShape) -> Result<Plan
     });
     let total_pairs =
         shape.batch as f64 * shape.heads as f64 * shape.q_len as f64 * shape.kv_len as f64;
+    let canonical = mask.canonical();
     let mut plan = Plan {
         format_version: PLAN_FORMAT_VERSION,
-        contract: contract_key(mask, shape, tile),
-        mask: mask.canonical(),
+        contract: contract_key_of_canonical(&canonical, shape, tile),
+        mask: canonical,
         shape,
         tile,
         q_tiles: g.nq,
@@ -242,11 +246,19 @@ impl RestTiles {
     }
 }
 
+/// Refined tiles a head plan remembers by tile key (about 100 bytes each).
+const MEMO_TILES: usize = 1 << 20;
+
 /// What stage 2 of one build shares: sizes, scratch, the partial-mask table.
 struct Refine<'a> {
     g: &'a Geom,
     bits: Vec<u64>,
     pool: Vec<Vec<u64>>,
+    /// Stage-2 results by tile key ([`Node::tile_key`] after the node's address, then the
+    /// tile's rows and columns); cleared for every head plan, whose nodes number their own
+    /// band tile shapes.
+    memo: FxHashMap<Box<[i128]>, Option<(u32, u64)>>,
+    key: Vec<i128>,
     table: &'a mut PartialMasks,
     dedup: &'a mut PartialDedup,
     what: &'a dyn Fn() -> String,
@@ -263,16 +275,31 @@ impl Refine<'_> {
             TileState::Empty => None,
             TileState::Full => Some((FULL_TILE, rows * cols)),
             TileState::Partial => {
+                // A tile keyed like one refined before has its bitmask: stage 2 runs once
+                // per key (the diagonal of a causal mask, the translates of a neighbourhood).
+                self.key.clear();
+                self.key.push(node as *const Node as usize as i128);
+                let keyed = node.tile_key(g, qt, kt, &mut self.key);
+                if keyed {
+                    self.key.extend([rows as i128, cols as i128]);
+                    if let Some(&t) = self.memo.get(self.key.as_slice()) {
+                        return Ok(t);
+                    }
+                }
                 // Stage 2: exact refinement at token level.
                 node.eval(g, qt, kt, &mut self.bits, &mut self.pool);
                 let n: u64 = self.bits.iter().map(|w| w.count_ones() as u64).sum();
-                if n == 0 {
+                let t = if n == 0 {
                     None
                 } else if n == rows * cols {
                     Some((FULL_TILE, n))
                 } else {
                     Some((self.dedup.intern(self.table, &self.bits, self.what)?, n))
+                };
+                if keyed && self.memo.len() < MEMO_TILES {
+                    self.memo.insert(self.key.as_slice().into(), t);
                 }
+                t
             }
         })
     }
@@ -317,6 +344,7 @@ fn plan_head(
     mut share: Option<(&mut RestTiles, u32)>,
 ) -> Result<HeadPlan> {
     let g = cx.g;
+    cx.memo.clear();
     let mut fwd_offsets = Vec::with_capacity(g.nq + 1);
     let mut fwd = Vec::new();
     let (mut full_tiles, mut partial_tiles, mut allowed) = (0u64, 0u64, 0u64);

@@ -11,6 +11,7 @@
 //! costs O(selected tiles), not O(tiles in the reach hull).
 
 use crate::plan::TileState;
+use rustc_hash::FxHashMap;
 use std::collections::HashMap;
 use tessera_mask::{BlockSelection, DenseMask, Mask};
 
@@ -157,58 +158,113 @@ pub(crate) struct BandLeaf<'a> {
     /// (min, max) of the q feature per q tile and of the kv feature per kv tile.
     q_sum: Vec<(i64, i64)>,
     kv_sum: Vec<(i64, i64)>,
-    /// Per kv tile: where its runs of non-decreasing features start (positions and sorted ids
-    /// are one run; a frame boundary or a canvas row inside the tile adds one), up to
-    /// `BAND_RUNS`: a row's allowed keys in a run are found by binary search. Empty: more runs
-    /// (shuffled, tile-ordered, residue features); each key is compared.
-    kv_runs: Vec<Vec<u16>>,
     /// Per q tile: the hull of kv tiles whose range meets [qmin - hi, qmax - lo].
     q_reach: Vec<Option<(usize, usize)>>,
     /// Tiles whose features are equal up to a shift (every q tile of a canvas row, every kv
     /// tile of a frame) have the same bitmask at the same offset between them: stage 2 computes
-    /// it once per (q shape, kv shape, offset) and copies it afterwards.
+    /// it once per (q shape, kv shape, offset) and copies it afterwards. The kv shapes also
+    /// say where a kv tile's runs of non-decreasing features start (positions and sorted ids
+    /// are one run; a frame boundary or a canvas row inside the tile adds one), up to
+    /// `BAND_RUNS`: a row's allowed keys in a run are found by binary search. Empty: more runs
+    /// (shuffled, tile-ordered, residue features); each key is compared.
     q_shape: TileShapes,
     kv_shape: TileShapes,
     memo: std::cell::RefCell<TileMemo>,
 }
 
 /// The tiles of one feature numbered by shape: `id[t]` is equal for two tiles exactly when
-/// their lengths and their values minus their first value (`first[t]`) are equal.
+/// their lengths and their values minus their first value (`first[t]`) are equal. What depends
+/// only on the shape (the range of the values, where their non-decreasing runs start) is
+/// computed once per shape.
+#[derive(Clone)]
 struct TileShapes {
     id: Vec<u32>,
     first: Vec<i64>,
+    /// Per shape: (min - first, max - first) of its values.
+    span: Vec<(i128, i128)>,
+    /// Per shape (when asked for): where its runs of non-decreasing values start, up to
+    /// `BAND_RUNS` of them; empty when there are more.
+    runs: Vec<Vec<u16>>,
+}
+
+/// Whether `a` and `b` have the same shape: equal lengths and `a[i] - a[0] == b[i] - b[0]`
+/// exactly. A wrapped difference and its overflow flag determine the exact difference.
+fn same_shape(a: &[i64], b: &[i64]) -> bool {
+    let (a0, b0) = (a[0], b[0]);
+    a.len() == b.len()
+        && a
+            .iter()
+            .zip(b)
+            .all(|(&x, &y)| x.overflowing_sub(a0) == y.overflowing_sub(b0))
 }
 
 impl TileShapes {
-    fn new(feature: &[i64], tile: usize) -> Self {
+    /// Shapes of the `tile`-sized chunks of `feature`; with `runs`, their run starts too.
+    fn new(feature: &[i64], tile: usize, runs: bool) -> Self {
         let chunks: Vec<&[i64]> = feature.chunks(tile).collect();
-        let rel = |c: &[i64], i: usize| c[i] as i128 - c[0] as i128;
-        let same = |a: &[i64], b: &[i64]| {
-            a.len() == b.len() && (0..a.len()).all(|i| rel(a, i) == rel(b, i))
-        };
         // Shapes by hash of the shifted values; collisions are resolved by comparing them.
-        let mut by_hash: HashMap<u64, Vec<u32>> = HashMap::new();
-        let mut rep: Vec<usize> = Vec::new();
-        let mut shifted = Vec::with_capacity(tile);
-        let id = (0..chunks.len())
-            .map(|t| {
-                let c = chunks[t];
-                shifted.clear();
-                shifted.extend((0..c.len()).map(|i| rel(c, i) as u64));
-                let h = hash_words(&shifted);
-                let ids = by_hash.entry(h).or_default();
-                if let Some(&s) = ids.iter().find(|&&s| same(chunks[rep[s as usize]], c)) {
+        let mut by_hash: FxHashMap<u64, Vec<u32>> = FxHashMap::default();
+        // The first tile of each shape.
+        let mut rep: Vec<&[i64]> = Vec::new();
+        let (mut span, mut starts) = (Vec::new(), Vec::new());
+        // Shapes repeat along a feature (every tile of a canvas row pair, of a frame): the
+        // last few distinct shapes are compared first, without hashing.
+        let mut recent: Vec<u32> = Vec::with_capacity(RECENT_SHAPES);
+        let id = chunks
+            .iter()
+            .map(|&c| {
+                if let Some(&s) = recent.iter().find(|&&s| same_shape(rep[s as usize], c)) {
                     return s;
                 }
-                rep.push(t);
-                ids.push(rep.len() as u32 - 1);
-                rep.len() as u32 - 1
+                let h = hash_iter(c.len(), c.iter().map(|&v| v.wrapping_sub(c[0]) as u64));
+                let ids = by_hash.entry(h).or_default();
+                let s = match ids.iter().find(|&&s| same_shape(rep[s as usize], c)) {
+                    Some(&s) => s,
+                    None => {
+                        let (lo, hi) = c
+                            .iter()
+                            .fold((i64::MAX, i64::MIN), |(a, b), &v| (a.min(v), b.max(v)));
+                        span.push((lo as i128 - c[0] as i128, hi as i128 - c[0] as i128));
+                        if runs {
+                            // Columns fit u16: tiles are at most MAX_TILE (4096) wide.
+                            let at: Vec<u16> = std::iter::once(0)
+                                .chain((1..c.len()).filter(|&i| c[i] < c[i - 1]).map(|i| i as u16))
+                                .take(BAND_RUNS + 1)
+                                .collect();
+                            starts.push(if at.len() > BAND_RUNS { Vec::new() } else { at });
+                        }
+                        rep.push(c);
+                        ids.push(rep.len() as u32 - 1);
+                        rep.len() as u32 - 1
+                    }
+                };
+                if recent.len() == RECENT_SHAPES {
+                    recent.pop();
+                }
+                recent.insert(0, s);
+                s
             })
             .collect();
         let first = chunks.iter().map(|c| c[0]).collect();
-        TileShapes { id, first }
+        TileShapes {
+            id,
+            first,
+            span,
+            runs: starts,
+        }
+    }
+
+    /// (min, max) of tile `t`'s values.
+    fn range(&self, t: usize) -> (i64, i64) {
+        let (lo, hi) = self.span[self.id[t] as usize];
+        let f = self.first[t] as i128;
+        // Both are values of the tile, so they fit an i64.
+        ((f + lo) as i64, (f + hi) as i64)
     }
 }
+
+/// Distinct tile shapes compared before hashing (see [`TileShapes::new`]).
+const RECENT_SHAPES: usize = 4;
 
 /// Band tile bitmasks computed so far, by (q shape, kv shape, kv first - q first).
 #[derive(Default)]
@@ -222,27 +278,15 @@ const MEMO_WORDS: usize = 8 << 20;
 
 impl<'a> BandLeaf<'a> {
     fn new(g: &Geom, q: &'a [i64], kv: &'a [i64], lo: i64, hi: i64) -> Self {
-        let range = |c: &[i64]| {
-            c.iter()
-                .fold((i64::MAX, i64::MIN), |(a, b), &v| (a.min(v), b.max(v)))
+        let kv_shape = TileShapes::new(kv, g.tk, true);
+        // One feature on both sides (dilation groups, positions): one pass.
+        let q_shape = if std::ptr::eq(q, kv) && g.tq == g.tk {
+            kv_shape.clone()
+        } else {
+            TileShapes::new(q, g.tq, false)
         };
-        let q_sum: Vec<(i64, i64)> = q.chunks(g.tq).map(range).collect();
-        let kv_sum: Vec<(i64, i64)> = kv.chunks(g.tk).map(range).collect();
-        let kv_runs = kv
-            .chunks(g.tk)
-            .map(|c| {
-                // Columns fit u16: tiles are at most MAX_TILE (4096) wide.
-                let starts: Vec<u16> = std::iter::once(0)
-                    .chain((1..c.len()).filter(|&i| c[i] < c[i - 1]).map(|i| i as u16))
-                    .take(BAND_RUNS + 1)
-                    .collect();
-                if starts.len() > BAND_RUNS {
-                    Vec::new()
-                } else {
-                    starts
-                }
-            })
-            .collect();
+        let q_sum: Vec<(i64, i64)> = (0..q_shape.id.len()).map(|t| q_shape.range(t)).collect();
+        let kv_sum: Vec<(i64, i64)> = (0..kv_shape.id.len()).map(|t| kv_shape.range(t)).collect();
         let (lo, hi) = (lo as i128, hi as i128);
         // When the tile ranges never go down along the keys (positions, sorted ids), the tiles
         // a query tile meets are one run found by binary search; otherwise every tile is scanned.
@@ -272,10 +316,9 @@ impl<'a> BandLeaf<'a> {
             hi,
             q_sum,
             kv_sum,
-            kv_runs,
             q_reach,
-            q_shape: TileShapes::new(q, g.tq),
-            kv_shape: TileShapes::new(kv, g.tk),
+            q_shape,
+            kv_shape,
             memo: Default::default(),
         }
     }
@@ -298,7 +341,7 @@ impl BandLeaf<'_> {
         // keys are a range [a, b), galloped from the row before when the value grows
         // (positions), else searched; a tile of more runs builds each row word by word, one
         // compare per key.
-        let runs = &self.kv_runs[kt];
+        let runs = &self.kv_shape.runs[self.kv_shape.id[kt] as usize];
         let mut recent = [(0i64, 0usize); BAND_MEMO];
         let mut computed = 0usize;
         // The largest value computed: a larger one (growing features) is not remembered.
@@ -837,6 +880,52 @@ impl<'a> Node<'a> {
         }
     }
 
+    /// Appends to `key` values that, with the tile's row and column counts, determine this
+    /// node's bitmask on tile (`qt`, `kt`) (so two tiles of equal keys have equal bitmasks and
+    /// stage 2 runs once for both); `false` where no such key is cheap (documents, dense data,
+    /// block selections, wide unions). Keys of one prepared node are comparable with each other
+    /// only: band leaves number their tile shapes per node.
+    pub fn tile_key(&self, g: &Geom, qt: usize, kt: usize, key: &mut Vec<i128>) -> bool {
+        let (i0, j0) = (g.qr(qt).0 as i128, g.kr(kt).0 as i128);
+        // Row r allows columns from/below `d + r` (a difference of tile origins): every value
+        // at or past one column beyond either side of the tile behaves the same.
+        let clamp = |d: i128| d.clamp(-(g.tq as i128) - 1, g.tk as i128 + 1);
+        match self {
+            Node::Full => true,
+            Node::Causal(off) => {
+                key.push(clamp(i0 + *off as i128 - j0));
+                true
+            }
+            Node::Window(l, r) => {
+                key.push(clamp(i0 - *l as i128 - j0));
+                key.push(clamp(i0 + *r as i128 - j0));
+                true
+            }
+            Node::Chunk(c) => {
+                // Same chunk: (s + r) / c == (s + (j0 - i0) + col) / c with s = i0 mod c.
+                key.push(i0 % *c as i128);
+                key.push(j0 - i0);
+                true
+            }
+            Node::Prefix(n) => {
+                key.push((*n as i128 - j0).clamp(-1, g.tk as i128 + 1));
+                true
+            }
+            Node::Band(d) => {
+                key.push(d.q_shape.id[qt] as i128);
+                key.push(d.kv_shape.id[kt] as i128);
+                key.push(d.kv_shape.first[kt] as i128 - d.q_shape.first[qt] as i128);
+                true
+            }
+            Node::Doc(_) | Node::Dense(_) | Node::Blocks(_) => false,
+            Node::And(v) => v.iter().all(|n| n.tile_key(g, qt, kt, key)),
+            Node::Or(o) => {
+                o.kids.len() <= MAX_KEYED_OPERANDS && o.kids.iter().all(|n| n.tile_key(g, qt, kt, key))
+            }
+            Node::Not(n) => n.tile_key(g, qt, kt, key),
+        }
+    }
+
     /// Stage 2: writes the exact bitmask of tile (`qt`, `kt`) into `out` (`tq` rows of `wpr`
     /// words); bits of out-of-range rows and columns are 0. `pool` supplies scratch buffers.
     pub fn eval(&self, g: &Geom, qt: usize, kt: usize, out: &mut [u64], pool: &mut Vec<Vec<u64>>) {
@@ -1034,6 +1123,11 @@ impl<'a> Node<'a> {
 /// collisions are resolved by comparing contents: four independent multiply-rotate lanes, so
 /// hashing a partial bitmask is not one long dependency chain.
 pub(crate) fn hash_words(words: &[u64]) -> u64 {
+    hash_iter(words.len(), words.iter().copied())
+}
+
+/// [`hash_words`] of the `len` words `words` yields, without collecting them.
+pub(crate) fn hash_iter(len: usize, words: impl Iterator<Item = u64>) -> u64 {
     const P: u64 = 0x0100_0000_01b3;
     let step = |a: u64, w: u64| (a ^ w).wrapping_mul(P).rotate_left(29);
     let mut lanes = [
@@ -1042,17 +1136,15 @@ pub(crate) fn hash_words(words: &[u64]) -> u64 {
         0x6c62_272e_07bb_0142,
         0x2545_f491_4f6c_dd1d,
     ];
-    let mut quads = words.chunks_exact(4);
-    for q in &mut quads {
-        for k in 0..4 {
-            lanes[k] = step(lanes[k], q[k]);
-        }
+    for (i, w) in words.enumerate() {
+        lanes[i % 4] = step(lanes[i % 4], w);
     }
-    for (k, &w) in quads.remainder().iter().enumerate() {
-        lanes[k] = step(lanes[k], w);
-    }
-    lanes.iter().fold(words.len() as u64, |a, &l| step(a, l))
+    lanes.iter().fold(len as u64, |a, &l| step(a, l))
 }
+
+/// Operands up to which a union's tile key is the concatenation of theirs (past it a tile
+/// costs its active operands only, and keying all would cost more than it saves).
+const MAX_KEYED_OPERANDS: usize = 8;
 
 /// Sorted runs up to which a band key tile is searched run by run rather than compared key by key.
 const BAND_RUNS: usize = 4;

@@ -18,7 +18,7 @@ pub struct ContractKey(pub [u8; 32]);
 impl ContractKey {
     /// Lowercase hex of the full digest.
     pub fn hex(&self) -> String {
-        self.0.iter().map(|b| format!("{b:02x}")).collect()
+        tessera_core::hex(&self.0)
     }
 }
 

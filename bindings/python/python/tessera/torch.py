@@ -363,12 +363,6 @@ def attention(
 # -- FlexAttention ------------------------------------------------------------------------------
 
 
-def _bucket(n: int) -> int:
-    """Capacity for ``n`` captured partial blocks: the next power of two, so one compiled
-    ``mask_mod`` serves plans whose partial-block counts differ a little."""
-    return 1 << max(0, (max(n, 1) - 1).bit_length())
-
-
 def to_flex_block_mask(plan: Plan, device: Any = "cpu"):
     """``plan`` as a ``torch.nn.attention.flex_attention.BlockMask`` on ``device``, built once per
     (plan, device) and kept on the plan (the flex engine of :func:`attention` uses the same one).
@@ -376,10 +370,10 @@ def to_flex_block_mask(plan: Plan, device: Any = "cpu"):
     The eight block tables come straight from the plan's work lists (int32, contiguous) and equal
     what ``create_block_mask(mask_mod, B', H', Lq, Lkv, BLOCK_SIZE=plan.block)`` builds (``B'``,
     ``H'`` = ``plan.groups``: 1 where the mask does not vary). Its ``mask_mod`` is exact for every
-    ``(b, h, q, kv)``: full blocks allow, empty blocks deny, partial blocks read the plan's
-    deduplicated bitmask of that block (packed bit rows, captured tensors padded to a
-    power-of-two block count, at least twice the q or kv tile count per (batch, head) group, so
-    that plans of the same shapes share one compiled kernel).
+    ``(b, h, q, kv)``: each block's code selects a packed bit block (all clear for empty
+    blocks, all set for full ones, the plan's deduplicated bitmask for partial ones), captured
+    padded to a power-of-two block count, at least twice the q or kv tile count per (batch,
+    head) group, so that plans of the same shapes share one compiled kernel.
     """
     from torch.nn.attention.flex_attention import BlockMask
 
@@ -390,50 +384,40 @@ def to_flex_block_mask(plan: Plan, device: Any = "cpu"):
     kept = plan._flex.setdefault("bm", {})
     if key in kept:
         return kept[key]
-    a = plan._p._flex_arrays(packed=True)
-
-    def t(name: str) -> Tensor:
-        return torch.from_numpy(np.ascontiguousarray(a[name])).to(dev).contiguous()
-
-    tq, tk = a["block_size"]
-    states = t("mask_tile_states")
-    ids = t("mask_block_ids")
-    # Partial-block contents as packed bit rows (int64 words; bit kv % 64 of word kv // 64),
-    # padded to a power-of-two block count.
-    bits_np = a["mask_bits"]
-    bg, hg = states.shape[:2]
-    # Capacity from the shapes alone for the usual masks (2 partial blocks per q or kv tile and
-    # (batch, head) group, at most 2^14 blocks: 32 MiB at 128-token tiles), so that plans of the
-    # same shapes whose partial counts differ a little share one compiled kernel.
-    floor = min(2 * bg * hg * max(states.shape[2], states.shape[3]), 1 << 14)
-    padded = np.zeros((_bucket(max(bits_np.shape[0], floor)),) + bits_np.shape[1:], dtype=np.int64)
-    padded[: bits_np.shape[0]] = bits_np
-    bits = torch.from_numpy(padded).to(dev)
+    # Capacity of the captured bit blocks from the shapes alone for the usual masks (2 per q or
+    # kv tile and (batch, head) group, at most 2^14 blocks: 32 MiB at 128-token tiles; then the
+    # next power of two), so that plans of the same shapes whose partial counts differ a little
+    # share one compiled kernel.
+    flat, bits, (bg, hg, nq, nk, tq, tk, lq, lkv) = plan._p._flex_tables(2, 1 << 14)
+    g = bg * hg
+    sizes = (g * nq, g * nq * nk, g * nq, g * nq * nk, g * nk, g * nk * nq, g * nk, g * nk * nq)
+    shapes = ((bg, hg, nq), (bg, hg, nq, nk)) * 2 + ((bg, hg, nk), (bg, hg, nk, nq)) * 2
+    shapes += ((bg, hg, nq, nk),)
+    if dev.type == "cpu":
+        # numpy views made tensors: cheaper than torch view ops on CPU
+        tables, at = [], 0
+        for n, s in zip(sizes, shapes):
+            tables.append(torch.from_numpy(flat[at : at + n].reshape(s)))
+            at += n
+        codes = torch.from_numpy(flat[at:].reshape(shapes[8]))
+        bits = torch.from_numpy(bits)
+    else:
+        # one copy to the device, then views
+        parts = torch.split(torch.from_numpy(flat).to(dev), sizes + (g * nq * nk,))
+        tables = [p.view(s) for p, s in zip(parts[:8], shapes)]
+        codes = parts[8].view(shapes[8])
+        bits = torch.from_numpy(bits).to(dev)
 
     def mask_mod(b, h, q_idx, kv_idx):
+        # The tile's code picks its bit block (0 empty, 1 full, else its partial block); bit
+        # kv % 64 of int64 word kv // 64 of row q.
         bb = b if bg > 1 else b * 0
         hh = h if hg > 1 else h * 0
-        qb = q_idx // tq
-        kb = kv_idx // tk
-        st = states[bb, hh, qb, kb]
         kr = kv_idx % tk
-        word = bits[ids[bb, hh, qb, kb].clamp(min=0), q_idx % tq, kr // 64]
-        inside = ((word >> (kr % 64)) & 1) == 1
-        return (st == 2) | ((st == 1) & inside)
+        word = bits[codes[bb, hh, q_idx // tq, kv_idx // tk], q_idx % tq, kr // 64]
+        return ((word >> (kr % 64)) & 1) == 1
 
-    bm = BlockMask(
-        tuple(int(x) for x in a["seq_lengths"]),
-        t("kv_num_blocks"),
-        t("kv_indices"),
-        t("full_kv_num_blocks"),
-        t("full_kv_indices"),
-        t("q_num_blocks"),
-        t("q_indices"),
-        t("full_q_num_blocks"),
-        t("full_q_indices"),
-        BLOCK_SIZE=(int(tq), int(tk)),
-        mask_mod=mask_mod,
-    )
+    bm = BlockMask((lq, lkv), *tables, BLOCK_SIZE=(tq, tk), mask_mod=mask_mod)
     kept[key] = bm
     return bm
 
