@@ -11,11 +11,11 @@ BD3-LM, FlashMask, the FlexAttention blog), independently of the formulas in
 BlockMask tables and token mask against them at many small shapes.
 
 Each family is a builder with explicit parameters (`RECIPES[name](**params)` -> `Recipe`) and a
-sizing (`SIZES[name](n)` -> params for about `n` tokens). Timing: one untimed warm-up call each
-(for `create_block_mask` that is the compilation), then the median of `--reps` calls; the eight
-tables are checked equal.
+sizing (`SIZES[name](n)` -> params for about `n` tokens). Timing: `--warmup` untimed calls each
+(for `create_block_mask` the first is the compilation), then the median of `--reps` calls; the
+eight tables are checked equal.
 
-Usage: .venv/bin/python bench/mask_cookbook.py [--sizes 4096,65536] [--only a,b] [--reps 3]
+Usage: .venv/bin/python bench/mask_cookbook.py [--sizes 4096,65536] [--only a,b] [--reps 3] [--warmup 1]
        [--doc-causal 32768] [--json] [--png DIR]
 """
 
@@ -553,15 +553,17 @@ def tessera_block_mask(r: Recipe):
     ).to_flex_block_mask()
 
 
-def time_recipe(r: Recipe, reps: int) -> dict:
-    tessera_block_mask(r)  # warm-up (not timed)
+def time_recipe(r: Recipe, reps: int, warmup: int = 1) -> dict:
+    for _ in range(max(1, warmup)):
+        tessera_block_mask(r)  # warm-up (not timed)
     t_tessera, bm = median_time(lambda: tessera_block_mask(r), reps)
     # A fresh compilation per recipe: dynamo's per-function recompile limit (8 mask_mods) would
     # otherwise send later recipes to the eager path, which materializes [Lq, Lkv].
     torch._dynamo.reset()
     compiled = torch.compile(create_block_mask)
     call = lambda: compiled(r.mask_mod, r.batch, r.heads, r.q_len, r.kv_len, device="cpu")  # noqa: E731
-    call()  # compilation (not timed)
+    for _ in range(max(1, warmup)):
+        call()  # compilation, then warm-up (not timed)
     t_torch, ref = median_time(call, reps)
     equal = all(torch.equal(getattr(bm, t), getattr(ref, t)) for t in TABLES)
     return dict(
@@ -630,6 +632,7 @@ def main():
     ap.add_argument("--sizes", default="4096,65536")
     ap.add_argument("--only", default="", help="comma-separated family names (default: all)")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=1, help="untimed calls before timing, each side")
     ap.add_argument("--doc-causal", type=int, default=32768, help="the doc-causal row length (0: skip)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--png", default="", help="write the docs' pictures into this directory and exit")
@@ -656,7 +659,7 @@ def main():
     results = []
 
     def run(r):
-        results.append(time_recipe(r, args.reps))
+        results.append(time_recipe(r, args.reps, args.warmup))
         if not args.json:
             print(_line(results[-1]), file=sys.stderr, flush=True)  # progress
 
@@ -674,7 +677,7 @@ def main():
     load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
     print(
         f"CPU: {cpu_model()}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
-        f"medians of {args.reps}; load average at the end {load}"
+        f"medians of {args.reps} after {max(1, args.warmup)} warm-up calls each; load average at the end {load}"
     )
     print("| family | tokens | tessera plan + BlockMask ms | compiled create_block_mask ms | speedup | bar | tables equal |")
     print("| --- | --- | --- | --- | --- | --- | --- |")

@@ -188,14 +188,22 @@ struct TileShapes {
 }
 
 /// Whether `a` and `b` have the same shape: equal lengths and `a[i] - a[0] == b[i] - b[0]`
-/// exactly. A wrapped difference and its overflow flag determine the exact difference.
+/// exactly, that is `a[i] - b[i] == a[0] - b[0]` for every `i`.
 fn same_shape(a: &[i64], b: &[i64]) -> bool {
-    let (a0, b0) = (a[0], b[0]);
-    a.len() == b.len()
-        && a
-            .iter()
-            .zip(b)
-            .all(|(&x, &y)| x.overflowing_sub(a0) == y.overflowing_sub(b0))
+    if a.len() != b.len() {
+        return false;
+    }
+    let Some(d) = a[0].checked_sub(b[0]) else {
+        let rel = |c: &[i64], i: usize| c[i] as i128 - c[0] as i128;
+        return (0..a.len()).all(|i| rel(a, i) == rel(b, i));
+    };
+    // x - y == d exactly: the wrapped difference is d and did not overflow (x and y of
+    // different signs with the difference's sign unlike x's). Branch-free, so it vectorizes.
+    let bad = a.iter().zip(b).fold(0i64, |bad, (&x, &y)| {
+        let r = x.wrapping_sub(y);
+        bad | (r ^ d) | ((x ^ y) & (x ^ r) & i64::MIN)
+    });
+    bad == 0
 }
 
 impl TileShapes {
@@ -920,7 +928,8 @@ impl<'a> Node<'a> {
             Node::Doc(_) | Node::Dense(_) | Node::Blocks(_) => false,
             Node::And(v) => v.iter().all(|n| n.tile_key(g, qt, kt, key)),
             Node::Or(o) => {
-                o.kids.len() <= MAX_KEYED_OPERANDS && o.kids.iter().all(|n| n.tile_key(g, qt, kt, key))
+                o.kids.len() <= MAX_KEYED_OPERANDS
+                    && o.kids.iter().all(|n| n.tile_key(g, qt, kt, key))
             }
             Node::Not(n) => n.tile_key(g, qt, kt, key),
         }
@@ -1193,5 +1202,68 @@ fn set_range(row: &mut [u64], lo: i64, hi: i64, ncols: usize) {
             ((1u64 << take) - 1) << b
         };
         j += take;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{same_shape, TileShapes};
+    use proptest::prelude::*;
+
+    /// The definition: equal lengths and equal differences to the first value, in i128.
+    fn reference(a: &[i64], b: &[i64]) -> bool {
+        let rel = |c: &[i64], i: usize| c[i] as i128 - c[0] as i128;
+        a.len() == b.len() && (0..a.len()).all(|i| rel(a, i) == rel(b, i))
+    }
+
+    /// Values near zero and near both ends of i64, where wrapped differences collide.
+    fn value() -> impl Strategy<Value = i64> {
+        prop_oneof![
+            -4i64..4,
+            (i64::MIN..i64::MIN + 4),
+            (i64::MAX - 4..=i64::MAX),
+            Just(i64::MIN / 2),
+            Just(i64::MAX / 2 + 1),
+            any::<i64>(),
+        ]
+    }
+
+    proptest! {
+        #[test]
+        fn same_shape_is_exact_difference_equality(
+            a in proptest::collection::vec(value(), 1..6),
+            shift in value(),
+            flip in proptest::collection::vec(any::<bool>(), 6),
+            other in proptest::collection::vec(value(), 1..6),
+        ) {
+            // `b` is `a` shifted (wrapping: sometimes the same shape, sometimes not), with
+            // some values replaced.
+            let b: Vec<i64> = a
+                .iter()
+                .zip(&flip)
+                .zip(other.iter().cycle())
+                .map(|((&x, &f), &o)| if f { o } else { x.wrapping_add(shift) })
+                .collect();
+            prop_assert_eq!(same_shape(&a, &b), reference(&a, &b));
+            prop_assert_eq!(same_shape(&b, &a), reference(&b, &a));
+            prop_assert!(same_shape(&a, &a));
+        }
+
+        #[test]
+        fn tile_shapes_number_tiles_by_shape_with_their_ranges(
+            feature in proptest::collection::vec(value(), 1..40),
+            tile in 1usize..6,
+        ) {
+            let s = TileShapes::new(&feature, tile, true);
+            let chunks: Vec<&[i64]> = feature.chunks(tile).collect();
+            for (t, c) in chunks.iter().enumerate() {
+                for (u, d) in chunks.iter().enumerate() {
+                    prop_assert_eq!(s.id[t] == s.id[u], reference(c, d));
+                }
+                let lo = *c.iter().min().unwrap();
+                let hi = *c.iter().max().unwrap();
+                prop_assert_eq!(s.range(t), (lo, hi));
+            }
+        }
     }
 }
