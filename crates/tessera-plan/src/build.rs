@@ -246,8 +246,10 @@ impl RestTiles {
     }
 }
 
-/// Refined tiles a head plan remembers by tile key (about 100 bytes each).
-const MEMO_TILES: usize = 1 << 20;
+/// Refined tiles a head plan remembers by tile key, and the longest key kept (values): at
+/// most 8 MiB of keys; the masks that repeat tiles need a few hundred keys of a few values.
+const MEMO_TILES: usize = 1 << 14;
+const MEMO_KEY_LEN: usize = 32;
 
 /// What stage 2 of one build shares: sizes, scratch, the partial-mask table.
 struct Refine<'a> {
@@ -279,7 +281,8 @@ impl Refine<'_> {
                 // per key (the diagonal of a causal mask, the translates of a neighbourhood).
                 self.key.clear();
                 self.key.push(node as *const Node as usize as i128);
-                let keyed = node.tile_key(g, qt, kt, &mut self.key);
+                let keyed =
+                    node.tile_key(g, qt, kt, &mut self.key) && self.key.len() <= MEMO_KEY_LEN;
                 if keyed {
                     self.key.extend([rows as i128, cols as i128]);
                     if let Some(&t) = self.memo.get(self.key.as_slice()) {
