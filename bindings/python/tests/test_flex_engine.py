@@ -268,6 +268,23 @@ def test_head_dims_below_the_gpu_kernels_minimum_are_padded_exactly(case, monkey
     flex_case(m, b, hq, hkv, lq, lkv, dqk, dv, block, **kw)
 
 
+def test_block_mask_on_another_device_holds_the_same_tables():
+    """The non-CPU build (one copy of the tables, then views) gives the CPU build's tables; the
+    meta device runs that branch without a GPU (values are checked on GPUs by test_gpu.py)."""
+    ids = packed_ids(np.random.default_rng(7), 2, 1000, 300, pad_inside=True)
+    plan = tessera.plan(tessera.causal() & tessera.document(ids), q_len=1000, kv_len=1000, heads=3,
+                        block=(64, 128))
+    cpu, meta = plan.to_flex_block_mask(), plan.to_flex_block_mask(device="meta")
+    assert meta is plan.to_flex_block_mask(device="meta") and meta is not cpu
+    for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+                 "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"):
+        a, b = getattr(cpu, name), getattr(meta, name)
+        assert b.device.type == "meta" and b.is_contiguous(), name
+        assert (a.shape, a.dtype) == (b.shape, b.dtype), name
+    cells = [c.cell_contents for c in meta.mask_mod.__closure__]
+    assert all(t.device.type == "meta" for t in cells if isinstance(t, torch.Tensor))
+
+
 def test_plans_of_equal_shapes_capture_equal_partial_tables():
     """The mask_mod's captured partial-block table has a capacity set by the shapes for the usual
     masks, so a compiled step does not recompile when a new plan has a few more or fewer partial
