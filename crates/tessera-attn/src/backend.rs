@@ -1,4 +1,5 @@
-//! Backend API v2: the [`Backend`] trait and the argument structs of its calls.
+//! Backend API v2: the [`Backend`] trait (its argument structs are `args`'s) and the owned
+//! output buffers of its allocating conveniences ([`ForwardBufs`], [`GradBufs`]).
 //!
 //! Contract:
 //! - [`Backend::prepare`] derives everything a backend needs from a plan once (transposed
@@ -9,140 +10,24 @@
 //!   ([`Backend::Workspace`], grown on first use and reused after; its size for a call is
 //!   [`Backend::forward_workspace_size`] / [`Backend::backward_workspace_size`]) on the threads
 //!   named by a [`Par`]. Every element of every output is written; nothing else is.
-//! - Inputs are [`StridedView`]s: `[B, H, L, D]` with unit stride in D and any batch, head and
-//!   row strides, so a PyTorch `[B, L, H, D]` tensor transposed to `[B, H, L, D]` is read in
-//!   place. Outputs are contiguous `[B, H, L, D]` (the caller allocates them).
+//! - Inputs are [`StridedView`](crate::StridedView)s: `[B, H, L, D]` with unit stride in D and
+//!   any batch, head and row strides, so a PyTorch `[B, L, H, D]` tensor transposed to
+//!   `[B, H, L, D]` is read in place. Outputs are contiguous `[B, H, L, D]` (the caller
+//!   allocates them).
 //! - [`Backend::forward`] / [`Backend::backward`] are the allocating conveniences, built on the
 //!   `*_into` calls.
 
-use crate::views::{OutBuf, OutData};
-use crate::{AttnOptions, AttnSummary, Dims, Par, StridedView, TelemetryInput};
+use crate::args::{
+    AttnInputs, BackwardOutput, ForwardOut, ForwardOutput, GradInputs, GradOut, TelemetryInput,
+};
+use crate::options::AttnOptions;
+use crate::par::Par;
+use crate::validate::{check_inputs, Dims};
+use crate::views::OutBuf;
 use std::sync::Arc;
-use tessera_core::tensor::TensorView;
 use tessera_core::{Error, Result, Tensor};
 use tessera_plan::Plan;
-
-/// The inputs of a forward call: Q `[B, Hq, Lq, Dqk]`, K `[B, Hkv, Lkv, Dqk]`, V `[B, Hkv, Lkv, Dv]`.
-#[derive(Debug, Clone, Copy)]
-pub struct AttnInputs<'a> {
-    /// Queries.
-    pub q: StridedView<'a>,
-    /// Keys.
-    pub k: StridedView<'a>,
-    /// Values.
-    pub v: StridedView<'a>,
-}
-
-impl<'a> AttnInputs<'a> {
-    /// Inputs from contiguous rank-4 tensors.
-    pub fn contiguous(q: TensorView<'a>, k: TensorView<'a>, v: TensorView<'a>) -> Result<Self> {
-        Ok(AttnInputs {
-            q: StridedView::contiguous("q", q)?,
-            k: StridedView::contiguous("k", k)?,
-            v: StridedView::contiguous("v", v)?,
-        })
-    }
-}
-
-/// The inputs of a backward call: the forward's inputs, its O `[B, Hq, Lq, Dv]` and LSE
-/// `[B, Hq, Lq]` (f32, contiguous), the output gradient dO `[B, Hq, Lq, Dv]` and, when the loss
-/// also depends on the LSE, its gradient dLSE `[B, Hq, Lq]` (f32, contiguous; `None` = zero).
-#[derive(Debug, Clone, Copy)]
-pub struct GradInputs<'a> {
-    /// Queries.
-    pub q: StridedView<'a>,
-    /// Keys.
-    pub k: StridedView<'a>,
-    /// Values.
-    pub v: StridedView<'a>,
-    /// The forward output.
-    pub o: StridedView<'a>,
-    /// The forward's log-sum-exp, contiguous `[B, Hq, Lq]` f32.
-    pub lse: TensorView<'a>,
-    /// Gradient of the loss with respect to O.
-    pub d_o: StridedView<'a>,
-    /// Gradient of the loss with respect to LSE (`None`: the loss does not depend on it).
-    pub d_lse: Option<TensorView<'a>>,
-}
-
-impl<'a> GradInputs<'a> {
-    /// Inputs from contiguous tensors.
-    pub fn contiguous(
-        fwd: AttnInputs<'a>,
-        o: TensorView<'a>,
-        lse: TensorView<'a>,
-        d_o: TensorView<'a>,
-    ) -> Result<Self> {
-        Ok(GradInputs {
-            q: fwd.q,
-            k: fwd.k,
-            v: fwd.v,
-            o: StridedView::contiguous("o", o)?,
-            lse,
-            d_o: StridedView::contiguous("d_o", d_o)?,
-            d_lse: None,
-        })
-    }
-
-    /// The forward part.
-    pub fn forward(&self) -> AttnInputs<'a> {
-        AttnInputs {
-            q: self.q,
-            k: self.k,
-            v: self.v,
-        }
-    }
-}
-
-/// Caller-owned forward outputs, contiguous: O `[B, Hq, Lq, Dv]` in q's dtype, LSE
-/// `[B, Hq, Lq]` and max_logit `[B, Hq]` in f32.
-#[derive(Debug)]
-pub struct ForwardOut<'a> {
-    /// Attention output.
-    pub o: OutData<'a>,
-    /// Natural log of the softmax denominator (sink included).
-    pub lse: &'a mut [f32],
-    /// Max over allowed pairs of the scaled logit before softcap (-inf if none).
-    pub max_logit: &'a mut [f32],
-}
-
-/// Caller-owned backward outputs, contiguous, in q's dtype: dQ `[B, Hq, Lq, Dqk]`, dK
-/// `[B, Hkv, Lkv, Dqk]`, dV `[B, Hkv, Lkv, Dv]`; dsinks `[Hq]` f32 when sinks are given.
-#[derive(Debug)]
-pub struct GradOut<'a> {
-    /// Gradient for Q.
-    pub dq: OutData<'a>,
-    /// Gradient for K.
-    pub dk: OutData<'a>,
-    /// Gradient for V.
-    pub dv: OutData<'a>,
-    /// Gradient for the sink logits (required exactly when the options have sinks).
-    pub dsinks: Option<&'a mut [f32]>,
-}
-
-/// Forward results of the allocating convenience.
-#[derive(Debug, Clone, PartialEq)]
-pub struct ForwardOutput {
-    /// `[B, Hq, Lq, Dv]` in q's storage dtype.
-    pub o: Tensor,
-    /// `[B, Hq, Lq]` f32, natural log of the softmax denominator (sink included).
-    pub lse: Tensor,
-    /// `[B, Hq]` f32: max over allowed pairs of the scaled logit before softcap (-inf if none).
-    pub max_logit: Tensor,
-}
-
-/// Backward results of the allocating convenience.
-#[derive(Debug, Clone, PartialEq)]
-pub struct BackwardOutput {
-    /// `[B, Hq, Lq, Dqk]` in q's storage dtype.
-    pub dq: Tensor,
-    /// `[B, Hkv, Lkv, Dqk]` in q's storage dtype.
-    pub dk: Tensor,
-    /// `[B, Hkv, Lkv, Dv]` in q's storage dtype.
-    pub dv: Tensor,
-    /// `[Hq]` f32 gradient of the sink logits; present when sinks were given.
-    pub dsinks: Option<Tensor>,
-}
+use tessera_telemetry::AttnSummary;
 
 /// A plan prepared for one backend: the plan plus everything derived from it.
 pub trait Prepared: Send + Sync {
@@ -231,7 +116,7 @@ pub trait Backend: Send + Sync {
         options: &AttnOptions,
     ) -> Result<ForwardOutput> {
         let prepared = self.prepare(plan)?;
-        let d = crate::check_inputs(inputs, options)?;
+        let d = check_inputs(inputs, options)?;
         let mut bufs = ForwardBufs::new(&d);
         self.forward_into(
             &prepared,
@@ -253,7 +138,7 @@ pub trait Backend: Send + Sync {
         tel: &TelemetryInput<'_>,
     ) -> Result<(ForwardOutput, AttnSummary)> {
         let prepared = self.prepare(plan)?;
-        let d = crate::check_inputs(inputs, options)?;
+        let d = check_inputs(inputs, options)?;
         let mut bufs = ForwardBufs::new(&d);
         let summary = self.forward_with_telemetry_into(
             &prepared,
@@ -276,7 +161,7 @@ pub trait Backend: Send + Sync {
         options: &AttnOptions,
     ) -> Result<BackwardOutput> {
         let prepared = self.prepare(plan)?;
-        let d = crate::check_inputs(&inputs.forward(), options)?;
+        let d = check_inputs(&inputs.forward(), options)?;
         let mut bufs = GradBufs::new(&d, options.sinks.is_some());
         self.backward_into(
             &prepared,

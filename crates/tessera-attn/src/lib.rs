@@ -27,12 +27,14 @@
 //! - Results are deterministic: bit-identical run to run with the same thread count (the CPU
 //!   backend's results do not even depend on the thread count; no atomics, fixed reduction order).
 //!
-//! Crate map: [`Backend`] and its argument structs (`backend`), strided views and output
-//! buffers (`views`), [`Par`] (`par`), validation (`validate`), gated telemetry (`telemetry`);
-//! [`cpu`] (work-list driven tiled kernels, runtime ISA dispatch; its module doc maps the kernel
-//! phases to files); [`cuda`] (the GPU backend's place, empty in this build). A new backend
-//! implements [`Backend`], calls [`check_forward`]/[`check_backward`] first, and must pass the
-//! suite.
+//! Crate map, in layer order (a module imports only from modules listed before it; this file
+//! only declares modules and re-exports): [`AttnOptions`] (`options`), strided views and output
+//! buffers (`views`), [`Par`] (`par`); the argument structs of a call (`args`); validation
+//! (`validate`); the [`Backend`] trait and the owned output buffers (`backend`); [`cpu`]
+//! (work-list driven tiled kernels, runtime ISA dispatch; its module doc maps the kernel phases
+//! to files and layers) and [`cuda`] (the GPU backend's place, empty in this build); gated
+//! telemetry over any backend and [`effective_gflops`] (`telemetry`). A new backend implements
+//! [`Backend`], calls [`check_forward`]/[`check_backward`] first, and must pass the suite.
 //!
 //! ```
 //! use std::sync::Arc;
@@ -61,21 +63,24 @@
 //! # Ok::<(), tessera_core::Error>(())
 //! ```
 
+mod args;
 mod backend;
 pub mod cpu;
 pub mod cuda;
+mod options;
 mod par;
 mod telemetry;
 mod validate;
 mod views;
 
-pub use backend::{
-    AttnInputs, Backend, BackwardOutput, ForwardBufs, ForwardOut, ForwardOutput, GradBufs,
-    GradInputs, GradOut, Prepared,
+pub use args::{
+    AttnInputs, BackwardOutput, ForwardOut, ForwardOutput, GradInputs, GradOut, TelemetryInput,
 };
+pub use backend::{Backend, ForwardBufs, GradBufs, Prepared};
 pub use cpu::{CpuBackend, CpuPlan, CpuWorkspace};
+pub use options::AttnOptions;
 pub use par::{Par, PoolCache};
-pub use telemetry::{forward_logged, forward_logged_into, LogContext, TelemetryInput};
+pub use telemetry::{effective_gflops, forward_logged, forward_logged_into, LogContext};
 pub use tessera_telemetry::AttnSummary;
 pub use validate::{
     check_backward, check_forward, check_forward_out, check_grad_out, check_inputs, check_o_like,
@@ -84,31 +89,3 @@ pub use validate::{
 pub use views::{OutData, StridedView};
 
 pub use tessera_core::tensor::{TensorView, ViewData};
-
-/// Options of one attention call (SPEC §4).
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct AttnOptions {
-    /// Logit scale; default `1/sqrt(Dqk)`. Must be finite and positive.
-    pub scale: Option<f32>,
-    /// Softcap `c`: logits become `c·tanh(s/c)`. Must be finite and positive.
-    pub softcap: Option<f32>,
-    /// Learned sink logit per query head (`Hq` finite values), joining the softmax denominator only.
-    pub sinks: Option<Vec<f32>>,
-}
-
-impl AttnOptions {
-    /// The effective scale for head dimension `d_qk`.
-    pub fn scale_for(&self, d_qk: usize) -> f32 {
-        self.scale.unwrap_or(1.0 / (d_qk as f32).sqrt())
-    }
-}
-
-/// Effective GFLOP/s: `flops` (for example [`Plan::forward_flops`](tessera_plan::Plan::forward_flops), counted over allowed pairs
-/// only) done in `seconds`. Zero when `seconds` is not positive.
-pub fn effective_gflops(flops: f64, seconds: f64) -> f64 {
-    if seconds > 0.0 {
-        flops / seconds / 1e9
-    } else {
-        0.0
-    }
-}

@@ -1,6 +1,7 @@
-//! Gated attention telemetry on the forward pass (SPEC §6): [`TelemetryInput`] for
-//! [`Backend::forward_with_telemetry_into`], and [`forward_logged_into`], the one call a training
-//! loop makes per attention layer.
+//! Gated attention telemetry on the forward pass (SPEC §6): [`forward_logged_into`], the one call
+//! a training loop makes per attention layer (its kernel input, [`TelemetryInput`], is an argument
+//! struct of [`Backend::forward_with_telemetry_into`] in `args`), and [`effective_gflops`], the
+//! throughput figure reports give.
 //!
 //! Contract:
 //! - The kernel variant is picked once per call, before any work: on a non-logging step
@@ -9,65 +10,16 @@
 //!   max_logit are bit-identical to the plain forward's, and submits the summary to the sink.
 //! - Definitions, merging and the JSON-lines readout are `tessera_telemetry`'s (crate doc there).
 
-use crate::{
-    check_inputs, AttnInputs, AttnOptions, Backend, ForwardBufs, ForwardOut, ForwardOutput, Par,
-};
+use crate::args::{AttnInputs, ForwardOut, ForwardOutput, TelemetryInput};
+use crate::backend::{Backend, ForwardBufs};
+use crate::options::AttnOptions;
+use crate::par::Par;
+use crate::validate::check_inputs;
 use std::sync::Arc;
-use tessera_core::{Error, Result};
+use tessera_core::Result;
 use tessera_mask::Mask;
 use tessera_plan::Plan;
-use tessera_telemetry::{
-    document_kv_segments, sink_key_flags, Streams, Telemetry, TelemetryConfig, TelemetrySink,
-};
-
-/// What a logging forward needs besides the attention inputs.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct TelemetryInput<'a> {
-    /// Sink-key flags `[B, Lkv]`, row-major (see `tessera_telemetry::sink_key_flags`).
-    pub sink_flags: &'a [bool],
-    /// Step the summary is for.
-    pub step: u64,
-    /// Layer the summary is for.
-    pub layer: u32,
-    /// Sink stream: the telemetry kernel variant fills sink mass, learned-sink mass, entropy and
-    /// valid rows. Outlier stream: a read-only pass over O. `max_logit` is always filled (the
-    /// kernel produces it anyway).
-    pub streams: Streams,
-    /// Outlier threshold as a multiple of the RMS of each (b, h) slice of O.
-    pub outlier_ratio: f64,
-}
-
-impl<'a> TelemetryInput<'a> {
-    /// The input for `config`'s streams and threshold.
-    pub fn new(sink_flags: &'a [bool], step: u64, layer: u32, config: &TelemetryConfig) -> Self {
-        TelemetryInput {
-            sink_flags,
-            step,
-            layer,
-            streams: config.streams,
-            outlier_ratio: config.outlier_ratio,
-        }
-    }
-
-    /// Checks the flags length (`batch · kv_len`) and the outlier ratio.
-    pub fn check(&self, batch: usize, kv_len: usize) -> Result<()> {
-        if self.sink_flags.len() != batch * kv_len {
-            return Err(Error::invalid(
-                "sink flags",
-                format!("{} flags [B={batch}, Lkv={kv_len}]", batch * kv_len),
-                self.sink_flags.len(),
-            ));
-        }
-        if !(self.outlier_ratio.is_finite() && self.outlier_ratio >= 0.0) {
-            return Err(Error::invalid(
-                "outlier ratio",
-                "a finite number >= 0",
-                self.outlier_ratio,
-            ));
-        }
-        Ok(())
-    }
-}
+use tessera_telemetry::{document_kv_segments, sink_key_flags, Telemetry, TelemetrySink};
 
 /// The telemetry side of one logged forward: the step gate, the mask the plan was built from
 /// (for the sink keys), the layer and where the summary goes.
@@ -142,4 +94,14 @@ pub fn forward_logged<B: Backend + ?Sized>(
         log,
     )?;
     bufs.finish(&d)
+}
+
+/// Effective GFLOP/s: `flops` (for example [`Plan::forward_flops`](tessera_plan::Plan::forward_flops), counted over allowed pairs
+/// only) done in `seconds`. Zero when `seconds` is not positive.
+pub fn effective_gflops(flops: f64, seconds: f64) -> f64 {
+    if seconds > 0.0 {
+        flops / seconds / 1e9
+    } else {
+        0.0
+    }
 }

@@ -6,7 +6,9 @@
 //! argument, what was expected and what was found. The plan is checked for internal consistency
 //! too (so a corrupt deserialized plan is an error, not a panic).
 
-use crate::{AttnInputs, AttnOptions, ForwardOut, GradInputs, GradOut, StridedView};
+use crate::args::{AttnInputs, ForwardOut, GradInputs, GradOut};
+use crate::options::AttnOptions;
+use crate::views::StridedView;
 use tessera_core::tensor::TensorView;
 use tessera_core::{DType, Error, Result};
 use tessera_plan::Plan;

@@ -1,5 +1,7 @@
-//! The instruction sets the CPU kernels are compiled for ([`Isa`]) and the macro that declares
-//! one `#[target_feature]` copy of an item kernel per instruction set ([`isa_entry!`]).
+//! The instruction sets the CPU kernels are compiled for ([`Isa`]), the macro that declares
+//! one `#[target_feature]` copy of an item kernel per instruction set ([`isa_entry!`]), and
+//! whether a copy runs a dtype's forward on the `vdpbf16ps` kernel ([`runs_bf16_kernel`]; the
+//! forward, its telemetry variant and its workspace size all ask this one function).
 //!
 //! Contract: [`Isa::detect`] returns the widest copy this CPU runs (by feature flags; which copy
 //! each dtype actually runs is chosen by measured speed in [`dispatch`](super::dispatch)); a
@@ -70,11 +72,17 @@ impl Isa {
     }
 }
 
+/// Whether a forward of this dtype on this kernel copy runs the `forward::bf16` (`vdpbf16ps`)
+/// kernel; the plain and the telemetry forward both dispatch on it.
+pub(crate) fn runs_bf16_kernel(isa: Isa, dtype: tessera_core::DType) -> bool {
+    isa == Isa::Avx512Bf16 && dtype == tessera_core::DType::BF16
+}
+
 /// Declares the per-ISA entry points of an item kernel: a `#[target_feature]` copy per ISA
 /// around the same generic, `#[inline(always)]` body.
 macro_rules! isa_entry {
     ($name:ident, $body:ident, ($($arg:ident : $ty:ty),*)) => {
-        pub(crate) fn $name(isa: crate::cpu::Isa, $($arg: $ty),*) {
+        pub(crate) fn $name(isa: crate::cpu::isa::Isa, $($arg: $ty),*) {
             #[cfg(target_arch = "x86_64")]
             #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,fma")]
             fn avx512($($arg: $ty),*) {
@@ -89,9 +97,9 @@ macro_rules! isa_entry {
                 // SAFETY: `Isa::detect`, `CpuBackend::with_isa`/`with_paths` and the dispatch
                 // decision only hand out copies whose features this CPU has.
                 #[cfg(target_arch = "x86_64")]
-                crate::cpu::Isa::Avx512 | crate::cpu::Isa::Avx512Bf16 => unsafe { avx512($($arg),*) },
+                crate::cpu::isa::Isa::Avx512 | crate::cpu::isa::Isa::Avx512Bf16 => unsafe { avx512($($arg),*) },
                 #[cfg(target_arch = "x86_64")]
-                crate::cpu::Isa::Avx2 => unsafe { avx2($($arg),*) },
+                crate::cpu::isa::Isa::Avx2 => unsafe { avx2($($arg),*) },
                 _ => $body::<crate::cpu::simd::Portable>($($arg),*),
             }
         }

@@ -8,7 +8,7 @@
 
 use super::simd;
 use super::tile_matmul;
-use crate::StridedView;
+use crate::views::StridedView;
 use half::bf16;
 use rayon::prelude::*;
 use tessera_core::tensor::ViewData;

@@ -7,7 +7,7 @@
 
 use super::tile_matmul;
 use super::workspace::WsPool;
-use crate::Dims;
+use crate::validate::Dims;
 use rayon::prelude::*;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;

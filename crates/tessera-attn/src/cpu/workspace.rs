@@ -1,4 +1,6 @@
-//! The CPU backend's caller-owned workspace ([`CpuWorkspace`]) and its size functions.
+//! The CPU backend's caller-owned workspace ([`CpuWorkspace`]): the containers the kernels
+//! fill, below every kernel (each pass states the bytes it uses: `forward::select::forward_bytes`,
+//! `backward::backward_bytes`).
 //!
 //! Contract: everything a CPU call needs besides its inputs and outputs lives here and is
 //! reused by the next call: the per-worker tile workspaces (kept in a pool while their geometry
@@ -6,14 +8,14 @@
 //! (backward Δ, dQ scratch and carries, per-item max logits, the bf16 forward's packed K/V), and
 //! the thread pool of a [`Par::Seq`](crate::Par::Seq)/[`Par::Rayon`](crate::Par::Rayon) call.
 //! Nothing is process-wide. A workspace serves one call at a time (`&mut`); concurrent calls
-//! use one workspace each. [`forward_bytes`]/[`backward_bytes`] give the bytes a call uses.
+//! use one workspace each.
 
-use super::{backward, forward, Geometry, Isa, Prep};
-use crate::{Dims, PoolCache};
+use crate::cpu::prepare::Prep;
+use crate::par::PoolCache;
+use crate::validate::Dims;
 use std::any::Any;
 use std::sync::Mutex;
-use tessera_core::DType;
-use tessera_plan::{Plan, TileShape};
+use tessera_plan::TileShape;
 
 /// Scratch memory of CPU attention calls, owned by the caller and reused across calls.
 #[derive(Default)]
@@ -113,26 +115,4 @@ impl WsPool {
             g.push(Box::new(w));
         }
     }
-}
-
-/// Bytes of workspace a forward of `d` over `plan` on `threads` threads uses.
-pub(crate) fn forward_bytes(isa: Isa, plan: &Plan, d: &Dims, threads: usize) -> usize {
-    let g = Geometry::new(plan, d);
-    let bh = d.batch * d.heads_q;
-    let mut floats = threads * forward::ws_floats(&g, d) + bh * plan.q_tiles;
-    if super::runs_bf16_kernel(isa, d.dtype) {
-        floats += super::forward::bf16::pack_words(plan, d);
-    }
-    4 * floats
-}
-
-/// Bytes of workspace a backward of `d` over `plan` on `threads` threads uses.
-pub(crate) fn backward_bytes(isa: Isa, plan: &Plan, d: &Dims, threads: usize) -> usize {
-    let g = Geometry::new(plan, d);
-    let per_worker = if isa == Isa::Avx512Bf16 && d.dtype == DType::BF16 {
-        backward::ws_floats(&g, d).max(backward::bf16_ws_floats(&g, d))
-    } else {
-        backward::ws_floats(&g, d)
-    };
-    4 * (threads * per_worker + backward::shared_floats(plan, d, &g, threads))
 }

@@ -23,14 +23,15 @@
 //! bf16 adds ≤ 2⁻⁹ relative error per term (FlashAttention rounds them the same way), well inside
 //! the 1e-2 bf16 tolerance. Deterministic: fixed loop order, no atomics.
 
+use super::super::isa::Isa;
 use super::super::load_tile::transpose16_words;
+use super::super::schedule::Geometry;
 use super::super::simd::Avx512;
 use super::super::simd::{self, x512::exp2_coarse_in};
 use super::super::tile_matmul::{round_up, RB};
 use super::super::tile_matmul_bf16::{dot_gemm, pair};
-use super::super::{Geometry, Isa};
 use super::{key_blocks, p_ds_block, p_ds_full, query_blocks, store_dkv, BwdCtx, DkvItem};
-use crate::Dims;
+use crate::validate::Dims;
 use half::bf16;
 use std::arch::x86_64::*;
 use tessera_plan::PartialMasks;
@@ -52,7 +53,7 @@ pub(crate) struct Inputs<'a> {
 /// a multiple of `RB`, are real rows: nothing past the tensor is read).
 fn in_place<'a>(
     x: &'a [bf16],
-    src: &super::super::Src<'_>,
+    src: &super::super::load_tile::Src<'_>,
     dim: usize,
     rows_whole: bool,
 ) -> Option<(&'a [u32], usize)> {

@@ -27,16 +27,22 @@
 #[cfg(target_arch = "x86_64")]
 mod bf16;
 
+use super::isa::{isa_entry, Isa};
 use super::live_blocks::{LiveBlocks, SB};
+use super::load_tile::{load_transposed, rows, Src};
 use super::mask_partial_tile::mask_partial_row;
+use super::prepare::Prep;
+use super::schedule::{run_items, Geometry, Order};
 use super::simd::{self, Simd};
 use super::tile_matmul::{gemm, product, round_up, RB};
 use super::workspace::{grown, Rest};
-use super::{isa_entry, load_transposed, rows, run_items, Geometry, Isa, Order, Out, Prep, Src};
-use crate::{AttnOptions, Dims, GradInputs, GradOut};
+use crate::args::{GradInputs, GradOut};
+use crate::options::AttnOptions;
+use crate::validate::Dims;
+use crate::views::OutData as Out;
 use rayon::prelude::*;
 use tessera_core::tensor::ViewData;
-use tessera_core::{Error, Result};
+use tessera_core::{DType, Error, Result};
 use tessera_plan::Plan;
 
 /// Upper bound on the dQ scratch of one round, in f32 elements (exceeded only to give every
@@ -103,6 +109,17 @@ pub(crate) fn shared_floats(plan: &Plan, d: &Dims, g: &Geometry, threads: usize)
     let max_slots = rounds.iter().map(|r| r.slots).max().unwrap_or(0);
     let split = rounds.iter().flat_map(|r| &r.parts).count() > d.batch * d.heads_kv;
     bh * d.q_len + max_slots * sz + if split { bh * plan.q_tiles * sz } else { 0 } + threads * sz
+}
+
+/// Bytes of workspace a backward of `d` over `plan` on `threads` threads uses.
+pub(crate) fn backward_bytes(isa: Isa, plan: &Plan, d: &Dims, threads: usize) -> usize {
+    let g = Geometry::new(plan, d);
+    let per_worker = if isa == Isa::Avx512Bf16 && d.dtype == DType::BF16 {
+        ws_floats(&g, d).max(bf16_ws_floats(&g, d))
+    } else {
+        ws_floats(&g, d)
+    };
+    4 * (threads * per_worker + shared_floats(plan, d, &g, threads))
 }
 
 impl BwdWs {
@@ -440,8 +457,10 @@ fn reduce_item<S: Simd>(cx: &BwdCtx<'_>, acc: &mut [f32], it: RedItem<'_>) {
 
 #[cfg(test)]
 thread_local! {
-    /// Test override of [`SCRATCH_FLOATS`] for calls made from this thread.
-    static TEST_BOUND: std::cell::Cell<Option<usize>> = const { std::cell::Cell::new(None) };
+    /// Test override of [`SCRATCH_FLOATS`] for calls made from this thread (set by the
+    /// round-split test in `cpu::backend`, which needs whole backend calls).
+    pub(super) static TEST_BOUND: std::cell::Cell<Option<usize>> =
+        const { std::cell::Cell::new(None) };
 }
 
 /// The round bound in f32 elements.
@@ -455,7 +474,7 @@ fn scratch_bound() -> usize {
 
 /// A round of the dK/dV pass: `(pair, kt0, kt1)` parts (kv tiles `kt0..kt1` of (batch, kv head)
 /// pair `pair`), in (pair, kv tile) order, and the dQ slots they need.
-struct Round {
+pub(super) struct Round {
     parts: Vec<(usize, usize, usize)>,
     slots: usize,
 }
@@ -463,7 +482,7 @@ struct Round {
 /// Splits the (pair, kv tile) sequence into rounds whose dQ slots fit [`SCRATCH_FLOATS`], each
 /// round holding at least two items per thread when the sequence has them (so both cores stay
 /// busy even when single kv tiles have long columns; a round may then exceed the bound).
-fn rounds(plan: &Plan, d: &Dims, sz: usize, threads: usize) -> Vec<Round> {
+pub(super) fn rounds(plan: &Plan, d: &Dims, sz: usize, threads: usize) -> Vec<Round> {
     let (hkv, grp) = (d.heads_kv, d.group());
     let min_items = 2 * threads;
     let mut out: Vec<Round> = Vec::new();
@@ -913,93 +932,5 @@ fn store_dkv(
     for j in 0..nk {
         dk_out.store(j * dqk, &dk[j * dqkp..j * dqkp + dqk], cx.scale);
         dv_out.store(j * d_v, &dv[j * dvp..j * dvp + d_v], 1.0);
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::cpu::CpuBackend;
-    use crate::{AttnInputs, Backend};
-    use tessera_core::DType;
-    use tessera_core::Tensor;
-    use tessera_mask::Mask;
-    use tessera_plan::{build_plan, PlanShape, TileShape};
-
-    fn tensor(dt: DType, shape: Vec<usize>, seed: u32) -> Tensor {
-        let n: usize = shape.iter().product();
-        // Deterministic, nonzero, varied values.
-        let v: Vec<f32> = (0..n)
-            .map(|i| {
-                let x = (i as u32)
-                    .wrapping_mul(2_654_435_761)
-                    .wrapping_add(seed * 97);
-                ((x >> 8) % 2001) as f32 / 1000.0 - 1.0005
-            })
-            .collect();
-        match dt {
-            DType::BF16 => {
-                Tensor::from_bf16(shape, v.into_iter().map(half::bf16::from_f32).collect())
-            }
-            _ => Tensor::from_f32(shape, v),
-        }
-        .expect("tensor")
-    }
-
-    /// Splitting the kv tiles into many rounds (tiny scratch bound) gives bit-identical
-    /// gradients to the single-round run, on every kernel copy here and both dtypes.
-    #[test]
-    fn rounds_do_not_change_results() {
-        let mask = (Mask::causal() & !Mask::window(40, 0)) | Mask::prefix(5) | Mask::chunk(64);
-        let (b, hq, hkv, l, dim) = (2, 4, 2, 300, 24);
-        let shape = PlanShape::new(b, hq, l, l).expect("shape");
-        let plan = std::sync::Arc::new(
-            build_plan(&mask, shape, TileShape { q: 32, kv: 32 }).expect("plan"),
-        );
-        for dt in [DType::F32, DType::BF16] {
-            let q = tensor(dt, vec![b, hq, l, dim], 1);
-            let k = tensor(dt, vec![b, hkv, l, dim], 2);
-            let v = tensor(dt, vec![b, hkv, l, dim], 3);
-            let d_o = tensor(dt, vec![b, hq, l, dim], 4);
-            for isa in [Isa::Portable, Isa::Avx512, Isa::Avx512Bf16] {
-                let Ok(be) = CpuBackend::with_isa(isa) else {
-                    continue;
-                };
-                let opts = AttnOptions::default();
-                let inputs = AttnInputs::contiguous(q.view(), k.view(), v.view()).expect("inputs");
-                let f = be.forward(&inputs, &plan, &opts).expect("fwd");
-                let grads = GradInputs::contiguous(inputs, f.o.view(), f.lse.view(), d_o.view())
-                    .expect("grad inputs");
-                let run = || be.backward(&grads, &plan, &opts).expect("bwd");
-                let whole = run();
-                let d = Dims {
-                    batch: b,
-                    heads_q: hq,
-                    heads_kv: hkv,
-                    q_len: l,
-                    kv_len: l,
-                    d_qk: dim,
-                    d_v: dim,
-                    dtype: dt,
-                };
-                let sz = Geometry::new(&plan, &d).tq * Geometry::new(&plan, &d).dqkp;
-                let threads = rayon::current_num_threads();
-                assert_eq!(rounds(&plan, &d, sz, threads).len(), 1);
-                TEST_BOUND.with(|c| c.set(Some(1)));
-                assert!(rounds(&plan, &d, sz, threads).len() > 4);
-                let split = run();
-                TEST_BOUND.with(|c| c.set(None));
-                for (a, c) in [
-                    (&whole.dq, &split.dq),
-                    (&whole.dk, &split.dk),
-                    (&whole.dv, &split.dv),
-                ] {
-                    let (a, c) = (a.to_f32_vec().expect("a"), c.to_f32_vec().expect("c"));
-                    assert!(a.iter().all(|x| x.is_finite()));
-                    let same = a.iter().zip(&c).all(|(x, y)| x.to_bits() == y.to_bits());
-                    assert!(same, "{isa:?} {dt}: split rounds changed the gradients");
-                }
-            }
-        }
     }
 }

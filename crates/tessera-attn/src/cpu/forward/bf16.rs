@@ -32,15 +32,15 @@ pub(crate) use imp::{item, run, Ctx};
 
 #[cfg(not(target_arch = "x86_64"))]
 pub(crate) fn run(
-    prep: crate::cpu::Prep<'_>,
-    d: &crate::Dims,
-    inputs: &crate::AttnInputs<'_>,
-    options: &crate::AttnOptions,
-    out: crate::ForwardOut<'_>,
-    rest: crate::cpu::Rest<'_>,
+    prep: crate::cpu::prepare::Prep<'_>,
+    d: &crate::validate::Dims,
+    inputs: &crate::args::AttnInputs<'_>,
+    options: &crate::options::AttnOptions,
+    out: crate::args::ForwardOut<'_>,
+    rest: crate::cpu::workspace::Rest<'_>,
 ) -> tessera_core::Result<()> {
     crate::cpu::forward::run(
-        crate::cpu::Isa::Portable,
+        crate::cpu::isa::Isa::Portable,
         prep,
         d,
         inputs,
@@ -51,7 +51,7 @@ pub(crate) fn run(
 }
 
 /// `u32` words of packed K and V a bf16 forward of `d` keeps in the workspace.
-pub(crate) fn pack_words(plan: &tessera_plan::Plan, d: &crate::Dims) -> usize {
+pub(crate) fn pack_words(plan: &tessera_plan::Plan, d: &crate::validate::Dims) -> usize {
     let tkp = crate::cpu::tile_matmul::round_up(plan.tile.kv, 16);
     let blocks = d.batch * d.heads_kv * plan.kv_tiles;
     blocks * (tkp * d.d_qk.div_ceil(2) + tkp / 2 * crate::cpu::tile_matmul::round_up(d.d_v, 16))
@@ -59,20 +59,24 @@ pub(crate) fn pack_words(plan: &tessera_plan::Plan, d: &crate::Dims) -> usize {
 
 #[cfg(target_arch = "x86_64")]
 mod imp {
+    use crate::args::{AttnInputs, ForwardOut};
     use crate::cpu::column_softmax::{self, TileLive};
     use crate::cpu::forward::{self, NoTelemetry, TileObserver};
+    use crate::cpu::isa::Isa;
     use crate::cpu::live_blocks::LiveBlocks;
     use crate::cpu::load_tile::transpose16_words;
+    use crate::cpu::load_tile::Src;
     use crate::cpu::mask_partial_tile::{mask_partial_row, MasksT};
     use crate::cpu::online_softmax::{self, column_max, finish_row};
+    use crate::cpu::prepare::Prep;
     use crate::cpu::simd::{self, Avx512, Simd};
     use crate::cpu::tile_matmul::{round_up, RB};
     use crate::cpu::tile_matmul_bf16::{
         dot_gemm, dot_gemm_acc_groups, dot_gemm_masked_max, pair, round_bits,
     };
     use crate::cpu::workspace::{grown, Bufs, Rest};
-    use crate::cpu::{Isa, Prep, Src};
-    use crate::{AttnInputs, AttnOptions, Dims, ForwardOut};
+    use crate::options::AttnOptions;
+    use crate::validate::Dims;
     use half::bf16;
     use std::arch::x86_64::*;
     use std::marker::PhantomData;

@@ -15,21 +15,26 @@
 
 #[cfg(target_arch = "x86_64")]
 use super::column_softmax;
+use super::isa::{isa_entry, Isa};
 use super::live_blocks::{LiveBlocks, SB};
 use super::load_tile::prefetch_rows;
+use super::load_tile::{load_transposed, rows, Src};
 use super::mask_partial_tile::{mask_partial_row, MasksT};
 use super::online_softmax::{self, column_max, finish_row};
+use super::prepare::Prep;
+use super::schedule::{f32_pieces, run_items, Geometry, Order};
 use super::simd::{self, Simd};
 use super::tile_matmul::{gemm, gemm_colmax, product, round_up, RB};
 use super::workspace::{grown, Rest, WsPool};
-use super::{
-    f32_pieces, isa_entry, load_transposed, rows, run_items, Geometry, Isa, Order, Out, Prep, Src,
-};
-use crate::{AttnInputs, AttnOptions, Dims, ForwardOut};
+use crate::args::{AttnInputs, ForwardOut};
+use crate::options::AttnOptions;
+use crate::validate::Dims;
+use crate::views::OutData as Out;
 use tessera_core::Result;
 use tessera_plan::Plan;
 
 pub(crate) mod bf16;
+pub(crate) mod select;
 pub(crate) mod telemetry;
 
 const NEG_INF: f32 = f32::NEG_INFINITY;

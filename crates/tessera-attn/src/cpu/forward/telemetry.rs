@@ -1,7 +1,7 @@
 //! The telemetry variant of the forward kernel (SPEC §6, sink stream).
 //!
 //! The item kernel the plain forward would run (`forward::item_with`, or `forward::bf16::item` where
-//! `CpuBackend::forward` picks the AVX512-BF16 bf16 kernel), instantiated with [`TelObserver`]
+//! `forward::select` picks the AVX512-BF16 bf16 kernel), instantiated with [`TelObserver`]
 //! instead of `NoTelemetry`, so a logging step runs one kernel and its O, LSE and max_logit are
 //! bit-identical to the plain forward. Per query row the observer keeps, relative to the kernel's
 //! running max `m`, the online sums of `tessera_telemetry::RowSums`:
@@ -28,15 +28,21 @@
 //! which its observed copy writes over each key's logits, one extra pass per key pair that the
 //! production copy skips (`TileObserver::OBSERVES`).
 
+use crate::args::{AttnInputs, ForwardOut, TelemetryInput};
 #[cfg(target_arch = "x86_64")]
 use crate::cpu::forward::bf16;
+use crate::cpu::forward::select;
 use crate::cpu::forward::{self, FwdCtx, FwdItem, FwdWs, TileObserver};
+use crate::cpu::isa::{isa_entry, runs_bf16_kernel, Isa};
+use crate::cpu::prepare::Prep;
+use crate::cpu::schedule::Geometry;
 use crate::cpu::simd::Simd;
 #[cfg(target_arch = "x86_64")]
 use crate::cpu::workspace::Bufs;
 use crate::cpu::workspace::{Rest, WsPool};
-use crate::cpu::{isa_entry, CpuBackend, Geometry, Isa, Prep};
-use crate::{AttnInputs, AttnOptions, Dims, ForwardOut, OutData, TelemetryInput};
+use crate::options::AttnOptions;
+use crate::validate::Dims;
+use crate::views::OutData;
 use rayon::prelude::*;
 use std::sync::Mutex;
 use std::time::Instant;
@@ -189,7 +195,7 @@ fn item<S: Simd>(cx: &FwdCtx<'_>, ws: &mut FwdWs, mut it: FwdItem<'_>, obs: &mut
     forward::item_with::<S, TelObserver<'_>>(cx, ws, &mut it, obs, cx.exact);
 }
 
-/// The hooked forward: the kernel the plain forward would run (`CpuBackend::forward`'s dispatch),
+/// The hooked forward: the kernel the plain forward would run (`forward::select::run`),
 /// instantiated with [`TelObserver`]; writes the outputs and returns one sink-stream accumulator
 /// per query head. `sink_flags` is `[B, Lkv]` (checked by the caller).
 #[allow(clippy::too_many_arguments)]
@@ -205,7 +211,7 @@ fn run(
 ) -> Result<Vec<HeadAccum>> {
     let Rest { items, bufs } = rest;
     #[cfg(target_arch = "x86_64")]
-    if crate::cpu::runs_bf16_kernel(isa, d.dtype) {
+    if runs_bf16_kernel(isa, d.dtype) {
         let Bufs {
             kpack,
             vpack,
@@ -294,10 +300,10 @@ fn observed<W: std::any::Any + Send>(
 }
 
 /// [`Backend::forward_with_telemetry_into`](crate::Backend::forward_with_telemetry_into) of the
-/// CPU backend (inputs, outputs and `tel` already checked).
+/// CPU backend on kernel copy `isa` (inputs, outputs and `tel` already checked).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn forward(
-    be: &CpuBackend,
+    isa: Isa,
     prep: Prep<'_>,
     d: &Dims,
     inputs: &AttnInputs<'_>,
@@ -319,16 +325,7 @@ pub(crate) fn forward(
     };
     if tel.streams.sink {
         let start = Instant::now();
-        let heads = run(
-            be.isa(),
-            prep,
-            d,
-            inputs,
-            options,
-            tel.sink_flags,
-            out,
-            rest,
-        )?;
+        let heads = run(isa, prep, d, inputs, options, tel.sink_flags, out, rest)?;
         metrics::record_kernel(
             &format!("cpu.forward.telemetry.{}", d.dtype),
             start.elapsed(),
@@ -337,7 +334,7 @@ pub(crate) fn forward(
             acc.merge(h);
         }
     } else {
-        crate::cpu::dispatch_forward(be.isa(), prep, d, inputs, options, out, rest)?;
+        select::run(isa, prep, d, inputs, options, out, rest)?;
     }
     let shape = [d.batch, d.heads_q];
     summary.absorb_max_logit(&TensorView::new(&shape, ViewData::F32(max_logit))?)?;
