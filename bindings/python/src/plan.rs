@@ -388,8 +388,8 @@ impl PyPlan {
         Ok(d)
     }
 
-    /// The BlockMask tables in two arrays (one conversion each, then views):
-    /// - int32, back to back: `kv_num_blocks`, `kv_indices`, `full_kv_num_blocks`,
+    /// What a `BlockMask` is built from, with no copy of the tables:
+    /// - nine int32 arrays, flat: `kv_num_blocks`, `kv_indices`, `full_kv_num_blocks`,
     ///   `full_kv_indices`, `q_num_blocks`, `q_indices`, `full_q_num_blocks`, `full_q_indices`
     ///   (shapes as in `_flex_arrays`), then `[B', H', nq, nk]` block codes: 0 for an empty
     ///   tile, 1 for a full one, `2 + i` for partial block `i`;
@@ -406,7 +406,7 @@ impl PyPlan {
         per_tile: usize,
         max_floor: usize,
     ) -> PyResult<(
-        Bound<'py, PyArray1<i32>>,
+        Vec<Bound<'py, PyArray1<i32>>>,
         Bound<'py, PyAny>,
         (usize, usize, usize, usize, usize, usize, usize, usize),
     )> {
@@ -417,30 +417,30 @@ impl PyPlan {
         let (bg, hg) = f.groups;
         let (nq, nk) = f.blocks;
         let (tq, tk) = f.block_size;
-        let cells = bg * hg * nq * nk;
-        let mut flat: Vec<i32> = Vec::with_capacity(5 * cells + 4 * bg * hg * (nq + nk));
-        for part in [
-            &f.kv_num_blocks,
-            &f.kv_indices,
-            &f.full_kv_num_blocks,
-            &f.full_kv_indices,
-            &f.q_num_blocks,
-            &f.q_indices,
-            &f.full_q_num_blocks,
-            &f.full_q_indices,
-        ] {
-            flat.extend_from_slice(part);
-        }
-        flat.extend(
-            f.mask_tile_states
-                .iter()
-                .zip(&f.mask_block_ids)
-                .map(|(&st, &id)| match st {
-                    0 => 0,
-                    2 => 1,
-                    _ => id.saturating_add(2),
-                }),
-        );
+        let codes: Vec<i32> = f
+            .mask_tile_states
+            .iter()
+            .zip(&f.mask_block_ids)
+            .map(|(&st, &id)| match st {
+                0 => 0,
+                2 => 1,
+                _ => id.saturating_add(2),
+            })
+            .collect();
+        let tables = [
+            f.kv_num_blocks,
+            f.kv_indices,
+            f.full_kv_num_blocks,
+            f.full_kv_indices,
+            f.q_num_blocks,
+            f.q_indices,
+            f.full_q_num_blocks,
+            f.full_q_indices,
+            codes,
+        ]
+        .into_iter()
+        .map(|v| v.into_pyarray(py))
+        .collect();
         let row = tq * tk.div_ceil(64);
         let n = bits.len() / row.max(1);
         let floor = per_tile
@@ -460,7 +460,7 @@ impl PyPlan {
             .reshape([capacity, tq, tk.div_ceil(64)])?
             .into_any();
         Ok((
-            flat.into_pyarray(py),
+            tables,
             padded,
             (bg, hg, nq, nk, tq, tk, f.shape[2], f.shape[3]),
         ))

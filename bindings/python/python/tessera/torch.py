@@ -388,25 +388,19 @@ def to_flex_block_mask(plan: Plan, device: Any = "cpu"):
     # kv tile and (batch, head) group, at most 2^14 blocks: 32 MiB at 128-token tiles; then the
     # next power of two), so that plans of the same shapes whose partial counts differ a little
     # share one compiled kernel.
-    flat, bits, (bg, hg, nq, nk, tq, tk, lq, lkv) = plan._p._flex_tables(2, 1 << 14)
-    g = bg * hg
-    sizes = (g * nq, g * nq * nk, g * nq, g * nq * nk, g * nk, g * nk * nq, g * nk, g * nk * nq)
+    arrays, bits, (bg, hg, nq, nk, tq, tk, lq, lkv) = plan._p._flex_tables(2, 1 << 14)
     shapes = ((bg, hg, nq), (bg, hg, nq, nk)) * 2 + ((bg, hg, nk), (bg, hg, nk, nq)) * 2
     shapes += ((bg, hg, nq, nk),)
     if dev.type == "cpu":
-        # numpy views made tensors: cheaper than torch view ops on CPU
-        tables, at = [], 0
-        for n, s in zip(sizes, shapes):
-            tables.append(torch.from_numpy(flat[at : at + n].reshape(s)))
-            at += n
-        codes = torch.from_numpy(flat[at:].reshape(shapes[8]))
+        tables = [torch.from_numpy(a.reshape(s)) for a, s in zip(arrays, shapes)]
         bits = torch.from_numpy(bits)
     else:
-        # one copy to the device, then views
-        parts = torch.split(torch.from_numpy(flat).to(dev), sizes + (g * nq * nk,))
-        tables = [p.view(s) for p, s in zip(parts[:8], shapes)]
-        codes = parts[8].view(shapes[8])
+        # one copy of the tables to the device, then views
+        flat = torch.from_numpy(np.concatenate(arrays)).to(dev)
+        parts = torch.split(flat, [a.size for a in arrays])
+        tables = [p.view(s) for p, s in zip(parts, shapes)]
         bits = torch.from_numpy(bits).to(dev)
+    codes = tables.pop()
 
     def mask_mod(b, h, q_idx, kv_idx):
         # The tile's code picks its bit block (0 empty, 1 full, else its partial block); bit
