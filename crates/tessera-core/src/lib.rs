@@ -2,7 +2,7 @@
 //!
 //! Contract: every other crate reports failures through [`Error`], stores tensors as [`Tensor`]
 //! (row-major, contiguous, f32 or bf16 or integer storage), records counters in [`metrics`] and
-//! finds its per-user cache directory with [`cache_dir`] and writes digests as text with [`hex`].
+//! finds its per-user cache directory with [`cache_dir`] and writes digests as text with [`hex()`](fn@hex).
 //! Nothing here knows about masks, plans or kernels.
 //!
 //! ```
