@@ -116,7 +116,7 @@ def worker(rank, world, port, args, out):
     import timeit
 
     from tessera import _int_arg
-    from tessera._telemetry import Telemetry
+    from tessera.torch.telemetry import Telemetry
 
     def quiet_extra():
         for i in range(len(layers)):

@@ -6,7 +6,7 @@
 //!   `jax.ffi.register_ffi_target` as a PyCapsule ([`ffi_targets`]): `tessera_attention_fwd`,
 //!   `tessera_attention_fwd_logged` (the forward plus the telemetry summary) and
 //!   `tessera_attention_bwd`. The operand and result order, attribute names and layouts are
-//!   those `tessera/jax.py` declares; each handler checks them and reports a mismatch as an
+//!   those `tessera/engines/native_xla.py` declares; each handler checks them and reports a mismatch as an
 //!   error, never by reading out of bounds.
 //! - The plan travels as a traced `int64` scalar operand: a handle issued by [`ffi_register`]
 //!   (random 63-bit values, so a forged or stale handle names no plan). The registry holds the

@@ -2,8 +2,9 @@
 //!
 //! Contract: every function checks its arguments and raises `ValueError`/`TypeError` naming the
 //! argument (never panics); planning, packing, exporting and the attention kernels release the
-//! GIL. The pure-Python layer (`tessera/__init__.py`, `tessera/torch.py`, `tessera/jax.py`)
-//! builds the user API on top.
+//! GIL. The pure-Python layer builds the user API on top: `tessera/core/` (masks, plans,
+//! shardings), `tessera/engines/` (this module's kernels as torch ops and XLA FFI calls,
+//! FlexAttention, Splash) and the frontends `tessera.torch`, `tessera.jax`, `tessera.cp`.
 
 mod attention;
 mod errors;

@@ -23,7 +23,7 @@ def run(rank: int, world: int, port: int, case_file: str, out_dir: str) -> None:
 
     import tessera
     import tessera.cp
-    from tessera import _flex
+    from tessera.engines import flex as _flex
 
     torch.set_num_threads(1)
     results = {"cases": [], "errors": {}}

@@ -22,7 +22,8 @@ pytest.importorskip("torch.nn.attention.flex_attention")
 import tessera  # noqa: E402
 import tessera.cp  # noqa: E402
 import tessera.torch as tt  # noqa: E402
-from tessera import _flex  # noqa: E402
+from tessera.core.plans import _kv_positions, _runs  # noqa: E402
+from tessera.engines import flex as _flex  # noqa: E402
 from conftest import causal, document, packed_ids, prefix, ref_attention, rel, window  # noqa: E402
 from test_torch_attention import _cases as attention_cases  # noqa: E402
 from test_torch_attention import _make  # noqa: E402
@@ -478,7 +479,7 @@ def test_key_side_documents_survive_with_the_plan():
     plan = tessera.plan(tessera.mask("causal & document", segments=ids), q_len=100, block=32)
     for i in range(300):  # other masks made meanwhile change nothing: the ids live in the plan
         tessera.document(np.full(10, i))
-    pos = tessera._kv_positions(tessera._runs(plan.kv_segments()))
+    pos = _kv_positions(_runs(plan.kv_segments()))
     want = np.full(ids.shape, -1)
     for b in range(2):
         start = 0

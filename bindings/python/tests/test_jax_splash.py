@@ -1,4 +1,4 @@
-"""The Splash route of `tessera.jax.attention` (`tessera._splash`, SPEC §4 and §12), with the Splash
+"""The Splash route of `tessera.jax.attention` (`tessera.jax.splash`, SPEC §4 and §12), with the Splash
 kernels in Pallas interpret mode on CPU:
 
 - forward O and LSE, and the gradients of q, k, v, sinks and of a loss that uses the LSE, under
@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("jax.experimental.pallas.ops.tpu.splash_attention.splash_attention_kernel")
 
 import tessera  # noqa: E402
-from tessera._splash import SplashInfo, splash_attention, splash_info  # noqa: E402
+from tessera.jax.splash import SplashInfo, splash_attention, splash_info  # noqa: E402
 from conftest import (  # noqa: E402
     brute_states,
     causal,

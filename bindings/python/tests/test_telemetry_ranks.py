@@ -17,6 +17,7 @@ import torch
 import tessera
 import tessera.cp
 import tessera.torch as tt
+from tessera.engines.native_torch import _np
 from conftest import launch_ranks, packed_ids
 
 SCHEMES = tessera.cp.SCHEMES
@@ -306,7 +307,7 @@ def test_sink_flags_of_a_local_plan_must_be_given():
         _tessera.telemetry_sink_flags(lp._p, 1, 1)
     q = torch.randn(1, 1, L // 2, 8)
     kv = torch.randn(1, 1, L, 8)
-    args = [tessera.torch._np(x) for x in (q, kv, kv)]
+    args = [_np(x) for x in (q, kv, kv)]
     o, lse, ml = np.zeros((1, 1, L // 2, 8), np.float32), np.zeros((1, 1, L // 2), np.float32), np.zeros((1, 1), np.float32)
     stats = np.zeros((1, _tessera.TELEMETRY_COLUMNS))
     with pytest.raises(ValueError, match="sink_flags"):

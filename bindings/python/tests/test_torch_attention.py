@@ -15,6 +15,7 @@ torch = pytest.importorskip("torch")
 
 import tessera  # noqa: E402
 import tessera.torch as tt  # noqa: E402
+from tessera.engines.native_torch import _handle  # noqa: E402
 from conftest import (  # noqa: E402
     causal,
     chunk,
@@ -409,7 +410,7 @@ def test_gradcheck_small_case(softcap, use_sinks):
 
 def test_opcheck_forward_backward_and_logged_ops():
     plan = tessera.plan(tessera.causal() & tessera.document([0] * 20 + [1] * 20), q_len=40, heads=2, block=16)
-    h = tt._handle(plan)
+    h = _handle(plan)
     assert h.dtype == torch.int64 and h.dim() == 0
     q, k, v = (torch.randn(1, 2, 40, 8, requires_grad=True) for _ in range(3))
     sinks = torch.randn(2, requires_grad=True)

@@ -22,111 +22,44 @@ and mask the padded labels.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+import contextlib
+from typing import Any, Optional
 
 import numpy as np
+import torch
 
-from . import Plan, _int_arg, _tessera
+from . import _tessera
+from .core import sharding as _core
+from .core.args import _int_arg
+from .core.plans import Plan
+from .core.sharding import MODES, SCHEMES, _check_len, _mode, doc_mix, simulate
+from .engines import flex as _flex
+from .engines.native_torch import _handle, _np
+from .engines.torch_dist import (
+    _check_group,
+    _collective,
+    _exchange_kv,
+    _local_sink_flags,
+    _return_grads,
+    _verify,
+    comm_device,
+)
+from .torch.op import _check, _scale_softcap
+from .torch.telemetry import Telemetry, _CPPart
+
 
 __all__ = ["Sharding", "shard", "attention", "simulate", "doc_mix", "SCHEMES", "MODES"]
 
-SCHEMES = ("contiguous", "zigzag", "perdoc_zigzag", "balanced")
-MODES = ("allgather", "needed")
 
-
-class Sharding:
-    """Which tokens each rank owns, what its rows cost, which K/V tiles it needs from whom.
+class Sharding(_core.Sharding):
+    """Which tokens each rank owns, what its rows cost, which K/V tiles it needs from whom
+    (:class:`tessera.core.sharding.Sharding`), with the helpers that move torch tensors between
+    whole rows and ranks (``index``, ``scatter``, ``gather`` over ``torch.distributed``).
 
     Made by :func:`shard`; a deterministic function of the plan, so every rank computes the same
     one. Rank ``r`` owns ``tokens_per_rank`` positions, ``positions(r)``, in ascending order."""
 
-    def __init__(self, native: Any, plan: Plan) -> None:
-        self._s = native
-        self.plan = plan
-        self._local: Dict[Tuple[int, str], Plan] = {}
-        self._routes: Dict[Tuple[int, str], Any] = {}
-        self._sink_flags: Dict[Tuple[int, str, int, int], Any] = {}
-        # ids of the groups whose ranks were checked to hold the same sharding (None: world)
-        self._verified: set = set()
-
-    # -- what it is ------------------------------------------------------------------------------
-    @property
-    def scheme(self) -> str:
-        return self._s.scheme
-
-    @property
-    def world_size(self) -> int:
-        return self._s.world_size
-
-    @property
-    def block(self) -> int:
-        """Tile side in tokens (tokens move between ranks in whole tiles)."""
-        return self._s.tile
-
-    @property
-    def tokens_per_rank(self) -> int:
-        return self._s.tokens_per_rank
-
-    @property
-    def fingerprint(self) -> str:
-        """Hex digest of the plan contract, scheme, world size and assignment."""
-        return self._s.fingerprint
-
-    @property
-    def costs(self) -> List[Dict[str, Any]]:
-        """Per rank: ``pairs``, ``full_tiles``, ``partial_tiles``, ``forward_cost``,
-        ``backward_cost`` (one full tile = 1), ``kv_tiles_needed``, ``kv_tiles_remote``."""
-        return self._s.costs
-
-    def imbalance(self) -> float:
-        """Largest over mean per-rank modelled cost (1.0 is perfect balance)."""
-        return self._s.imbalance()
-
-    def owned(self, rank: int) -> np.ndarray:
-        """The q tiles ``rank`` owns (global tile ids, ascending)."""
-        return self._s.owned(self._rank(rank))
-
-    def positions(self, rank: int) -> np.ndarray:
-        """``rank``'s token positions in its local order (int64 ``[tokens_per_rank]``)."""
-        return self._s.positions(self._rank(rank))
-
-    def permutation(self) -> np.ndarray:
-        """Every rank's positions, rank after rank (``x[..., perm]`` is the sharded order)."""
-        return self._s.permutation()
-
-    def needed(self, rank: int) -> List[np.ndarray]:
-        """``needed(rank)[src]``: the K/V tiles ``rank``'s rows touch that ``src`` owns."""
-        return self._s.needed(self._rank(rank))
-
-    def clusters(self) -> np.ndarray:
-        """``int64 [n, 2]`` tile ranges whose rows reach only each other (documents)."""
-        return self._s.clusters()
-
-    def local_plan(self, rank: int, mode: str = "allgather") -> Plan:
-        """``rank``'s plan: its rows of the global plan against its local K/V in ``mode`` (all
-        tiles in sharded order, or only the needed ones). Cached."""
-        _mode(mode)
-        key = (self._rank(rank), mode)
-        p = self._local.get(key)
-        if p is None:
-            p = Plan(self._s.local_plan(key[0], mode))
-            self._local[key] = p
-        return p
-
-    def local_kv_tiles(self, rank: int, mode: str = "allgather") -> np.ndarray:
-        """The global K/V tiles of ``rank``'s local K/V in ``mode``, in local order."""
-        return self._s.local_kv_tiles(self._rank(rank), _mode(mode))
-
-    def __repr__(self) -> str:
-        return (
-            f"tessera.cp.Sharding(scheme={self.scheme!r}, world_size={self.world_size}, "
-            f"tokens_per_rank={self.tokens_per_rank}, imbalance={self.imbalance():.3f})"
-        )
-
-    def _rank(self, rank: int) -> int:
-        return _int_arg("Sharding", "rank", rank, 0, self.world_size)
-
-    # -- layout helpers --------------------------------------------------------------------------
+    # -- layout helpers (torch) --------------------------------------------------------------------------
     def index(self, rank: Optional[int] = None, device: Any = None):
         """``rank``'s positions as an int64 torch tensor (default: this process's rank)."""
         import torch
@@ -175,25 +108,6 @@ class Sharding:
         return cat.index_select(dim, torch.as_tensor(inv, device=cat.device))
 
 
-def _mode(mode: str) -> str:
-    if mode not in MODES:
-        raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
-    return mode
-
-
-def _check_len(name: str, shape: Tuple[int, ...], dim: int, want: int) -> None:
-    if not -len(shape) <= dim < len(shape) or shape[dim] != want:
-        raise ValueError(f"{name}: expected length {want} at dim {dim}, got shape {shape}")
-
-
-def _this_rank(sh: Sharding, rank: Optional[int]) -> int:
-    if rank is not None:
-        return sh._rank(rank)
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        raise ValueError("rank: torch.distributed is not initialized; pass rank= explicitly")
-    return sh._rank(dist.get_rank())
 
 
 def shard(
@@ -210,184 +124,18 @@ def shard(
     fraction`` of a full one; backward ``backward`` times forward). Needs self-attention with square
     tiles and ``L`` a multiple of ``world_size · block`` (``2 · world_size · block`` for zigzag):
     a ``ValueError`` says how far to pad otherwise."""
-    if not isinstance(plan, Plan):
-        raise TypeError(f"plan: expected a tessera.Plan, got {type(plan).__name__}")
-    world_size = _int_arg("shard", "world_size", world_size, 1, 2**20)
-    if not isinstance(scheme, str):
-        raise TypeError(f"scheme: expected a str, got {type(scheme).__name__}")
-    for name, v in (("partial_overhead", partial_overhead), ("backward", backward)):
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise TypeError(f"{name}: expected a number, got {type(v).__name__}")
-    return Sharding(
-        _tessera.shard(plan._p, world_size, scheme, float(partial_overhead), float(backward)), plan
-    )
+    sh = _core.shard(plan, world_size, scheme, partial_overhead=partial_overhead, backward=backward)
+    return Sharding(sh._s, sh.plan)
 
 
-# -- distributed attention --------------------------------------------------------------------------
-
-
-def _collective(what: str, fn: Any, group: Any) -> Any:
-    """Runs a collective, turning a failure (a dead peer, a timeout) into one clear error."""
-    import torch.distributed as dist
-
-    try:
-        return fn()
-    except Exception as e:  # gloo/NCCL raise RuntimeError (or DistBackendError) on peer loss
-        rank = dist.get_rank(group) if dist.is_initialized() else -1
-        raise RuntimeError(
-            f"tessera.cp: {what} failed on rank {rank}: a peer rank died, timed out "
-            f"(the process group's timeout) or called a different collective: {e}"
-        ) from e
-
-
-def _check_group(sh: Sharding, group: Any) -> Tuple[int, int]:
+def _this_rank(sh: Sharding, rank: Optional[int]) -> int:
+    if rank is not None:
+        return sh._rank(rank)
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
-        raise ValueError("group: torch.distributed is not initialized (init_process_group first)")
-    ws = dist.get_world_size(group)
-    if ws != sh.world_size:
-        raise ValueError(f"sharding: made for world_size {sh.world_size}, but the group has {ws} ranks")
-    return dist.get_rank(group), ws
-
-
-def _verify(sh: Sharding, group: Any, device: Any) -> None:
-    """Every rank compares fingerprints once per (sharding, group): a rank that sharded a different
-    plan (or scheme) raises on every rank, before any exchange could hang or mix data."""
-    import torch
-    import torch.distributed as dist
-
-    key = None if group is None else id(group)
-    if key in sh._verified:
-        return
-    words = np.frombuffer(bytes.fromhex(sh.fingerprint), dtype=np.int64).copy()
-    mine = torch.as_tensor(words, device=device)
-    got = [torch.empty_like(mine) for _ in range(sh.world_size)]
-    _collective("the sharding fingerprint exchange", lambda: dist.all_gather(got, mine, group=group), group)
-    bad = [r for r, g in enumerate(got) if not torch.equal(g.cpu(), mine.cpu())]
-    if bad:
-        raise ValueError(
-            f"sharding: ranks {bad} sharded a different plan, scheme or world size than rank "
-            f"{dist.get_rank(group)} (fingerprint {sh.fingerprint[:16]}...): every rank must "
-            "shard the same plan"
-        )
-    sh._verified.add(key)
-
-
-def _routes(sh: Sharding, rank: int, mode: str):
-    """For ``needed`` mode: the local rows this rank sends to each rank (in the receivers' order)
-    and the row counts sent / received per rank."""
-    import torch
-
-    key = (rank, mode)
-    r = sh._routes.get(key)
-    if r is not None:
-        return r
-    t = sh.block
-    owner = np.empty(sh.plan.shape[2] // t, dtype=np.int64)
-    local_of = np.empty_like(owner)
-    for s in range(sh.world_size):
-        o = sh.owned(s)
-        owner[o] = s
-        local_of[o] = np.arange(len(o))
-    send_rows, send_counts, recv_counts = [], [], []
-    mine = sh.local_kv_tiles(rank, mode)
-    for s in range(sh.world_size):
-        theirs = sh.local_kv_tiles(s, mode)
-        to_s = theirs[owner[theirs] == rank]  # tiles rank s wants from me, in its order
-        send_rows.append((local_of[to_s][:, None] * t + np.arange(t)[None, :]).reshape(-1))
-        send_counts.append(len(to_s) * t)
-        recv_counts.append(int((owner[mine] == s).sum()) * t)
-    idx = torch.as_tensor(np.concatenate(send_rows), dtype=torch.int64)
-    r = (idx, send_counts, recv_counts)
-    sh._routes[key] = r
-    return r
-
-
-def _pack(k, v):
-    """K and V ``[B, H, Lr, D]`` as one ``[Lr, B·H·(Dk + Dv)]`` buffer (one message for both)."""
-    import torch
-
-    lr = k.shape[2]
-    return torch.cat([k.permute(2, 0, 1, 3).reshape(lr, -1), v.permute(2, 0, 1, 3).reshape(lr, -1)], 1)
-
-
-def _unpack(buf, kshape, vshape):
-    """Views ``[B, H, L, D]`` of K and V in a packed buffer (unit stride in D: read in place)."""
-    b, h, _, dk = kshape
-    dv = vshape[3]
-    n = buf.shape[0]
-    nk = b * h * dk
-    k = buf[:, :nk].reshape(n, b, h, dk).permute(1, 2, 0, 3)
-    v = buf[:, nk:].reshape(n, b, h, dv).permute(1, 2, 0, 3)
-    return k, v
-
-
-def _exchange_kv(sh: Sharding, k, v, group, rank: int, mode: str):
-    import torch
-    import torch.distributed as dist
-
-    buf = _pack(k, v)
-    if mode == "allgather":
-        parts = [torch.empty_like(buf) for _ in range(sh.world_size)]
-        _collective("the K/V all-gather", lambda: dist.all_gather(parts, buf, group=group), group)
-        full = torch.cat(parts, 0)
-    else:
-        idx, send, recv = _routes(sh, rank, mode)
-        out = buf.new_empty((sum(recv), buf.shape[1]))
-        src = buf.index_select(0, idx.to(buf.device))
-        _collective(
-            "the K/V all-to-all",
-            lambda: dist.all_to_all_single(out, src, recv, send, group=group),
-            group,
-        )
-        full = out
-    return _unpack(full, k.shape, v.shape)
-
-
-def _return_grads(sh: Sharding, dk, dv, group, rank: int, mode: str, local_len: int):
-    """dK/dV of the local K/V layout back to the owners, summed there (a reduce-scatter)."""
-    import torch
-    import torch.distributed as dist
-
-    buf = _pack(dk, dv)
-    width = buf.shape[1]
-    if mode == "allgather":
-        out = buf.new_empty((sh.world_size * local_len, width))
-        _collective(
-            "the dK/dV reduce-scatter",
-            lambda: dist.all_to_all_single(out, buf.contiguous(), group=group),
-            group,
-        )
-        total = out.view(sh.world_size, local_len, width).sum(0)
-    else:
-        idx, send, recv = _routes(sh, rank, mode)
-        out = buf.new_empty((sum(send), width))
-        _collective(
-            "the dK/dV all-to-all",
-            lambda: dist.all_to_all_single(out, buf.contiguous(), send, recv, group=group),
-            group,
-        )
-        total = buf.new_zeros((local_len, width)).index_add_(0, idx.to(buf.device), out)
-    return _unpack(total, dk.shape[:2] + (local_len,) + dk.shape[3:], dv.shape[:2] + (local_len,) + dv.shape[3:])
-
-
-def _local_sink_flags(sh: Sharding, rank: int, mode: str, batch: int, sink_tokens: int):
-    """Sink-key flags ``bool [B, Lkv_local]`` of ``rank``'s local K/V in ``mode``: the flags of the
-    global row (SPEC §6: the first ``sink_tokens`` keys of each document, or of the row) at the
-    global positions of the local keys. Cached per (rank, mode, batch, sink_tokens)."""
-    import torch
-
-    key = (rank, mode, batch, sink_tokens)
-    f = sh._sink_flags.get(key)
-    if f is None:
-        flags = _tessera.telemetry_sink_flags(sh.plan._p, batch, sink_tokens)  # [B, L]
-        t = sh.block
-        tiles = sh.local_kv_tiles(rank, mode)
-        pos = (tiles[:, None] * t + np.arange(t)[None, :]).reshape(-1)
-        f = torch.from_numpy(np.ascontiguousarray(flags[:, pos]))
-        sh._sink_flags[key] = f
-    return f
+        raise ValueError("rank: torch.distributed is not initialized; pass rank= explicitly")
+    return sh._rank(dist.get_rank())
 
 
 def _logged_forward(sh, q, kl, vl, h, scale, softcap, sinks, rank, mode, group, tel, layer):
@@ -397,7 +145,6 @@ def _logged_forward(sh, q, kl, vl, h, scale, softcap, sinks, rank, mode, group, 
     spans the ranks), which gets this rank's Σ o² per slice and its candidates."""
     import torch
 
-    from ._telemetry import _CPPart
 
     cfg = tel.config
     b = q.shape[0]
@@ -408,7 +155,6 @@ def _logged_forward(sh, q, kl, vl, h, scale, softcap, sinks, rank, mode, group, 
     )
     part = None
     if cfg["outlier_stream"] and tel._groups:
-        from .torch import _np
 
         slice_len = sh.plan.shape[2] * o.shape[3]
         sq, counts, cand = _tessera.outlier_candidates(_np(o), slice_len, cfg["outlier_ratio"])
@@ -423,7 +169,6 @@ def _logged_forward(sh, q, kl, vl, h, scale, softcap, sinks, rank, mode, group, 
 def _make_function():
     import torch
 
-    from .torch import _handle
 
     class _CPAttention(torch.autograd.Function):
         @staticmethod
@@ -504,8 +249,6 @@ def attention(
     global _FN
     import torch
 
-    from . import _flex
-    from .torch import _check, _scale_softcap
 
     if not isinstance(sharding, Sharding):
         raise TypeError(f"sharding: expected a tessera.cp.Sharding, got {type(sharding).__name__}")
@@ -527,7 +270,6 @@ def attention(
            flex=eng == "flex")
     scale, softcap = _scale_softcap(q, scale, softcap)
     if telemetry is not None:
-        from ._telemetry import Telemetry
 
         if not isinstance(telemetry, Telemetry):
             raise TypeError(f"telemetry: expected a tessera.Telemetry, got {type(telemetry).__name__}")
@@ -545,9 +287,9 @@ def attention(
                 "telemetry: tessera.cp.attention on the FlexAttention engine does not log "
                 "telemetry across ranks yet; log from the Tessera engine (CPU tensors)"
             )
-    _verify(sharding, group, _flex.comm_device(q.device, group) if eng == "flex" else q.device)
+    _verify(sharding, group, comm_device(q.device, group) if eng == "flex" else q.device)
     if eng == "flex":
-        o, lse = _flex.cp_attention(q, k, v, sinks, sharding, group, rank, mode, scale, softcap)
+        o, lse = _flex_cp_attention(q, k, v, sinks, sharding, group, rank, mode, scale, softcap)
         return (o, lse) if return_lse else o
     if _FN is None:
         _FN = _make_function()
@@ -555,40 +297,72 @@ def attention(
     return (o, lse) if return_lse else o
 
 
-# -- balance and traffic model ---------------------------------------------------------------------
+def _make_cp_function():
+
+    class _CPFlex(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v, sinks, sh, group, rank, mode, scale, softcap, grad):
+            lp = sh.local_plan(rank, mode)
+            dev = q.device
+            via = comm_device(dev, group)
+            kl, vl = _exchange_kv(sh, k.detach().to(via), v.detach().to(via), group, rank, mode)
+            kl, vl = kl.to(dev), vl.to(dev)
+            bm = _flex.block_mask(lp, dev)
+            leaves = None
+            with torch.enable_grad() if grad else contextlib.nullcontext():
+                if grad:
+                    leaves = [q.detach().requires_grad_(), kl.detach().requires_grad_(),
+                              vl.detach().requires_grad_()]
+                    if sinks is not None:
+                        leaves.append(sinks.detach().requires_grad_())
+                    qa, ka, va = leaves[:3]
+                    sa = leaves[3] if sinks is not None else None
+                else:
+                    qa, ka, va, sa = q.detach(), kl, vl, None if sinks is None else sinks.detach()
+                o, lse, _ = _flex.forward(qa, ka, va, bm, scale, softcap, sa, True)
+            ctx.graph = (o, lse, leaves)
+            ctx.meta = (sh, group, rank, mode, k.shape[2], sinks is not None)
+            return o.detach(), lse.detach()
+
+        @staticmethod
+        def backward(ctx, d_o, d_lse):
+            import torch.distributed as dist
+
+            o, lse, leaves = ctx.graph
+            sh, group, rank, mode, local_len, has_sinks = ctx.meta
+            ctx.graph = None
+            outs, grads = [o], [torch.zeros_like(o) if d_o is None else d_o]
+            if d_lse is not None:
+                outs.append(lse)
+                grads.append(d_lse)
+            g = torch.autograd.grad(outs, leaves, grads, allow_unused=True)
+            g = [torch.zeros_like(x) if gx is None else gx for gx, x in zip(g, leaves)]
+            dq, dkl, dvl = g[:3]
+            dev = dq.device
+            via = comm_device(dev, group)
+            dk, dv = _return_grads(sh, dkl.to(via), dvl.to(via), group, rank, mode, local_len)
+            d_sinks = None
+            if has_sinks:
+                ds = g[3].to(via)
+                # Every rank's rows add to the sink logits' gradient: the full sum on every rank.
+                _collective("the dsinks all-reduce", lambda: dist.all_reduce(ds, group=group), group)
+                d_sinks = ds.to(dev)
+            return dq, dk.to(dev), dv.to(dev), d_sinks, None, None, None, None, None, None, None
+
+    return _CPFlex
 
 
-def doc_mix(
-    length: int, seed: int = 0, *, median: float = 1000.0, sigma: float = 1.3,
-    long_fraction: float = 0.3,
-) -> np.ndarray:
-    """Segment ids of one packed row of ``length`` tokens from the cp-sim mix: a lognormal body
-    (``median`` tokens, ``sigma``, 64..32K−1) plus ``long_fraction`` of the tokens in 32K–128K
-    documents (capped at the row), shuffled; seeded."""
-    length = _int_arg("doc_mix", "length", length, 1, 2**40)
-    seed = _int_arg("doc_mix", "seed", seed, 0, 2**64)
-    for name, v in (("median", median), ("sigma", sigma), ("long_fraction", long_fraction)):
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise TypeError(f"{name}: expected a number, got {type(v).__name__}")
-    return _tessera.doc_mix(length, seed, float(median), float(sigma), float(long_fraction))
+_CP: Any = None
 
 
-def simulate(
-    lengths: Sequence[int] = (128 * 1024, 512 * 1024, 1024 * 1024),
-    ranks: Sequence[int] = (2, 4, 8, 16, 32),
-    *,
-    seed: int = 0,
-    flops: float = 400e12,
-    link_gbps: float = 50.0,
-    heads: int = 32,
-    kv_heads: int = 8,
-    head_dim: int = 128,
-    block: int = 128,
-) -> Tuple[List[Dict[str, Any]], List[str]]:
-    """The ``tessera cp-sim`` model: for the doc-causal row of each length (:func:`doc_mix`), every
-    scheme at every world size: max/mean per-rank cost, pairs and tiles, extra tile work, K/V bytes
-    received per rank (all-gather; needed max and mean), modelled step times. Returns
-    ``(rows, assumptions)``."""
-    ls = [_int_arg("simulate", "lengths", n, 1, 2**40) for n in lengths]
-    rs = [_int_arg("simulate", "ranks", r, 1, 2**20) for r in ranks]
-    return _tessera.simulate(ls, rs, seed, float(flops), float(link_gbps), heads, kv_heads, head_dim, block)
+def _flex_cp_attention(q, k, v, sinks, sh, group, rank, mode, scale, softcap):
+    """``tessera.cp.attention`` with FlexAttention as the local kernel: the local plan's
+    BlockMask over the exchanged K/V layout; dK/dV summed on their owners, dσ all-reduced."""
+    global _CP
+    _flex.check_grad(q, k, v, "tessera.cp.attention")
+    grad = torch.is_grad_enabled() and any(
+        x is not None and x.requires_grad for x in (q, k, v, sinks)
+    )
+    if _CP is None:
+        _CP = _make_cp_function()
+    return _CP.apply(q, k, v, sinks, sh, group, rank, mode, scale, softcap, grad)

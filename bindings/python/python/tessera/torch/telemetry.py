@@ -28,7 +28,9 @@ import os
 from datetime import timedelta
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from . import _tessera
+from .. import _tessera
+from ..core.telemetry import checked_config
+
 
 # Columns of the SUM buffer per head: the stats row's sums plus two NaN flags.
 #   0 valid rows, 1 Σ sink mass, 2 Σ learned-sink mass, 3 Σ entropy, 4 Σ O², 5 O elements,
@@ -99,30 +101,6 @@ def _group_timeout(g: Any) -> timedelta:
     except Exception:
         pass
     return c10d.default_pg_timeout
-
-
-def checked_config(
-    every: Any, sink_tokens: Any, epsilon: Any, outlier_ratio: Any, streams: Sequence[str]
-) -> Tuple[int, Dict[str, Any]]:
-    """``every`` and the summary options (SPEC §6), checked (shared with ``tessera.jax``)."""
-    from . import _int_arg
-
-    every = _int_arg("Telemetry", "every", every, 0)
-    sink_tokens = _int_arg("Telemetry", "sink_tokens", sink_tokens, 0)
-    bad = [s for s in streams if s not in ("sink", "outlier")]
-    if bad:
-        raise ValueError(f"streams: unknown stream(s) {bad}; expected 'sink' and/or 'outlier'")
-    if not (0.0 <= float(epsilon) <= 1.0):
-        raise ValueError(f"epsilon: expected a value in [0, 1], got {epsilon}")
-    if not (float(outlier_ratio) >= 0.0 and float(outlier_ratio) != float("inf")):
-        raise ValueError(f"outlier_ratio: expected a finite value >= 0, got {outlier_ratio}")
-    return every, {
-        "sink_tokens": int(sink_tokens),
-        "epsilon": float(epsilon),
-        "outlier_ratio": float(outlier_ratio),
-        "sink_stream": "sink" in streams,
-        "outlier_stream": "outlier" in streams,
-    }
 
 
 class Telemetry:

@@ -36,11 +36,16 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..core.flex_tables import _key
+
+
 ENGINES = ("auto", "tessera", "flex")
+
 
 # The LSE of the scores times 2^24, divided by 2^24, is their max to within log(ties) / 2^24: the
 # max logit where FlexAttention cannot return max_scores (its CPU path).
 _MAX_BETA = float(2**24)
+
 
 _KERNEL: Optional[Callable[..., Tuple[Tensor, Optional[Tensor], Optional[Tensor]]]] = None
 
@@ -85,8 +90,6 @@ def reference_kernel(q, k, v, score_mod, block_mask, scale, *, enable_gqa, lse, 
     ln2 = math.log(2.0)
     return o, (lse2 * ln2 if lse else None), (max2 * ln2 if max_scores else None)
 
-
-reference_kernel.has_max_scores = True  # type: ignore[attr-defined]
 
 _compiled: Optional[Callable] = None
 
@@ -173,19 +176,6 @@ def check_grad(q: Tensor, k: Tensor, v: Tensor, what: str = "tessera.torch.atten
         )
 
 
-# -- per (plan, device) state -------------------------------------------------------------------
-
-
-def _key(device: Any) -> str:
-    """``"cuda:0"`` for ``"cuda"`` (the current device) and for ``q.device`` alike."""
-    dev = torch.device(device)
-    if dev.index is None and dev.type not in ("cpu", "meta"):
-        mod = getattr(torch, dev.type, None)
-        if mod is not None and hasattr(mod, "current_device"):
-            dev = torch.device(dev.type, mod.current_device())
-    return str(dev)
-
-
 def block_mask(plan: Any, device: Any):
     """The plan's ``BlockMask`` on ``device``: built on first use, then kept on the plan."""
     bm = plan._flex.get("bm", {}).get(_key(device))
@@ -196,7 +186,7 @@ def block_mask(plan: Any, device: Any):
 
 def _build_block_mask(plan: Any, device: Any):
     _wrap_builders()
-    from .torch import to_flex_block_mask
+    from ..core.flex_tables import to_flex_block_mask
 
     return to_flex_block_mask(plan, device)
 
@@ -212,7 +202,7 @@ def _sink_positions(plan: Any, device: Any) -> Tensor:
 
 def _build_positions(plan: Any, device: Any) -> Tensor:
     _wrap_builders()
-    from . import _kv_positions, _runs
+    from ..core.plans import _kv_positions, _runs
 
     if plan._p is None or plan._p.mask is None:
         raise ValueError(
@@ -236,6 +226,8 @@ _OUTSIDE = (
     "plan.to_flex_block_mask(device=...) before the compiled step (telemetry: run one logging step "
     "eagerly first), or run the first step eagerly"
 )
+
+
 _BUILDERS: Dict[str, Callable] = {}
 
 
@@ -328,7 +320,7 @@ def summary(q, k, v, o, lse, sinks, bm, scale, softcap, plan, cfg) -> Tensor:
     """The Tessera kernel's per-head telemetry row (``float64 [Hq, 9]``: valid rows, Σ sink mass,
     Σ learned-sink mass, Σ entropy, max logit, max |O|, Σ O², O elements, outliers) computed from
     FlexAttention passes, on the device. ``lse``: the LSE before the sinks."""
-    from . import _tessera
+    from .. import _tessera
 
     b, hq, lq, _ = q.shape
     dev = q.device
@@ -405,91 +397,6 @@ def summary(q, k, v, o, lse, sinks, bm, scale, softcap, plan, cfg) -> Tensor:
         stats[:, 7] = float(b * n)
         stats[:, 8] = (o32.abs() > t32[..., None, None]).sum(dim=(2, 3)).to(f64).sum(dim=0)
     return stats
-
-
-# -- context parallelism ---------------------------------------------------------------------------
-
-
-def comm_device(device: torch.device, group: Any) -> torch.device:
-    """Where a collective's tensors live: gloo exchanges host tensors (a CUDA tensor over gloo is
-    staged through the host), other backends the tensors' own device."""
-    import torch.distributed as dist
-
-    if device.type != "cpu" and dist.get_backend(group) == "gloo":
-        return torch.device("cpu")
-    return device
-
-
-def _make_cp_function():
-    from . import cp
-
-    class _CPFlex(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, q, k, v, sinks, sh, group, rank, mode, scale, softcap, grad):
-            lp = sh.local_plan(rank, mode)
-            dev = q.device
-            via = comm_device(dev, group)
-            kl, vl = cp._exchange_kv(sh, k.detach().to(via), v.detach().to(via), group, rank, mode)
-            kl, vl = kl.to(dev), vl.to(dev)
-            bm = block_mask(lp, dev)
-            leaves = None
-            with torch.enable_grad() if grad else contextlib.nullcontext():
-                if grad:
-                    leaves = [q.detach().requires_grad_(), kl.detach().requires_grad_(),
-                              vl.detach().requires_grad_()]
-                    if sinks is not None:
-                        leaves.append(sinks.detach().requires_grad_())
-                    qa, ka, va = leaves[:3]
-                    sa = leaves[3] if sinks is not None else None
-                else:
-                    qa, ka, va, sa = q.detach(), kl, vl, None if sinks is None else sinks.detach()
-                o, lse, _ = forward(qa, ka, va, bm, scale, softcap, sa, True)
-            ctx.graph = (o, lse, leaves)
-            ctx.meta = (sh, group, rank, mode, k.shape[2], sinks is not None)
-            return o.detach(), lse.detach()
-
-        @staticmethod
-        def backward(ctx, d_o, d_lse):
-            import torch.distributed as dist
-
-            o, lse, leaves = ctx.graph
-            sh, group, rank, mode, local_len, has_sinks = ctx.meta
-            ctx.graph = None
-            outs, grads = [o], [torch.zeros_like(o) if d_o is None else d_o]
-            if d_lse is not None:
-                outs.append(lse)
-                grads.append(d_lse)
-            g = torch.autograd.grad(outs, leaves, grads, allow_unused=True)
-            g = [torch.zeros_like(x) if gx is None else gx for gx, x in zip(g, leaves)]
-            dq, dkl, dvl = g[:3]
-            dev = dq.device
-            via = comm_device(dev, group)
-            dk, dv = cp._return_grads(sh, dkl.to(via), dvl.to(via), group, rank, mode, local_len)
-            d_sinks = None
-            if has_sinks:
-                ds = g[3].to(via)
-                # Every rank's rows add to the sink logits' gradient: the full sum on every rank.
-                cp._collective("the dsinks all-reduce", lambda: dist.all_reduce(ds, group=group), group)
-                d_sinks = ds.to(dev)
-            return dq, dk.to(dev), dv.to(dev), d_sinks, None, None, None, None, None, None, None
-
-    return _CPFlex
-
-
-_CP: Any = None
-
-
-def cp_attention(q, k, v, sinks, sh, group, rank, mode, scale, softcap):
-    """``tessera.cp.attention`` with FlexAttention as the local kernel: the local plan's
-    BlockMask over the exchanged K/V layout; dK/dV summed on their owners, dσ all-reduced."""
-    global _CP
-    check_grad(q, k, v, "tessera.cp.attention")
-    grad = torch.is_grad_enabled() and any(
-        x is not None and x.requires_grad for x in (q, k, v, sinks)
-    )
-    if _CP is None:
-        _CP = _make_cp_function()
-    return _CP.apply(q, k, v, sinks, sh, group, rank, mode, scale, softcap, grad)
 
 
 if "torch._dynamo" in sys.modules:

@@ -1,6 +1,6 @@
-"""Argument checks shared by the JAX routes (``tessera.jax`` and ``tessera._splash``): every
-problem is a ``TypeError``/``ValueError`` naming the argument, raised while tracing (shapes and
-dtypes are static), never inside XLA."""
+"""Argument checks shared by every frontend: each problem is a ``TypeError``/``ValueError``
+naming the argument, what was expected and what was found, raised before any kernel runs (for
+JAX: while tracing, shapes and dtypes being static). numpy only at import time."""
 
 from __future__ import annotations
 
@@ -8,6 +8,67 @@ import math
 from typing import Any, Optional, Sequence, Tuple
 
 import numpy as np
+
+
+def _int_ids(name: str, ids: Any, what: str = "segment ids") -> np.ndarray:
+    """Segment ids (or another per-token integer array, ``what``) as a contiguous int64 array
+    ``[L]`` or ``[B, L]`` (numpy, torch, lists); values outside int64 are refused, not wrapped."""
+    if hasattr(ids, "detach") and hasattr(ids, "cpu"):  # a torch tensor, on any device
+        ids = ids.detach().cpu().numpy()
+    a = np.asarray(ids)
+    if a.dtype == np.bool_ or not np.issubdtype(a.dtype, np.integer):
+        raise TypeError(f"{name}: expected an integer array of {what}, got dtype {a.dtype}")
+    if a.ndim not in (1, 2):
+        raise ValueError(f"{name}: expected {what} of shape [L] or [B, L], got {a.shape}")
+    if a.dtype == np.uint64 and a.size and int(a.max()) > np.iinfo(np.int64).max:
+        raise ValueError(f"{name}: {what} must fit in int64, got {int(a.max())}")
+    return np.ascontiguousarray(a, dtype=np.int64)
+
+
+def _bool_array(name: str, values: Any) -> np.ndarray:
+    if hasattr(values, "detach") and hasattr(values, "cpu"):
+        values = values.detach().cpu().numpy()
+    a = np.asarray(values)
+    if a.dtype != np.bool_:
+        if not np.issubdtype(a.dtype, np.integer):
+            raise TypeError(f"{name}: expected a bool (or 0/1 integer) array, got dtype {a.dtype}")
+        if a.size and (a.min() < 0 or a.max() > 1):
+            raise ValueError(f"{name}: expected only 0 and 1 in an integer mask array")
+        a = a.astype(np.bool_)
+    return np.ascontiguousarray(a)
+
+
+def _kv_tiles(name: str, kv_tiles: Any) -> np.ndarray:
+    """A block selection as a contiguous int64 array ``[B, H, Tq, k]`` (or ``[H, Tq, k]``,
+    ``[Tq, k]``) from numpy, torch (a CUDA tensor is copied to the host once) or lists."""
+    if hasattr(kv_tiles, "detach") and hasattr(kv_tiles, "cpu"):
+        kv_tiles = kv_tiles.detach().cpu().numpy()
+    a = np.asarray(kv_tiles)
+    if a.dtype == np.bool_ or not np.issubdtype(a.dtype, np.integer):
+        raise TypeError(f"{name}: expected an integer array of kv tile indices (-1 = none), got dtype {a.dtype}")
+    if a.ndim not in (2, 3, 4):
+        raise ValueError(f"{name}: expected shape [B, H, Tq, k] (or [H, Tq, k], [Tq, k]), got {tuple(a.shape)}")
+    if a.dtype.kind == "u" and a.size and int(a.max()) >= 2**31:
+        raise ValueError(f"{name}: expected kv tile indices below 2**31, found {int(a.max())}")
+    return np.ascontiguousarray(a, dtype=np.int64)
+
+
+def _block_pair(name: str, block: Any, lo: int = 1) -> Tuple[int, int]:
+    """``block`` as a ``(q, kv)`` pair of ints (an int means a square block)."""
+    pair = (block, block) if isinstance(block, (int, np.integer)) and not isinstance(block, bool) else block
+    if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+        raise TypeError(f"{name}: expected an int or a (q, kv) pair of ints, got {block!r}")
+    return (_int_arg(name, "q", pair[0], lo), _int_arg(name, "kv", pair[1], lo))
+
+
+def _int_arg(fn: str, name: str, value: Any, lo: int, hi: int = 2**62) -> int:
+    """An exact integer argument in ``[lo, hi)``: bools, floats and strings are refused."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{fn}: {name} must be an int, got {type(value).__name__} {value!r}")
+    v = int(value)
+    if not lo <= v < hi:
+        raise ValueError(f"{fn}: {name} must be in [{lo}, {hi}), got {v}")
+    return v
 
 
 def layout_name(layout: str) -> str:

@@ -1,0 +1,224 @@
+"""``tessera.jax.attention``: the JAX frontend's op. Checks the arguments, picks the route (the XLA
+FFI engine on CPU, Splash on TPU), owns the ``custom_vjp`` of the FFI route and gates telemetry on
+the traced step."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Optional, Sequence, Tuple
+
+import numpy as np
+
+from .. import _tessera
+from ..core.args import _int_arg, check_qkv, scale_softcap
+from ..engines.native_xla import _backward_call, _Cfg, _forward_call, _join
+from .plans import PlanRef, _as_ref, _register_pytrees
+from .telemetry import SUMMARY_COLUMNS, Telemetry
+from ..engines.vma import _like, _varying
+
+
+LAYOUTS = ("bhld", "blhd")
+
+
+BACKENDS = ("auto", "ffi", "splash")
+
+
+def _coverage(q, cfg: _Cfg) -> np.ndarray:
+    """A logging step's two coverage columns per head, as (hi, lo) pairs: the query rows
+    summarised (``B·Lq`` of this call) and the devices reduced (1)."""
+    b, hq, lq = (q.shape[0], q.shape[1], q.shape[2]) if cfg.layout == "bhld" else (q.shape[0], q.shape[2], q.shape[1])
+    rows = b * lq
+    hi = float(np.float32(rows))  # exact below 2**24; the lo word carries any remainder
+    return np.broadcast_to(np.array([[hi, rows - hi], [1.0, 0.0]], np.float32), (hq, 2, 2))
+
+
+def _core_impl(q, k, v, handle, sinks, step, cfg: _Cfg):
+    """O, LSE and the telemetry summary (``[0]`` without telemetry) of one call."""
+    import jax
+    import jax.numpy as jnp
+
+    if cfg.tel is None:
+        o, lse, _ = _forward_call(q, k, v, handle, sinks, cfg, False)
+        return o, lse, jnp.zeros((0,), np.float32)
+    every = max(cfg.tel.every, 1)
+
+    cov = _coverage(q, cfg)
+
+    def logged(args):
+        o, lse, _, stats = _forward_call(*args, cfg, True)
+        (c,) = _varying([jnp.asarray(cov)], args)
+        return o, lse, jnp.concatenate([stats, c], axis=1)
+
+    def plain(args):
+        o, lse, _ = _forward_call(*args, cfg, False)
+        (zeros,) = _varying([jnp.zeros((cov.shape[0], SUMMARY_COLUMNS, 2), np.float32)], args)
+        return o, lse, zeros
+
+    if cfg.tel.every == 0:
+        return plain((q, k, v, handle, sinks))
+    is_logging = (jnp.asarray(step, jnp.int32) % every) == 0
+    return jax.lax.cond(is_logging, logged, plain, (q, k, v, handle, sinks))
+
+
+@functools.lru_cache(maxsize=None)
+def _core():
+    import jax
+    import jax.numpy as jnp
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+    def core(q, k, v, handle, sinks, step, cfg):
+        return _core_impl(q, k, v, handle, sinks, step, cfg)
+
+    def fwd(q, k, v, handle, sinks, step, cfg):
+        o, lse, stats = _core_impl(q, k, v, handle, sinks, step, cfg)
+        return (o, lse, stats), (q, k, v, handle, sinks, o, lse)
+
+    def bwd(cfg, res, cts):
+        q, k, v, handle, sinks, o, lse = res
+        d_o, d_lse, _ = cts
+        if not cfg.return_lse:
+            d_lse = jnp.zeros((0,), np.float32)
+        dq, dk, dv, dsinks = _backward_call(
+            q, k, v, o, lse, d_o.astype(q.dtype), d_lse.astype(np.float32), handle, sinks, cfg
+        )
+        return _like(dq, q), _like(dk, k), _like(dv, v), None, _like(dsinks, sinks), None
+
+    core.defvjp(fwd, bwd)
+    return core
+
+
+# -- checks -----------------------------------------------------------------------------------
+
+
+def _platform_of(x: Any) -> Optional[str]:
+    """The platform of a concrete array (None for tracers and host values)."""
+    devices = getattr(x, "devices", None)
+    if devices is None:
+        return None
+    try:
+        ds = devices()
+    except Exception:  # a tracer: no devices
+        return None
+    return next(iter(ds)).platform if ds else None
+
+
+def _check(q, k, v, ref: PlanRef, layout: str, sinks: Any) -> None:
+    check_qkv(q, k, v, ref.meta.shape, ref.meta.groups, layout, sinks)
+
+
+def _backend(backend: str, arrays: Sequence[Any]) -> str:
+    import jax
+
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    platforms = {p for p in map(_platform_of, arrays) if p is not None}
+    platform = next(iter(platforms)) if len(platforms) == 1 else jax.default_backend()
+    if platform not in ("cpu", "tpu"):
+        raise ValueError(
+            f"q: arrays on a {platform} device; tessera.jax.attention runs on CPU (Tessera's "
+            "kernels through XLA FFI) and TPU (Splash). On a GPU, use tessera.torch.attention "
+            "(FlexAttention) or plan.to_splash_mask_info() with your own kernel"
+        )
+    if backend == "auto":
+        return "splash" if platform == "tpu" else "ffi"
+    if backend == "ffi" and platform != "cpu":
+        raise ValueError(f"backend: 'ffi' runs Tessera's CPU kernels; the arrays are on {platform}")
+    return backend
+
+
+# -- the op -----------------------------------------------------------------------------------
+
+
+def attention(
+    q: Any,
+    k: Any,
+    v: Any,
+    plan: Any,
+    *,
+    scale: Optional[float] = None,
+    softcap: Optional[float] = None,
+    sinks: Any = None,
+    return_lse: bool = False,
+    telemetry: Optional[Telemetry] = None,
+    layer: int = 0,
+    layout: str = "bhld",
+    backend: str = "auto",
+) -> Any:
+    """Exact attention over ``plan`` (SPEC §4): ``softmax(scale·QKᵀ, masked)·V`` with optional
+    softcap ``c·tanh(s/c)`` and learned per-head sink logits (denominator only).
+
+    ``q``, ``k``, ``v`` in ``layout`` (``"bhld"``: ``[B, H, L, D]``; ``"blhd"``: ``[B, L, H, D]``),
+    float32 or bfloat16, ``Hkv`` dividing ``Hq`` (GQA), ``Dqk`` and ``Dv`` may differ. ``plan`` is a
+    :class:`tessera.Plan` or, inside ``jit``, what it becomes (:class:`PlanRef`). Returns ``O`` in
+    q's layout and dtype, and with ``return_lse`` the natural-log ``LSE`` (``[B, Hq, Lq]`` or
+    ``[B, Lq, Hq]``, float32); gradients flow to q, k, v, sinks and through the LSE. Rows with no
+    allowed key give ``O = 0`` (``LSE = -inf``). With ``telemetry`` (a :class:`Telemetry` at a
+    step) the result gains the step's summary (``float32 [Hq, 11, 2]``, zeros on non-logging
+    steps) as its last element. ``backend``: ``"auto"`` (FFI on CPU, Splash on TPU), ``"ffi"``
+    or ``"splash"`` (Pallas interpret mode off TPU).
+    """
+    import jax.numpy as jnp
+
+    _register_pytrees()
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
+    ref = _as_ref(plan)
+    _check(q, k, v, ref, layout, sinks)
+    dqk = q.shape[3]
+    scale, softcap = scale_softcap(dqk, scale, softcap)
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse: expected a bool, got {type(return_lse).__name__}")
+    if telemetry is not None:
+        if not isinstance(telemetry, Telemetry):
+            raise TypeError(f"telemetry: expected a tessera.jax.Telemetry, got {type(telemetry).__name__}")
+        layer = _int_arg("attention", "layer", layer, 0, 2**32)
+        if not ref.meta.telemetry:
+            raise ValueError(
+                "telemetry: not available for a rank's local plan of a sharding; "
+                "use tessera.jax.cp_attention(..., telemetry=...)"
+            )
+    which = _backend(backend, (q, k, v))
+    if which == "splash":
+        return _splash_attention(q, k, v, ref, scale, softcap, sinks, return_lse, telemetry, layout)
+    handle = ref.handle
+    if isinstance(handle, np.ndarray) and not _tessera.ffi_registered(_join(handle)):
+        raise ValueError("plan: this handle names no live plan (freed, or not made by tessera.jax)")
+    sinks32 = jnp.zeros((0,), jnp.float32) if sinks is None else jnp.asarray(sinks).astype(jnp.float32)
+    cfg = _Cfg(scale, softcap, layout, return_lse, None if telemetry is None else telemetry.config)
+    step = 0 if telemetry is None else telemetry.step
+    o, lse, stats = _core()(q, k, v, jnp.asarray(handle, jnp.int32), sinks32, step, cfg)
+    out: Tuple[Any, ...] = (o, lse) if return_lse else (o,)
+    if telemetry is not None:
+        import jax
+
+        out = out + (jax.lax.stop_gradient(stats),)
+    return out[0] if len(out) == 1 else out
+
+
+def _splash_attention(q, k, v, ref, scale, softcap, sinks, return_lse, telemetry, layout):
+    from . import splash as _splash
+
+    if telemetry is not None:
+        raise NotImplementedError(
+            "telemetry: the Splash route has no telemetry kernel yet; log telemetry from the "
+            "CPU (FFI) route"
+        )
+    info = ref.splash
+    if info is None:
+        if ref.plan is None:
+            raise ValueError(
+                "plan: the Splash route needs the plan's MaskInfo inside jit; pass "
+                "tessera.jax.plan_ref(plan, splash=True) to the jitted function"
+            )
+        info = _splash.splash_info(ref.plan)
+    if layout == "blhd":
+        q, k, v = (x.transpose(0, 2, 1, 3) for x in (q, k, v))
+    out = _splash.splash_attention(
+        q, k, v, info, scale=scale, softcap=softcap, sinks=sinks, return_lse=return_lse
+    )
+    if layout == "blhd":
+        if return_lse:
+            o, lse = out
+            return o.transpose(0, 2, 1, 3), lse.transpose(0, 2, 1)
+        return out.transpose(0, 2, 1, 3)
+    return out

@@ -1,0 +1,102 @@
+"""The Splash route of ``tessera.jax.attention`` (SPEC §4, §12): argument checks, padding to whole
+tiles, and the ``custom_vjp`` around the Splash engine's forward and backward kernels
+(:mod:`tessera.engines.splash`, whose docstring states the contract). ``splash_attention`` takes
+a :class:`~tessera.core.splash_tables.SplashInfo` (``splash_info(plan)``) directly."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Optional, Tuple, Union
+
+import jax
+import jax.numpy as jnp
+
+from ..core.args import scale_softcap
+from ..core import splash_tables
+from ..core.plans import Plan, check_plan
+from ..core.splash_tables import SplashInfo
+from ..engines.splash import _MISSING, _Cfg, _block_sizes, _check, backward, forward
+
+__all__ = ["SplashInfo", "splash_info", "splash_attention"]
+
+
+def splash_info(plan: Plan, *, max_partial_blocks: Optional[int] = None) -> SplashInfo:
+    """The :class:`SplashInfo` of ``plan`` (cached on the plan per ``max_partial_blocks``).
+
+    ``max_partial_blocks`` bounds the unique partial mask blocks of any batch row (the padded
+    length of ``partial_mask_blocks``); by default the next power of two at or above the plan's
+    count, so that most batches of one shape share a compiled step. A ValueError names it when
+    the plan needs more."""
+    return splash_tables.splash_info(check_plan(plan), max_partial_blocks=max_partial_blocks)
+
+
+def splash_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    info: SplashInfo,
+    *,
+    scale: Optional[float] = None,
+    softcap: Optional[float] = None,
+    sinks: Optional[jax.Array] = None,
+    return_lse: bool = False,
+    interpret: Optional[bool] = None,
+    block_sizes: Any = None,
+) -> Union[jax.Array, Tuple[jax.Array, jax.Array]]:
+    """SPEC §4 attention of ``q [B, Hq, Lq, Dqk]``, ``k [B, Hkv, Lkv, Dqk]``,
+    ``v [B, Hkv, Lkv, Dv]`` (float32 or bfloat16) over the plan behind ``info``, run by Splash.
+
+    ``scale`` defaults to ``1/sqrt(Dqk)``; ``softcap`` ``c`` gives ``c·tanh(s/c)``; ``sinks``
+    ``[Hq]`` are learned sink logits (denominator only). Returns ``O [B, Hq, Lq, Dv]`` in q's
+    dtype, and with ``return_lse`` also ``LSE [B, Hq, Lq]`` float32 (natural log; ``-inf`` on
+    rows with no allowed key and no sink). Differentiable (reverse mode) in q, k, v, sinks and
+    through the LSE. ``interpret=None`` runs Pallas interpret mode off TPU."""
+    if _MISSING:
+        raise NotImplementedError(
+            f"this JAX ({jax.__version__}) Splash lacks {', '.join(_MISSING)}, which the exact "
+            "LSE gradient needs")
+    _check(q, k, v, info, sinks)
+    scale, softcap = scale_softcap(q.shape[-1], scale, softcap)
+    if interpret is None:
+        interpret = jax.default_backend() != "tpu"
+    tq, tk = info.meta.block
+    cfg = _Cfg(_block_sizes(block_sizes, tq, tk), softcap, bool(interpret), sinks is not None,
+               info.meta.groups[0] > 1)
+
+    b, hq, lq, _ = q.shape
+    lkv = k.shape[2]
+    lq_p, lkv_p = -(-lq // tq) * tq, -(-lkv // tk) * tk
+    # Splash does not scale q; one rounding in q's dtype, as any scaled-q implementation
+    qs = (q.astype(jnp.float32) * scale).astype(q.dtype)
+
+    def pad(x: jax.Array, n: int) -> jax.Array:
+        return x if x.shape[2] == n else jnp.pad(x, ((0, 0), (0, 0), (0, n - x.shape[2]), (0, 0)))
+
+    arrays = info.tree_flatten()[0]
+    if not cfg.batched:  # one group for every batch row: vmap leaves it unbatched
+        arrays = tuple(a[0] for a in arrays)
+    o, lse = _core(cfg, pad(qs, lq_p), pad(k, lkv_p), pad(v, lkv_p), sinks, *arrays)
+    o, lse = o[:, :, :lq], lse[:, :, :lq]
+    return (o, lse) if return_lse else o
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _core(cfg, q, k, v, sinks, *arrays):
+    o, lse, _, _ = forward(cfg, q, k, v, sinks, arrays)
+    return o, lse
+
+
+def _core_fwd(cfg, q, k, v, sinks, *arrays):
+    o, lse_out, _, lse = forward(cfg, q, k, v, sinks, arrays)
+    # Δ is taken from the returned O (exactly 0 on empty rows; Splash's own O may be NaN there)
+    return (o, lse_out), (q, k, v, sinks, o, lse, arrays)
+
+
+def _core_bwd(cfg, res, cts):
+    q, k, v, sinks, o, lse, arrays = res
+    do, dlse = cts
+    dq, dk, dv, dsinks = backward(cfg, q, k, v, sinks, o, lse, arrays, do, dlse)
+    return (dq, dk, dv, dsinks) + (None,) * len(arrays)
+
+
+_core.defvjp(_core_fwd, _core_bwd)
