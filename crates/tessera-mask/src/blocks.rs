@@ -11,7 +11,7 @@
 //! is [`BlockSelection::check`], run by `Mask::validate`. Every error names the data as
 //! `kv_tiles` (with the leaf's name where it has one other than that).
 
-use crate::parse::dense_arg;
+use crate::syntax::dense_arg;
 use tessera_core::{budget, Error, Result};
 
 /// The name the Python API gives the data (`plan_from_blocks(mask, kv_tiles, ...)`).

@@ -9,7 +9,7 @@
 
 use crate::blocks::BlockSelection;
 use crate::data::{BandFeatures, DenseMask, Segments};
-use crate::parse::{dense_arg, list_arg, MAX_DEPTH};
+use crate::syntax::{dense_arg, list_arg, MAX_DEPTH};
 use std::fmt::Write as _;
 use std::sync::Arc;
 use tessera_core::{Error, Result};

@@ -23,8 +23,10 @@ mod blocks;
 mod data;
 mod expr;
 mod parse;
+mod syntax;
 
 pub use blocks::BlockSelection;
 pub use data::{BandFeatures, DenseMask, SegmentIds, Segments};
 pub use expr::{Dependence, Mask, MAX_TREE_DEPTH};
-pub use parse::{parse, NoData, Resolver, MAX_DEPTH, MAX_LEN};
+pub use parse::{parse, NoData, Resolver, MAX_LEN};
+pub use syntax::MAX_DEPTH;

@@ -45,6 +45,7 @@
 use crate::blocks::BlockSelection;
 use crate::data::{BandFeatures, DenseMask, SegmentIds, Segments};
 use crate::expr::Mask;
+use crate::syntax::{dense_arg, list_arg, read_name, MAX_DEPTH};
 use std::sync::Arc;
 use tessera_core::{Error, Result};
 
@@ -93,10 +94,6 @@ impl Resolver for NoData {
         ))
     }
 }
-
-/// Deepest nesting of `(`, `!` and `heads(...)` the parser accepts: every algorithm over a mask
-/// tree (canonical form, planning, evaluation) recurses at most this deep (times a small factor).
-pub const MAX_DEPTH: usize = 256;
 
 /// Longest expression the parser accepts, in bytes.
 pub const MAX_LEN: usize = 1 << 20;
@@ -503,92 +500,9 @@ impl Parser<'_> {
         Ok(name)
     }
 
-    /// A data name: quoted (the quote doubled inside), or raw up to the matching ')' (or, in an
-    /// argument list, a ',' outside parentheses); see the module doc.
+    /// A data name (see [`read_name`]); an unclosed quote is an error at the quote.
     fn name(&mut self, in_list: bool) -> Result<String> {
-        if let Some(q @ ('"' | '\'')) = self.peek() {
-            let start = self.pos;
-            self.pos += 1;
-            let mut s = String::new();
-            while let Some(c) = self.peek() {
-                self.pos += 1;
-                if c == q {
-                    if self.peek() != Some(q) {
-                        return Ok(s);
-                    }
-                    // A doubled quote stands for one.
-                    self.pos += 1;
-                }
-                s.push(c);
-            }
-            return Err(self.error_at(start, "a closing quote", "end of input".into()));
-        }
-        let mut s = String::new();
-        let mut depth = 0;
-        while let Some(c) = self.peek() {
-            if c == '(' {
-                depth += 1;
-            } else if c == ')' || (c == ',' && in_list) {
-                if depth == 0 {
-                    break;
-                }
-                if c == ')' {
-                    depth -= 1;
-                }
-            }
-            s.push(c);
-            self.pos += 1;
-        }
-        Ok(s.trim().to_string())
+        read_name(&self.chars, &mut self.pos, in_list)
+            .map_err(|open| self.error_at(open, "a closing quote", "end of input".into()))
     }
-}
-
-/// `name` as the argument of `dense(...)` in the text form: raw when the parser's raw reading
-/// gives it back exactly, otherwise in `"` with every `"` doubled (see the module doc).
-pub(crate) fn dense_arg(name: &str) -> std::borrow::Cow<'_, str> {
-    quote_name(name, false)
-}
-
-/// `name` as a name argument of `band(...)`: as [`dense_arg`], and quoted also when it holds a
-/// `,` outside parentheses (which would end it there).
-pub(crate) fn list_arg(name: &str) -> std::borrow::Cow<'_, str> {
-    quote_name(name, true)
-}
-
-fn quote_name(name: &str, in_list: bool) -> std::borrow::Cow<'_, str> {
-    if raw_reads_back(name, in_list) {
-        return std::borrow::Cow::Borrowed(name);
-    }
-    let mut s = String::with_capacity(name.len() + 2);
-    s.push('"');
-    for c in name.chars() {
-        if c == '"' {
-            s.push('"');
-        }
-        s.push(c);
-    }
-    s.push('"');
-    std::borrow::Cow::Owned(s)
-}
-
-/// Whether `name` written raw parses back to `name`: non-empty, not trimmed by the parser, not
-/// read as a quoted name, and not ended early (or never) by its parentheses or, `in_list`, by a
-/// comma outside them.
-fn raw_reads_back(name: &str, in_list: bool) -> bool {
-    if name.is_empty() || name.trim().len() != name.len() || name.starts_with(['"', '\'']) {
-        return false;
-    }
-    let mut depth = 0usize;
-    for c in name.chars() {
-        match c {
-            '(' => depth += 1,
-            ')' => match depth.checked_sub(1) {
-                Some(d) => depth = d,
-                None => return false,
-            },
-            ',' if in_list && depth == 0 => return false,
-            _ => {}
-        }
-    }
-    depth == 0
 }

@@ -30,7 +30,9 @@ use super::super::simd::Avx512;
 use super::super::simd::{self, x512::exp2_coarse_in};
 use super::super::tile_matmul::{round_up, RB};
 use super::super::tile_matmul_bf16::{dot_gemm, pair};
-use super::{key_blocks, p_ds_block, p_ds_full, query_blocks, store_dkv, BwdCtx, DkvItem};
+use super::tiles::{
+    key_blocks, p_ds_block, p_ds_full, query_blocks, store_dkv, BwdCtx, DkvItem, BF16_P_CAP2,
+};
 use crate::validate::Dims;
 use half::bf16;
 use std::arch::x86_64::*;
@@ -637,7 +639,7 @@ unsafe fn p_ds16<const SKIP: bool>(
         let x = _mm512_maskz_loadu_ps(m, r.s.add(j));
         let a = _mm512_fmadd_ps(x, sc2, r.nl);
         // min(cap, a) returns a NaN `a` (the second operand), as `bf16_p`'s compare.
-        let p = exp2_coarse_in(m, _mm512_min_ps(_mm512_set1_ps(super::BF16_P_CAP2), a));
+        let p = exp2_coarse_in(m, _mm512_min_ps(_mm512_set1_ps(BF16_P_CAP2), a));
         let g = _mm512_maskz_loadu_ps(m, r.dp.add(j));
         let ds = _mm512_mul_ps(p, _mm512_sub_ps(g, r.delta));
         let live = _mm512_cmp_ps_mask::<_CMP_NEQ_UQ>(p, _mm512_setzero_ps());
@@ -913,7 +915,7 @@ mod tests {
                 &mut dp2[i * tk..(i + 1) * tk],
             );
             if i < nq {
-                super::super::p_ds::<Avx512, true>(
+                super::super::tiles::p_ds::<Avx512, true>(
                     None,
                     sc,
                     &mut sr[..nk],
@@ -1032,7 +1034,7 @@ mod tests {
                 &mut dp2[i * tk..(i + 1) * tk],
             );
             if i < nq {
-                super::super::p_ds::<Avx512, true>(
+                super::super::tiles::p_ds::<Avx512, true>(
                     None,
                     sc,
                     &mut sr[n0..n1],

@@ -23,17 +23,21 @@
 //! not depend on the split. The scratch buffer lives in the caller's workspace.
 //! Every output element is written by one item in a fixed order: no atomics, bit-identical
 //! results for any thread count.
+//!
+//! Files, in layer order: `tiles` (the call context and dK/dV item, the `P`/`dS` step, the live
+//! spans of a partial tile, the dK/dV store: what both item drivers use), `bf16` (the
+//! `vdpbf16ps` item; of `backward` it uses `tiles` only), this file (Δ, rounds, slots, reduce,
+//! the f32 item, and the dispatch to `bf16`). Neither child imports this file's items.
 
 #[cfg(target_arch = "x86_64")]
 mod bf16;
+mod tiles;
 
 use super::isa::{isa_entry, Isa};
-use super::live_blocks::{LiveBlocks, SB};
 use super::load_tile::{load_transposed, rows, Src};
-use super::mask_partial_tile::mask_partial_row;
 use super::prepare::Prep;
 use super::schedule::{run_items, Geometry, Order};
-use super::simd::{self, Simd};
+use super::simd::Simd;
 use super::tile_matmul::{gemm, product, round_up, RB};
 use super::workspace::{grown, Rest};
 use crate::args::{GradInputs, GradOut};
@@ -44,27 +48,12 @@ use rayon::prelude::*;
 use tessera_core::tensor::ViewData;
 use tessera_core::{DType, Error, Result};
 use tessera_plan::Plan;
+use tiles::{key_blocks, p_ds_block, p_ds_full, query_blocks, store_dkv, BwdCtx, DkvItem};
 
 /// Upper bound on the dQ scratch of one round, in f32 elements (exceeded only to give every
 /// thread two items). Small on purpose: one buffer reused round after round stays in cache
 /// (64 MB chunks measured ~20% slower on documents).
 const SCRATCH_FLOATS: usize = 4 << 20;
-
-pub(crate) struct BwdCtx<'a> {
-    plan: &'a Plan,
-    d: Dims,
-    g: Geometry,
-    q: Src<'a>,
-    k: Src<'a>,
-    v: Src<'a>,
-    d_o: Src<'a>,
-    lse: &'a [f32],
-    delta: &'a [f32],
-    live: &'a LiveBlocks,
-    scale: f32,
-    softcap: Option<f32>,
-    exact: bool,
-}
 
 pub(crate) struct BwdWs {
     s: Vec<f32>,
@@ -391,16 +380,6 @@ pub(crate) fn run(
     Ok(())
 }
 
-pub(crate) struct DkvItem<'a> {
-    b: usize,
-    g: usize,
-    kt: usize,
-    dk: Out<'a>,
-    dv: Out<'a>,
-    /// dQ scratch slots, one per (query head of the group, q tile of `col(kt)`), in walk order.
-    dq: Vec<&'a mut [f32]>,
-}
-
 pub(crate) struct RedItem<'a> {
     qt: usize,
     /// The q tile's slots of this round in ascending kv-tile order, `tq × dqkp` each.
@@ -573,217 +552,6 @@ impl SlotLayout {
     }
 }
 
-/// Elementwise over a strip of one query row of `S` (varying key): with `x = sc·s` (`sc` the
-/// scale not yet applied to `s`) and `t = tanh(x/c)` under a softcap, `p = exp(c·t - lse)`
-/// (`exp(x - lse)` without), `ds = p·(dp - Δ)·(1 - t²)`; `s` becomes `p`, `dp` becomes `ds`
-/// (exactly 0 where `p` is 0, so `0·NaN` never appears). `BF16`: `P` and `dS` are rounded to bf16
-/// next, so `p` is [`bf16_p`] (its argument in base 2 on the copies with FMA).
-#[inline(always)]
-fn p_ds_row<S: Simd, const SOFTCAP: bool, const BF16: bool>(
-    sc: f32,
-    s: &mut [f32],
-    dp: &mut [f32],
-    lse: f32,
-    delta: f32,
-    cap: f32,
-) {
-    let inv = 1.0 / cap;
-    for (x, g) in s.iter_mut().zip(dp.iter_mut()) {
-        let xs = *x * sc;
-        let (v, dc) = if SOFTCAP {
-            let t = simd::tanh::<S>(xs * inv);
-            (cap * t, 1.0 - t * t)
-        } else {
-            (xs, 1.0)
-        };
-        let p = if !BF16 {
-            f32_p::<S>(v - lse)
-        } else if simd::base2::<S>() {
-            // Base 2 (as `exp_base`): the argument in one FMA from the unscaled logit.
-            let nl = -(lse * simd::LOG2E);
-            bf16_p::<S>(if SOFTCAP {
-                S::madd(v, simd::LOG2E, nl)
-            } else {
-                S::madd(*x, sc * simd::LOG2E, nl)
-            })
-        } else {
-            bf16_p::<S>(v - lse)
-        };
-        let ds = p * (*g - delta) * dc;
-        *x = p;
-        *g = if p == 0.0 { 0.0 } else { ds };
-    }
-}
-
-/// `P = e^a` of the f32 kernels: [`simd::exp_le88`] (4.5e-7 relative, 8 FMAs; `simd::exp`'s 11
-/// measured 5.5% of a full tile) with `simd::exp`'s overflow to +inf above 88.3 (`a <= 0` unless
-/// the given LSE is below the row's logits). NaN stays NaN.
-#[inline(always)]
-fn f32_p<S: Simd>(a: f32) -> f32 {
-    let e = simd::exp_le88::<S>(if a > simd::EXP_HI { simd::EXP_HI } else { a });
-    if a > simd::EXP_HI {
-        f32::INFINITY
-    } else {
-        e
-    }
-}
-
-/// [`bf16_p`]'s cap in base 2 (`2^127` is finite, as `e^88` is).
-const BF16_P_CAP2: f32 = 127.0;
-
-/// `P = e^a` of the bf16 kernels, P and dS rounded to bf16 (2⁻⁹) next: on the copies with FMA
-/// [`simd::exp2_coarse`] (3e-6 relative) of the base-2 argument `a·log2 e` capped at 127, else
-/// [`simd::exp_le88_coarse`] (1.2e-5) of `a` capped at 88 (a NaN stays NaN); `a <= 0` unless the
-/// given LSE is below the row's logits.
-#[inline(always)]
-fn bf16_p<S: Simd>(a: f32) -> f32 {
-    if simd::base2::<S>() {
-        simd::exp2_coarse::<S>(if a > BF16_P_CAP2 { BF16_P_CAP2 } else { a })
-    } else {
-        simd::exp_le88_coarse::<S>(if a > 88.0 { 88.0 } else { a })
-    }
-}
-
-/// [`p_ds_row`] with or without the softcap (not a closure: closures do not inherit the caller's
-/// target features).
-#[inline(always)]
-fn p_ds<S: Simd, const BF16: bool>(
-    softcap: Option<f32>,
-    sc: f32,
-    s: &mut [f32],
-    dp: &mut [f32],
-    lse: f32,
-    delta: f32,
-) {
-    match softcap {
-        Some(cap) => p_ds_row::<S, true, BF16>(sc, s, dp, lse, delta, cap),
-        None => p_ds_row::<S, false, BF16>(sc, s, dp, lse, delta, 1.0),
-    }
-}
-
-/// `P`, `dS` of a full tile in place: rows `0..nq`, keys `0..nk` (`sc`: the scale still to
-/// apply to `s`).
-#[inline(always)]
-#[allow(clippy::too_many_arguments)]
-fn p_ds_full<S: Simd, const BF16: bool>(
-    cx: &BwdCtx<'_>,
-    sc: f32,
-    s: &mut [f32],
-    dp: &mut [f32],
-    tk: usize,
-    nq: usize,
-    nk: usize,
-    lse: &[f32],
-    delta: &[f32],
-) {
-    for i in 0..nq {
-        let (sr, dr) = (&mut s[i * tk..i * tk + nk], &mut dp[i * tk..i * tk + nk]);
-        p_ds::<S, BF16>(cx.softcap, sc, sr, dr, lse[i], delta[i]);
-    }
-}
-
-/// The key span of a 16-query block of a partial tile: allowed keys `r0..r1`, computed over
-/// `n0..n1` (`r0`, `r1` rounded out to 16).
-struct Span {
-    r0: usize,
-    r1: usize,
-    n0: usize,
-    n1: usize,
-}
-
-/// Rows `i0..i0 + m` of a partial tile, with their key span (`None`: no allowed key).
-struct QueryBlock {
-    i0: usize,
-    m: usize,
-    span: Option<Span>,
-}
-
-/// The 16-query blocks of partial mask `mask` over `mq` padded rows and `nk` keys.
-#[inline(always)]
-fn query_blocks<'a>(
-    cx: &'a BwdCtx<'_>,
-    mask: u32,
-    mq: usize,
-    nk: usize,
-) -> impl Iterator<Item = QueryBlock> + 'a {
-    (0..mq).step_by(SB).map(move |i0| {
-        let (r0, r1) = cx.live.keys(mask, i0 / SB);
-        let r1 = r1.min(nk);
-        QueryBlock {
-            i0,
-            m: (mq - i0).min(SB),
-            span: (r0 < r1).then(|| Span {
-                r0,
-                r1,
-                n0: r0 / SB * SB,
-                n1: round_up(r1, SB),
-            }),
-        }
-    })
-}
-
-/// The 16-key blocks `(j0, m, c0, c1)` of partial mask `mask` over `mk` padded keys with a
-/// non-empty live query range `c0..c1` (clipped to the `nq` real queries).
-#[inline(always)]
-fn key_blocks<'a>(
-    cx: &'a BwdCtx<'_>,
-    mask: u32,
-    mk: usize,
-    nq: usize,
-) -> impl Iterator<Item = (usize, usize, usize, usize)> + 'a {
-    (0..mk).step_by(SB).filter_map(move |j0| {
-        let (c0, c1) = cx.live.cols(mask, j0 / SB);
-        let c1 = c1.min(nq);
-        (c0 < c1).then_some((j0, (mk - j0).min(SB), c0, c1))
-    })
-}
-
-/// `P`, `dS` in place for the rows of query block `qb` (with a span) of partial mask `mask`:
-/// exact over `n0..r1` (masked pairs 0), zero elsewhere in `0..nkp`; rows `>= nq` are padding
-/// (their logits are already 0 and stay unexponentiated).
-#[inline(always)]
-#[allow(clippy::too_many_arguments)]
-fn p_ds_block<S: Simd, const BF16: bool>(
-    cx: &BwdCtx<'_>,
-    mask: u32,
-    sc: f32,
-    s: &mut [f32],
-    dp: &mut [f32],
-    tk: usize,
-    nkp: usize,
-    qb: &QueryBlock,
-    nq: usize,
-    lse: &[f32],
-    delta: &[f32],
-) {
-    let Some(Span { r1, n0, n1, .. }) = qb.span else {
-        return;
-    };
-    for i in qb.i0..qb.i0 + qb.m {
-        let (sr, dr) = (&mut s[i * tk..i * tk + nkp], &mut dp[i * tk..i * tk + nkp]);
-        sr[..n0].fill(0.0);
-        dr[..n0].fill(0.0);
-        sr[n1..].fill(0.0);
-        dr[n1..].fill(0.0);
-        if i < nq {
-            p_ds::<S, BF16>(
-                cx.softcap,
-                sc,
-                &mut sr[n0..r1],
-                &mut dr[n0..r1],
-                lse[i],
-                delta[i],
-            );
-            // From the 64-key word holding n0 on (the keys before n0 are 0 already).
-            let (w0, bits) = (n0 / 64, cx.plan.partials.row(mask, i));
-            mask_partial_row(&mut sr[w0 * 64..r1], &bits[w0..], 0, 0.0);
-            mask_partial_row(&mut dr[w0 * 64..r1], &bits[w0..], 0, 0.0);
-        }
-        sr[r1..n1].fill(0.0);
-        dr[r1..n1].fill(0.0);
-    }
-}
-
 #[inline(always)]
 fn dkv_item<S: Simd>(cx: &BwdCtx<'_>, ws: &mut BwdWs, it: DkvItem<'_>) {
     let DkvItem {
@@ -915,22 +683,4 @@ fn dkv_item<S: Simd>(cx: &BwdCtx<'_>, ws: &mut BwdWs, it: DkvItem<'_>) {
         }
     }
     store_dkv(cx, nk, dk, dva, &mut dk_out, &mut dv_out);
-}
-
-/// Writes an item's `nk` rows of dK (times the scale: `S` used the unscaled product) and dV
-/// from its padded accumulators to the output pieces.
-#[inline(always)]
-fn store_dkv(
-    cx: &BwdCtx<'_>,
-    nk: usize,
-    dk: &[f32],
-    dv: &[f32],
-    dk_out: &mut Out<'_>,
-    dv_out: &mut Out<'_>,
-) {
-    let (dqk, d_v, dqkp, dvp) = (cx.d.d_qk, cx.d.d_v, cx.g.dqkp, cx.g.dvp);
-    for j in 0..nk {
-        dk_out.store(j * dqk, &dk[j * dqkp..j * dqkp + dqk], cx.scale);
-        dv_out.store(j * d_v, &dv[j * dvp..j * dvp + d_v], 1.0);
-    }
 }
