@@ -42,7 +42,8 @@
 //!   pool.
 //! - Passes: `forward` (the f32 item, `forward::bf16`, `forward::select`: which item a call
 //!   runs and its workspace bytes, `forward::telemetry`), `backward` (Δ, rounds, slots, reduce,
-//!   the f32 item, `backward::bf16`; the two use each other, a parent and its private child).
+//!   the f32 item; `backward::tiles`: what both items use; `backward::bf16`, which uses only
+//!   `tiles`).
 //! - `backend`: [`CpuBackend`]'s [`Backend`](crate::Backend) implementation over the passes;
 //!   [`dispatch`]: which path each dtype runs, measured by running that backend; this file:
 //!   [`CpuBackend::new`] on the [`dispatch::decision`], and the re-exports.
