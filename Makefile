@@ -6,7 +6,7 @@
 
 VENV ?= .venv
 PY := $(VENV)/bin/python
-PY_DEPS := numpy torch jax pytest maturin ml_dtypes safetensors
+PY_DEPS := numpy torch jax pytest maturin ml_dtypes safetensors flatbuffers
 
 .PHONY: test test-rust test-python python-package demo train train-jax
 

@@ -5,6 +5,14 @@ mode, ``tessera.jax.cp_attention`` under ``shard_map`` against the single-device
 LSE, gradients of q, k, v and sinks, telemetry records); writes the largest relative errors as
 JSON to OUT.
 
+``python jax_worker.py cp_splash R OUT``: the same with ``backend="splash"`` (Pallas interpret
+mode) against the single-device FFI op (telemetry records included), and one compiled step over
+five plans.
+
+``python jax_worker.py export_cp R OUT``: the ``shard_map`` context-parallel step exported for a
+TPU mesh of R devices from this host (Mosaic kernels, no FFI call or callback, identical bytes
+over five plans).
+
 ``python jax_worker.py cache DIR SEED OUT``: JAX's persistent compilation cache in DIR; one jitted
 training step (forward + backward through ``tessera.jax.attention``) on a plan made from SEED's
 documents; writes the cache hits, misses and backend compilations of that step to OUT.
@@ -129,6 +137,154 @@ def cp(world: int, out: str) -> None:
         json.dump(results, f)
 
 
+def cp_splash(world: int, out: str) -> None:
+    """``cp_attention(backend="splash")`` (Pallas interpret mode) under ``shard_map`` on ``world``
+    host devices against the single-device FFI op, every scheme and mode (outputs, LSE, gradients
+    of q, k, v, sinks; softcap, sinks, GQA, Dqk != Dv, padding rows), then one compiled step over
+    five plans of other documents (allgather, one partial-block bound). Writes JSON to OUT."""
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={world}"
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    import tessera
+    import tessera.cp
+    import tessera.jax as tj
+
+    rng = np.random.default_rng(11 + world)
+    block, B, H, HKV = 128, 1, 2, 1
+    L = 2 * world * block  # whole tiles, a multiple of 2R for zigzag
+
+    def docs(seed):
+        r = np.random.default_rng(seed)
+        ids = np.sort(r.integers(0, 5, L))
+        ids[L // 2 - 40: L // 2 - 10] = -1  # padding inside the row: fully masked query rows
+        return ids
+
+    q = jnp.asarray(rng.standard_normal((B, H, L, 32)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((B, HKV, L, 32)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((B, HKV, L, 16)), jnp.float32)
+    sinks = jnp.asarray(rng.standard_normal(H), jnp.float32)
+    w_o = jnp.asarray(rng.standard_normal((B, H, L, 16)), jnp.float32)
+    w_l = jnp.asarray(rng.standard_normal((B, H, L)), jnp.float32)
+    opts = dict(softcap=20.0, return_lse=True)
+
+    def loss_of(o, lse, w_o, w_l):
+        return jnp.sum(o * w_o) + jnp.sum(jnp.where(jnp.isfinite(lse), lse * w_l, 0.0))
+
+    mesh = Mesh(np.array(jax.devices()[:world]), ("cp",))
+    spec = P(None, None, "cp")
+
+    tel = tj.Telemetry(every=1, sink_tokens=2)
+
+    def make_step(mode):
+        def body(q, k, v, s, cpp, t, w_o, w_l):
+            o, lse, summary = tj.cp_attention(q, k, v, cpp, "cp", mode=mode, sinks=s, telemetry=t,
+                                              backend="splash", **opts)
+            return jax.lax.psum(loss_of(o, lse, w_o, w_l), "cp"), (o, lse, summary)
+
+        # check_vma=False: Pallas's interpret mode re-traces the kernel when lowering, where JAX's
+        # vma check refuses it (a JAX limitation off TPU; the TPU lowering takes either)
+        f = jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec, P(), P(), P(), spec, spec),
+                          out_specs=(P(), (spec, spec, P())), check_vma=False)
+        return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3), has_aux=True))
+
+    def reference(plan):
+        def single(q, k, v, s):
+            o, lse = tj.attention(q, k, v, plan, sinks=s, backend="ffi", **opts)
+            return loss_of(o, lse, w_o, w_l), (o, lse)
+
+        out = jax.value_and_grad(single, argnums=(0, 1, 2, 3), has_aux=True)(q, k, v, sinks)
+        _, _, s1 = tj.attention(q, k, v, plan, sinks=sinks, telemetry=tel.at(0), backend="ffi", **opts)
+        tel.collect(0, {0: s1}, learned_sinks=True)
+        return out, tel.read()[0]
+
+    def run(step, plan, sh, mode, bound=None):
+        cpp = tj.cp_plan(sh, mode, splash=True, max_partial_blocks=bound)
+        qs, ks, vs, wo, wl = (tj.scatter(x, sh, axis=2) for x in (q, k, v, w_o, w_l))
+        (_, (o2, lse2, s2)), g2 = step(qs, ks, vs, sinks, cpp, tel.at(0), wo, wl)
+        ((_, (o1, lse1)), g1), rec1 = reference(plan)
+        tel.collect(0, {0: s2}, learned_sinks=True)
+        rec2 = tel.read()[0]
+        o2, lse2 = tj.gather(o2, sh, axis=2), tj.gather(lse2, sh, axis=2)
+        g2 = [tj.gather(g, sh, axis=2) for g in g2[:3]] + [g2[3]]
+        fin = np.isfinite(np.asarray(lse1))
+        return dict(
+            o=_rel(o2, o1),
+            lse=float(np.max(np.abs(np.asarray(lse2)[fin] - np.asarray(lse1)[fin]))),
+            lse_masked=bool(np.all(np.asarray(lse2)[~fin] == np.asarray(lse1)[~fin])),
+            grads=[_rel(a, b) for a, b in zip(g2, g1)],
+            telemetry=_records_err(rec2, rec1),
+            ranks=(rec1.get("ranks"), rec2.get("ranks")),
+        )
+
+    plan = tessera.plan(tessera.causal() & tessera.document(docs(0)), q_len=L, heads=H, block=block)
+    results = []
+    for scheme in tessera.cp.SCHEMES:
+        sh = tessera.cp.shard(plan, world, scheme)
+        for mode in tessera.cp.MODES:
+            step = make_step(mode)
+            r = run(step, plan, sh, mode)
+            results.append(dict(r, scheme=scheme, mode=mode, compiles=step._cache_size()))
+    # five plans of other documents, one compiled step
+    step = make_step("allgather")
+    five = []
+    for seed in range(1, 6):
+        p = tessera.plan(tessera.causal() & tessera.document(docs(seed)), q_len=L, heads=H, block=block)
+        five.append(run(step, p, tessera.cp.shard(p, world, "balanced"), "allgather", bound=32))
+    with open(out, "w") as f:
+        json.dump(dict(cases=results, five=five, five_compiles=step._cache_size()), f)
+
+
+def export_cp(world: int, out: str) -> None:
+    """The ``shard_map`` context-parallel training step exported for a TPU mesh of ``world``
+    devices from this CPU host (``backend="auto"``, ``cp_plan(..., splash=True)``): which Splash
+    kernels it carries, whether any FFI call or host callback is left, and whether five plans of
+    other documents give the same serialized bytes. Writes JSON to OUT."""
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={world}"
+    import re
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    import tessera
+    import tessera.cp
+    import tessera.jax as tj
+
+    L, block, H, HKV, D = 2 * world * 128, 128, 4, 2, 128
+    mesh = Mesh(np.array(jax.devices()[:world]), ("cp",))
+    spec = P(None, None, "cp")
+
+    def body(q, k, v, s, cpp):
+        o = tj.cp_attention(q, k, v, cpp, "cp", mode="allgather", softcap=30.0, sinks=s)
+        return jax.lax.psum(jnp.sum(jnp.square(o.astype(jnp.float32))), "cp")
+
+    f = jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec, P(), P()), out_specs=P())
+    step = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3)))
+    blobs, text = set(), ""
+    for seed in range(5):
+        ids = np.sort(np.random.default_rng(seed).integers(0, 6, L))
+        plan = tessera.plan(tessera.causal() & tessera.document(ids), q_len=L, heads=H, block=block)
+        cpp = tj.cp_plan(tessera.cp.shard(plan, world, "balanced"), "allgather", splash=True,
+                         max_partial_blocks=32)
+        args = (jax.ShapeDtypeStruct((1, H, L, D), jnp.bfloat16),
+                *[jax.ShapeDtypeStruct((1, HKV, L, D), jnp.bfloat16)] * 2,
+                jax.ShapeDtypeStruct((H,), jnp.float32),
+                jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), cpp))
+        exp = jax.export.export(step, platforms=["tpu"])(*args)
+        text = exp.mlir_module()
+        blobs.add(bytes(exp.serialize()))
+    with open(out, "w") as fh:
+        json.dump(dict(kernels=sorted(set(re.findall(r"splash_mha_[a-z_]+", text))),
+                       devices=exp.nr_devices, ffi="tessera_attention" in text,
+                       callback="callback" in text, identical=len(blobs) == 1), fh)
+
+
 def cache(cache_dir: str, seed: int, out: str) -> None:
     import jax
 
@@ -185,6 +341,10 @@ def cache(cache_dir: str, seed: int, out: str) -> None:
 if __name__ == "__main__":
     if sys.argv[1] == "cp":
         cp(int(sys.argv[2]), sys.argv[3])
+    elif sys.argv[1] == "cp_splash":
+        cp_splash(int(sys.argv[2]), sys.argv[3])
+    elif sys.argv[1] == "export_cp":
+        export_cp(int(sys.argv[2]), sys.argv[3])
     elif sys.argv[1] == "cache":
         cache(sys.argv[2], int(sys.argv[3]), sys.argv[4])
     else:

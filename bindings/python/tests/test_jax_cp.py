@@ -1,7 +1,8 @@
 """``tessera.jax`` in fresh processes (jax_worker.py): context parallelism under ``shard_map`` on 2
 and 4 host devices against the single-device op, and JAX's persistent compilation cache proven
 to hit across processes for a training step whose plan changes (no plan constant in the
-executable). Also: the Splash route (Pallas interpret mode) against the FFI route."""
+executable). Also: the Splash route (Pallas interpret mode) against the FFI route, alone and
+under ``shard_map``."""
 
 from __future__ import annotations
 
@@ -51,6 +52,30 @@ def test_cp_attention_under_shard_map_equals_one_device(world, tmp_path):
         assert r["ranks"] == [1, world], what
         assert r["compiles"] == 1, what
 
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_cp_attention_on_the_splash_route_equals_one_device(world, tmp_path):
+    """``cp_attention(backend="splash")`` (Pallas interpret mode) under ``shard_map`` against the
+    single-device FFI op: every scheme and K/V mode, softcap, sinks, GQA, padding rows, telemetry
+    records; one compiled step for five plans of other documents."""
+    out = tmp_path / "cp_splash.json"
+    _run(["cp_splash", world, out], tmp_path)
+    r = json.loads(out.read_text())
+    import tessera.cp
+
+    assert len(r["cases"]) == len(tessera.cp.SCHEMES) * len(tessera.cp.MODES)
+    for c in r["cases"] + r["five"]:
+        what = f"{c.get('scheme', 'five plans')}/{c.get('mode', 'allgather')} on {world} devices"
+        assert c["o"] < 1e-5, what
+        assert c["lse"] < 1e-4, what
+        assert c["lse_masked"], what
+        for name, e in zip(("dq", "dk", "dv", "dsinks"), c["grads"]):
+            assert e < 1e-5, f"{name} {what}: {e}"
+        assert c["telemetry"] < 1e-6, what  # reduced over the devices first, as the FFI route
+        assert c["ranks"] == [1, world], what
+    assert all(c["compiles"] == 1 for c in r["cases"])
+    assert r["five_compiles"] == 1
 
 def test_persistent_cache_hits_across_processes_with_another_plan(tmp_path):
     cache = tmp_path / "jax-cache"

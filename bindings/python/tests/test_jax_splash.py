@@ -357,3 +357,120 @@ def test_splash_info_is_a_pytree():
     assert isinstance(back, SplashInfo) and back.meta == info.meta and back.shape == (1, 1, 128, 128)
     assert all(isinstance(x, jax.Array) for x in leaves) and len(leaves) == 9
     assert "SplashInfo" in repr(info)
+
+
+# -- telemetry on the Splash route (SPEC §6) -----------------------------------------------------
+
+import tessera.jax as tj  # noqa: E402
+
+
+def _records_err(a: dict, b: dict) -> float:
+    """Largest relative difference over the numeric fields of two telemetry records."""
+    worst = 0.0
+    for key, y in b.items():
+        if key in ("step", "layer"):
+            continue
+        x = a.get(key)
+        if x is None or y is None:
+            assert x is y, key
+            continue
+        x, y = np.atleast_1d(np.asarray(x, np.float64)), np.atleast_1d(np.asarray(y, np.float64))
+        assert x.shape == y.shape, key
+        with np.errstate(invalid="ignore", divide="ignore"):
+            err = np.where(x == y, 0.0, np.abs(x - y) / np.maximum(np.abs(x), 1e-30))
+        worst = max(worst, float(err.max(initial=0.0)))
+    return worst
+
+
+def _telemetry_cases():
+    g = np.random.default_rng(5)
+    ids = np.sort(g.integers(0, 4, 300))
+    ids[50:70] = -1  # padding: rows with no key
+    rows = np.stack([np.sort(g.integers(0, 3, 256)), np.sort(g.integers(0, 5, 256))])
+    P = pytest.param
+    return [
+        P(tessera.causal() & tessera.document(ids), 1, 4, 2, 300, 300, 32, 16, (64, 128),
+          dict(softcap=20.0, sinks=True), {}, id="doc_causal_gqa_softcap_sinks_ragged"),
+        P(tessera.causal() & tessera.document(rows), 2, 2, 2, 256, 256, 32, 32, (128, 128),
+          dict(sinks=False), dict(sink_tokens=2), id="per_row_documents"),
+        P(tessera.window(40) | tessera.prefix(8), 1, 2, 1, 256, 384, 16, 16, (64, 128),
+          dict(sinks=True, layout="blhd"), dict(sink_tokens=3), id="window_prefix_cross_blhd"),
+        P(tessera.heads([tessera.causal(), tessera.window(30), tessera.full(), ~tessera.causal()]),
+          1, 4, 2, 192, 256, 16, 16, (64, 128), dict(sinks=True), dict(streams=("sink",)), id="per_head_sink_stream"),
+        P(tessera.causal(-20), 1, 2, 1, 130, 300, 16, 16, (64, 128), dict(sinks=True),
+          dict(streams=("outlier",)), id="empty_rows_outlier_stream"),
+    ]
+
+
+@pytest.mark.parametrize("mask, b, hq, hkv, lq, lkv, d, dv, block, kw, tkw", _telemetry_cases())
+def test_splash_route_telemetry_equals_the_ffi_route(mask, b, hq, hkv, lq, lkv, d, dv, block, kw, tkw):
+    g = np.random.default_rng(1)
+    layout = kw.get("layout", "bhld")
+    plan = tessera.plan(mask, q_len=lq, kv_len=lkv, heads=hq, batch=b, block=block)
+
+    def arr(h, n, dd):
+        shape = (b, h, n, dd) if layout == "bhld" else (b, n, h, dd)
+        return jnp.asarray(g.standard_normal(shape), jnp.float32)
+
+    q, k, v = arr(hq, lq, d), arr(hkv, lkv, d), arr(hkv, lkv, dv)
+    s = jnp.asarray(g.standard_normal(hq), jnp.float32) if kw.get("sinks") else None
+    ref = tj.plan_ref(plan, splash=True)
+    records, outs = [], []
+    for backend in ("ffi", "splash"):
+        tel = tj.Telemetry(every=2, **tkw)
+        f = jax.jit(lambda q, k, v, s, ref, t: tj.attention(
+            q, k, v, ref, sinks=s, softcap=kw.get("softcap"), telemetry=t, layout=layout, backend=backend))
+        o, summary = f(q, k, v, s, ref, tel.at(0))
+        _, quiet = f(q, k, v, s, ref, tel.at(1))
+        assert float(jnp.abs(quiet).max()) == 0.0  # a non-logging step: zeros
+        tel.collect(0, {0: summary}, learned_sinks=s is not None)
+        records.append(tel.read()[0])
+        outs.append(o)
+    a, b_ = np.asarray(outs[1], np.float64), np.asarray(outs[0], np.float64)
+    assert np.linalg.norm(a - b_) / np.linalg.norm(b_) < F32_TOL
+    assert _records_err(records[1], records[0]) < 1e-6
+
+
+def _conds(jaxpr):
+    """Every ``cond`` equation of a jaxpr, nested jaxprs included."""
+    out = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "cond":
+            out.append(eqn)
+        for p in eqn.params.values():
+            for sub in (p if isinstance(p, (tuple, list)) else (p,)):
+                inner = getattr(sub, "jaxpr", None)
+                if inner is not None and hasattr(inner, "eqns"):
+                    out += _conds(inner)
+                elif hasattr(sub, "eqns"):
+                    out += _conds(sub)
+    return out
+
+
+def _primitives(jaxpr) -> set:
+    names = set()
+    for eqn in jaxpr.eqns:
+        names.add(eqn.primitive.name)
+        for p in eqn.params.values():
+            for sub in (p if isinstance(p, (tuple, list)) else (p,)):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    names |= _primitives(inner)
+    return names
+
+
+def test_a_non_logging_step_runs_no_telemetry_work_on_the_splash_route():
+    plan = tessera.plan(tessera.causal() & tessera.document(np.repeat(np.arange(4), 64)), q_len=256, heads=2, block=128)
+    ref = tj.plan_ref(plan, splash=True)
+    q = jnp.zeros((1, 2, 256, 16), jnp.float32)
+    tel = tj.Telemetry(every=4)
+    jaxpr = jax.make_jaxpr(lambda q, ref, t: tj.attention(q, q, q, ref, telemetry=t, backend="splash"))(q, ref, tel.at(3))
+    summary_shape = (2, tj.SUMMARY_COLUMNS, 2)  # the cond that gates the summary on the step
+    telemetry_conds = [e for e in _conds(jaxpr.jaxpr)
+                       if [tuple(v.aval.shape) for v in e.outvars] == [summary_shape]]
+    assert len(telemetry_conds) == 1
+    plain, logged = telemetry_conds[0].params["branches"]  # index 0: the step is not a logging one
+    work = {"dot_general", "exp", "tanh", "while", "scan", "reduce_sum", "reduce_max"}
+    assert not (_primitives(plain.jaxpr) & work), _primitives(plain.jaxpr)
+    logged_prims = _primitives(logged.jaxpr)
+    assert {"dot_general", "exp"} <= logged_prims and logged_prims & {"while", "scan"}

@@ -45,6 +45,7 @@ Contract (SPEC §4, §12):
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, NamedTuple, Optional, Tuple
 
 import jax
@@ -53,6 +54,9 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ke
 from jax.experimental.pallas.ops.tpu.splash_attention.splash_attention_mask_info import MaskInfo
 
 from ..core.splash_tables import SplashInfo
+from .vma import _varying, _vma
+from jax._src import config as _jax_config  # the vma check's switch (no public one yet)
+
 from ..core.args import check_qkv
 
 
@@ -78,7 +82,7 @@ class _Cfg(NamedTuple):
 
     block_sizes: Any
     softcap: Optional[float]
-    interpret: bool
+    interpret: Optional[bool]  # None: Mosaic when lowered for TPU, interpret mode elsewhere
     has_sinks: bool
     batched: bool  # the info arrays carry one group per batch row
 
@@ -115,10 +119,25 @@ def _check(q: Any, k: Any, v: Any, info: Any, sinks: Any) -> None:
         raise TypeError(f"info: expected a tessera SplashInfo (tessera.jax splash_info(plan)), "
                         f"got {type(info).__name__}")
     check_qkv(q, k, v, info.meta.shape, info.meta.groups, "bhld", sinks, plan_arg="info")
-    tq, tk = info.meta.block
+    problem = tile_problem(*info.meta.block)
+    if problem:
+        raise ValueError(f"info: the plan behind it cannot run on Splash: {problem}")
+
+
+def tile_problem(tq: int, tk: int) -> Optional[str]:
+    """Why Splash cannot run a plan with ``(tq, tk)`` tiles, or None. Splash's kernels compute kv
+    blocks in multiples of the TPU's 128 lanes (its interpret mode follows the same code)."""
     if tk % _LANES:
-        raise ValueError(f"info: Splash needs kv tiles that are multiples of {_LANES}; the plan's "
-                         f"tiles are {(tq, tk)} (plan with block=(tq, 128 or 256 or 512))")
+        return (f"block: Splash needs kv tiles that are multiples of {_LANES}; "
+                f"the plan's tiles are {(tq, tk)}: plan with block=(tq, tk), tk in 128, 256 or "
+                "512 (256 or 512 on v6e's 256x256 MXU; 128 on v4/v5e; see docs/jax.md)")
+    return None
+
+
+def check_tiles(tq: int, tk: int) -> None:
+    problem = tile_problem(tq, tk)
+    if problem:
+        raise ValueError(problem)
 
 
 def _infos(arrays: Tuple[Any, ...]) -> Tuple[MaskInfo, MaskInfo]:
@@ -130,20 +149,54 @@ def _rows(cfg: _Cfg, valid: jax.Array, shape: Tuple[int, int, int]) -> jax.Array
     return jnp.broadcast_to(valid if cfg.batched else valid[None], shape)
 
 
+def _on_platform(cfg: _Cfg, kernels, *args):
+    """``kernels(interpret, *args)`` with the Pallas mode chosen by the platform the computation is
+    lowered for, not by the process's default device: the Mosaic kernels (``interpret=False``)
+    in a TPU lowering, interpret mode in any other (both are traced; a lowering keeps only its
+    platform's branch, so a step exported for TPU from a CPU host carries the Mosaic kernels and
+    a CPU run never lowers them). ``cfg.interpret`` set to a bool forces one mode."""
+    kernels = _typed_like_operands(kernels)
+    if cfg.interpret is not None:
+        return kernels(cfg.interpret, *args)
+    return jax.lax.platform_dependent(
+        *args, tpu=functools.partial(kernels, False), default=functools.partial(kernels, True))
+
+
+def _typed_like_operands(kernels):
+    """``kernels`` usable inside ``shard_map(check_vma=True)``: Splash's ``pallas_call`` gives its
+    outputs no mesh-axis (vma) types, which that check refuses, so the call is traced with the
+    check off and its results are then typed varying over every axis an operand varies over (as
+    the FFI route types its custom calls' results). Outside ``shard_map`` nothing changes."""
+
+    def wrapped(interpret, *args):
+        operands = [x for x in jax.tree_util.tree_leaves(args) if hasattr(x, "dtype")]
+        if not any(_vma(x) for x in operands):
+            return kernels(interpret, *args)
+        with _jax_config._check_vma(False):
+            outs = kernels(interpret, *args)
+        flat, tree = jax.tree_util.tree_flatten(outs)
+        return jax.tree_util.tree_unflatten(tree, _varying(flat, operands))
+
+    return wrapped
+
+
 def forward(cfg: _Cfg, q, k, v, sinks, arrays):
     """Splash's forward over the info's ``arrays``: ``(O, LSE)`` with rows that have no allowed key
     fixed (``O = 0``, ``LSE = -inf`` without a sink), and Splash's own ``(O, LSE)`` (residuals)."""
     fwd, _ = _infos(arrays)
     bs = cfg.block_sizes
 
-    def row(info, q, k, v):
-        o, (lse,) = _sk._splash_attention_forward(
-            info, q, k, v, None, sinks, mask_value=_MASK_VALUE, is_mqa=False, block_sizes=bs,
-            residual_checkpoint_name=None, save_residuals=True, mask_function=None,
-            attn_logits_soft_cap=cfg.softcap, interpret=cfg.interpret)
-        return o, lse
+    def kernels(interpret, fwd, q, k, v, sinks):
+        def row(info, q, k, v):
+            o, (lse,) = _sk._splash_attention_forward(
+                info, q, k, v, None, sinks, mask_value=_MASK_VALUE, is_mqa=False, block_sizes=bs,
+                residual_checkpoint_name=None, save_residuals=True, mask_function=None,
+                attn_logits_soft_cap=cfg.softcap, interpret=interpret)
+            return o, lse
 
-    o, lse = jax.vmap(row, in_axes=(0 if cfg.batched else None, 0, 0, 0))(fwd, q, k, v)
+        return jax.vmap(row, in_axes=(0 if cfg.batched else None, 0, 0, 0))(fwd, q, k, v)
+
+    o, lse = _on_platform(cfg, kernels, fwd, q, k, v, sinks)
     valid = _rows(cfg, arrays[8], lse.shape)
     # Splash on a row with no allowed key: NaN (no block visited) or a mean of V (only masked
     # entries visited). With a sink it is already exact (O = 0, LSE = σ).
@@ -169,25 +222,28 @@ def backward(cfg: _Cfg, q, k, v, sinks, o, lse, arrays, do, dlse):
     di_all = delta - dlse.astype(f32)
     di = jnp.where(valid, di_all, 0.0)
 
-    def row(dkv_info, fwd_info, q, k, v, lse, do, di):
+    def row(interpret, dkv_info, fwd_info, q, k, v, lse, do, di):
         dq, dk, dv = _sk._splash_attention_bwd_dkv(
             q, k, v, None, None, lse, do, di, bq=bs.block_q_dkv, bkv=bs.block_kv_dkv,
             bkv_compute=bs.block_kv_dkv_compute, is_mqa=False, mask_info=dkv_info,
             mask_value=_MASK_VALUE, attn_logits_soft_cap=cfg.softcap,
             use_fused_bwd_kernel=bs.use_fused_bwd_kernel, q_layout=bs.q_layout,
             k_layout=bs.k_layout, v_layout=bs.v_layout, mask_function=None,
-            interpret=cfg.interpret)
+            interpret=interpret)
         if not bs.use_fused_bwd_kernel:
             # the full-grid forward MaskInfo is the dQ MaskInfo at the same tiles
             dq = _sk._splash_attention_bwd_dq(
                 q, k, v, None, None, lse, do, di, bq=bs.block_q_dq, bkv=bs.block_kv_dq,
                 is_mqa=False, mask_info=fwd_info, mask_value=_MASK_VALUE,
                 attn_logits_soft_cap=cfg.softcap, q_layout=bs.q_layout, k_layout=bs.k_layout,
-                v_layout=bs.v_layout, mask_function=None, interpret=cfg.interpret)
+                v_layout=bs.v_layout, mask_function=None, interpret=interpret)
         return dq, dk, dv
 
-    ax = 0 if cfg.batched else None
-    dq, dk, dv = jax.vmap(row, in_axes=(ax, ax, 0, 0, 0, 0, 0, 0))(dkv, fwd, q, k, v, lse, do, di)
+    def kernels(interpret, *args):
+        ax = 0 if cfg.batched else None
+        return jax.vmap(functools.partial(row, interpret), in_axes=(ax, ax, 0, 0, 0, 0, 0, 0))(*args)
+
+    dq, dk, dv = _on_platform(cfg, kernels, dkv, fwd, q, k, v, lse, do, di)
     dsinks = None
     if cfg.has_sinks:
         # dσ_h = Σ_rows p_sink (dLSE - Δ), p_sink = exp(σ_h - LSE); an empty row has LSE = σ

@@ -39,6 +39,7 @@ from .cp import CPPlan, cp_attention, cp_plan, gather, scatter
 from .op import BACKENDS, LAYOUTS, attention
 from .plans import PlanRef, mask_info, plan_ref
 from .telemetry import SUMMARY_COLUMNS, Telemetry, reduce_summary
+from . import serialize as _serialize  # noqa: F401,E402  (registers the export serializations)
 
 
 __all__ = [

@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 import weakref
-from typing import Any, NamedTuple, Optional
+from typing import Any, List, NamedTuple, Optional
 
 import numpy as np
 
@@ -16,6 +16,7 @@ from ..core.sharding import Sharding, _mode
 from ..engines.native_xla import _join, _release_later, _split
 from .op import LAYOUTS, attention
 from .plans import PlanRef, _Meta, _meta, _register_pytrees
+from .splash import splash_info
 from .telemetry import Telemetry, reduce_summary
 
 
@@ -32,13 +33,18 @@ class CPPlan:
     ``lax.axis_index``): ``handles`` ``int32 [R, 2]`` (rank r's local plan), and for
     ``mode="needed"`` ``send`` ``int32 [R, R·M]`` (the local tiles each rank sends to every
     rank, padded to ``M`` per pair) and ``recv`` ``int32 [R, N]`` (where each of a rank's ``N``
-    needed tiles lands in what it receives). Static: the local plans' shapes, the mode, ``M`` and
-    ``N`` (powers of two, so new plans rarely change them), the tile and the world size."""
+    needed tiles lands in what it receives); with ``splash=True`` also ``splash``, every rank's
+    local plan as Splash ``MaskInfo`` stacked on a leading ``[R]`` axis (one stable shape: the
+    partial blocks padded to a bound shared by the ranks) and its local keys' positions in their
+    documents (``int32 [R, B' or 1, Lkv_local]``, for telemetry's sink keys), as a pair. Static: the local plans' shapes, the
+    mode, ``M`` and ``N`` (powers of two, so new plans rarely change them), the tile and the
+    world size. Any leaf may instead be passed sharded over the mesh axis (``[1, ...]`` per
+    device)."""
 
-    __slots__ = ("handles", "send", "recv", "aux", "_keep")
+    __slots__ = ("handles", "send", "recv", "splash", "aux", "_keep")
 
-    def __init__(self, handles: Any, send: Any, recv: Any, aux: "_CPAux", keep: Any = None):
-        self.handles, self.send, self.recv, self.aux = handles, send, recv, aux
+    def __init__(self, handles: Any, send: Any, recv: Any, splash: Any, aux: "_CPAux", keep: Any = None):
+        self.handles, self.send, self.recv, self.splash, self.aux = handles, send, recv, splash, aux
         self._keep = keep  # the local Plans (alive while this object is)
 
     def __repr__(self) -> str:
@@ -57,22 +63,30 @@ class _CPAux(NamedTuple):
 
 
 def _flatten_cp(c: CPPlan):
-    return (c.handles, c.send, c.recv), c.aux
+    return (c.handles, c.send, c.recv, c.splash), c.aux
 
 
 def _unflatten_cp(aux: _CPAux, children) -> CPPlan:
     return CPPlan(*children, aux)
 
 
-def cp_plan(sharding: Any, mode: str = "allgather") -> CPPlan:
+def cp_plan(
+    sharding: Any, mode: str = "allgather", *, splash: bool = False,
+    max_partial_blocks: Optional[int] = None,
+) -> CPPlan:
     """The :class:`CPPlan` of a ``tessera.cp`` sharding: every rank's local plan registered for
     the FFI (with its keys' global positions, so telemetry finds the sink keys), and for
-    ``mode="needed"`` the tile routes of the padded ``all_to_all``. Pass it as an argument of
-    the jitted step: plans of equal shapes then share one compiled program."""
+    ``mode="needed"`` the tile routes of the padded ``all_to_all``. With ``splash=True`` it also
+    carries every rank's local plan as Splash ``MaskInfo`` (what the Splash route, and so a step
+    lowered for TPU, runs; ``max_partial_blocks`` bounds the partial blocks of every rank, by
+    default the next power of two at or above the largest rank's count). Pass it as an argument
+    of the jitted step: plans of equal shapes then share one compiled program."""
     if not isinstance(sharding, Sharding):
         raise TypeError(f"sharding: expected a tessera.cp.Sharding, got {type(sharding).__name__}")
     mode = _mode(mode)
-    key = ("jax", mode)
+    if not isinstance(splash, bool):
+        raise TypeError(f"splash: expected a bool, got {type(splash).__name__}")
+    key = ("jax", mode, splash, max_partial_blocks)
     cached = sharding._local.get(key)
     if cached is not None:
         return cached
@@ -119,9 +133,38 @@ def cp_plan(sharding: Any, mode: str = "allgather") -> CPPlan:
     for p, words in zip(local, handles):
         weakref.finalize(p, _release_later, _join(words))
     aux = _CPAux(metas.pop(), mode, r_n, t, per_pair, needed, sharding.tokens_per_rank)
-    out = CPPlan(handles, send, recv, aux, local)
+    infos = None
+    if splash:
+        infos = (_stacked_splash_infos(local, max_partial_blocks), _local_sink_positions(glob, layouts))
+    out = CPPlan(handles, send, recv, infos, aux, local)
     sharding._local[key] = out
     return out
+
+
+def _stacked_splash_infos(local: List[Plan], bound: Optional[int]) -> Any:
+    """The ranks' SplashInfos with one bound on partial blocks, stacked on a leading rank axis."""
+    import jax
+
+    from ..engines.splash import check_tiles
+
+    check_tiles(*local[0].block)
+    if bound is None:
+        bound = max(splash_info(p).meta.max_partial_blocks for p in local)
+    infos = [splash_info(p, max_partial_blocks=bound) for p in local]
+    return jax.tree_util.tree_map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *infos)
+
+
+def _local_sink_positions(glob: Plan, layouts: List[np.ndarray]) -> np.ndarray:
+    """Each rank's local keys' positions in their documents (``-1`` for padding keys and for the
+    padded slots of the needed layout), from the global row's: ``[R, B' or 1, Lkv_local]``."""
+    from ..engines.splash_telemetry import sink_positions
+
+    pos = sink_positions(glob)
+    out = []
+    for lay in layouts:
+        lay = np.asarray(lay, dtype=np.int64)
+        out.append(np.where(lay[None, :] >= 0, pos[:, np.maximum(lay, 0)], -1).astype(np.int32))
+    return np.stack(out)
 
 
 def _my_row(x: Any, aux: _CPAux, axis_name: Any) -> Any:
@@ -184,6 +227,7 @@ def cp_attention(
     telemetry: Optional[Telemetry] = None,
     layer: int = 0,
     layout: str = "bhld",
+    backend: str = "auto",
 ) -> Any:
     """Exact attention over a row sharded by ``tessera.cp.shard``, inside ``shard_map`` over
     ``axis_name`` (SPEC §11): this device's ``q``, ``k``, ``v`` hold its tokens (the row put in
@@ -192,7 +236,10 @@ def cp_attention(
     ``tessera.cp.Sharding`` (its handles become constants of the trace). ``mode="allgather"``
     all-gathers K/V; ``mode="needed"`` moves only the tiles each rank's rows touch (one padded
     ``all_to_all``). Gradients: dQ stays local, dK/dV return to their owners (the transposes of
-    the exchange), the sinks' gradient is summed over the devices. With ``telemetry`` the
+    the exchange), the sinks' gradient is summed over the devices. ``backend`` as
+    :func:`attention`: ``"auto"`` runs the FFI route where the step is lowered for CPU and Splash
+    where it is lowered for TPU (which needs ``cp_plan(..., splash=True)``); ``"ffi"`` or
+    ``"splash"`` force one (Splash runs Pallas interpret mode off TPU). With ``telemetry`` the
     summary returned is already reduced over ``axis_name`` (``psum``/``pmax``; outliers counted
     against each slice's RMS over the whole row): every device holds the whole row's summary."""
     import jax.numpy as jnp
@@ -215,10 +262,18 @@ def cp_attention(
             )
     kx = _exchange(k, cpp, axis_name, seq_axis)
     vx = _exchange(v, cpp, axis_name, seq_axis)
-    ref = PlanRef(_my_row(jnp.asarray(cpp.handles), a, axis_name), a.meta)
+    info = pos = None
+    if cpp.splash is not None:
+        import jax
+
+        info, pos = jax.tree_util.tree_map(lambda x: _my_row(jnp.asarray(x), a, axis_name), cpp.splash)
+    elif backend == "splash":
+        raise ValueError(
+            "sharding: the Splash route needs the ranks' MaskInfo: tessera.jax.cp_plan(sh, mode, splash=True)")
+    ref = PlanRef(_my_row(jnp.asarray(cpp.handles), a, axis_name), a.meta, info, None, pos)
     out = attention(
         q, kx, vx, ref, scale=scale, softcap=softcap, sinks=sinks, return_lse=return_lse,
-        telemetry=telemetry, layer=layer, layout=layout, backend="ffi",
+        telemetry=telemetry, layer=layer, layout=layout, backend=backend,
     )
     if telemetry is None:
         return out

@@ -107,23 +107,27 @@ def _check(q, k, v, ref: PlanRef, layout: str, sinks: Any) -> None:
 
 
 def _backend(backend: str, arrays: Sequence[Any]) -> str:
-    import jax
-
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
     platforms = {p for p in map(_platform_of, arrays) if p is not None}
-    platform = next(iter(platforms)) if len(platforms) == 1 else jax.default_backend()
+    if len(platforms) != 1:
+        # Traced (inside jit, or exported): the platform is the lowering's, known only then.
+        return "by_platform" if backend == "auto" else backend
+    platform = platforms.pop()
     if platform not in ("cpu", "tpu"):
-        raise ValueError(
-            f"q: arrays on a {platform} device; tessera.jax.attention runs on CPU (Tessera's "
-            "kernels through XLA FFI) and TPU (Splash). On a GPU, use tessera.torch.attention "
-            "(FlexAttention) or plan.to_splash_mask_info() with your own kernel"
-        )
+        raise ValueError(f"q: arrays on a {platform} device; {_PLATFORMS}")
     if backend == "auto":
         return "splash" if platform == "tpu" else "ffi"
     if backend == "ffi" and platform != "cpu":
         raise ValueError(f"backend: 'ffi' runs Tessera's CPU kernels; the arrays are on {platform}")
     return backend
+
+
+_PLATFORMS = (
+    "tessera.jax.attention runs on CPU (Tessera's kernels through XLA FFI) and TPU (Splash). On "
+    "a GPU, use tessera.torch.attention (FlexAttention) or plan.to_splash_mask_info() with your "
+    "own kernel"
+)
 
 
 # -- the op -----------------------------------------------------------------------------------
@@ -155,10 +159,11 @@ def attention(
     allowed key give ``O = 0`` (``LSE = -inf``). With ``telemetry`` (a :class:`Telemetry` at a
     step) the result gains the step's summary (``float32 [Hq, 11, 2]``, zeros on non-logging
     steps) as its last element. ``backend``: ``"auto"`` (FFI on CPU, Splash on TPU), ``"ffi"``
-    or ``"splash"`` (Pallas interpret mode off TPU).
+    or ``"splash"`` (Pallas interpret mode off TPU). The choice is the platform's the step is
+    lowered for, not the default device's: ``jax.export(..., platforms=["tpu"])`` or an AOT
+    compile for TPU on a CPU host gets the Splash (Mosaic) kernels, which need
+    ``plan_ref(plan, splash=True)`` among the step's arguments.
     """
-    import jax.numpy as jnp
-
     _register_pytrees()
     if layout not in LAYOUTS:
         raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
@@ -178,8 +183,61 @@ def attention(
                 "use tessera.jax.cp_attention(..., telemetry=...)"
             )
     which = _backend(backend, (q, k, v))
+    args = (q, k, v, ref, scale, softcap, sinks, return_lse, telemetry, layout)
     if which == "splash":
-        return _splash_attention(q, k, v, ref, scale, softcap, sinks, return_lse, telemetry, layout)
+        return _splash_attention(*args)
+    if which == "ffi":
+        return _ffi_attention(*args)
+    return _by_platform(*args)
+
+
+def _by_platform(q, k, v, ref, scale, softcap, sinks, return_lse, telemetry, layout):
+    """``backend="auto"`` under a trace: the FFI route where the step is lowered for CPU, Splash
+    where it is lowered for TPU, a clear lowering error elsewhere (SPEC §12: the kernel a step runs
+    is chosen by the platform it is lowered for). The TPU branch needs the plan's Splash
+    ``MaskInfo`` in the step (``plan_ref(plan, splash=True)``) and kv tiles Splash can run; without
+    them it lowers to that error, and the CPU branch is unaffected."""
+    import jax
+
+    from ..engines.lowering import unsupported
+    from ..engines.splash import tile_problem
+
+    args = (q, k, v, ref, sinks, telemetry)
+
+    def cpu(q, k, v, ref, sinks, telemetry):
+        return _ffi_attention(q, k, v, ref, scale, softcap, sinks, return_lse, telemetry, layout)
+
+    out_shapes = jax.eval_shape(cpu, *args)
+    flat, tree = jax.tree_util.tree_flatten(out_shapes)
+
+    def fail(message):
+        def branch(q, k, v, ref, sinks, telemetry):
+            outs = _varying(unsupported(message, flat, q), (q, k, v))
+            return jax.tree_util.tree_unflatten(tree, outs)
+
+        return branch
+
+    problem = tile_problem(*ref.meta.block)
+    if problem is not None:
+        tpu = fail(f"{problem} (lowering tessera.jax.attention for TPU)")
+    elif ref.splash is None:
+        tpu = fail(
+            "plan: lowering tessera.jax.attention for TPU needs the plan's Splash MaskInfo in the "
+            "step: pass tessera.jax.plan_ref(plan, splash=True) to the jitted function")
+    elif telemetry is not None and ref.sink_pos is None:
+        tpu = fail(
+            "telemetry: lowering tessera.jax.attention for TPU with telemetry needs the keys' "
+            "document positions: pass tessera.jax.plan_ref(plan, splash=True) (a plan with a mask)")
+    else:
+        def tpu(q, k, v, ref, sinks, telemetry):
+            return _splash_attention(q, k, v, ref, scale, softcap, sinks, return_lse, telemetry, layout)
+
+    return jax.lax.platform_dependent(*args, cpu=cpu, tpu=tpu, default=fail(f"q: {_PLATFORMS}"))
+
+
+def _ffi_attention(q, k, v, ref, scale, softcap, sinks, return_lse, telemetry, layout):
+    import jax.numpy as jnp
+
     handle = ref.handle
     if isinstance(handle, np.ndarray) and not _tessera.ffi_registered(_join(handle)):
         raise ValueError("plan: this handle names no live plan (freed, or not made by tessera.jax)")
@@ -198,11 +256,6 @@ def attention(
 def _splash_attention(q, k, v, ref, scale, softcap, sinks, return_lse, telemetry, layout):
     from . import splash as _splash
 
-    if telemetry is not None:
-        raise NotImplementedError(
-            "telemetry: the Splash route has no telemetry kernel yet; log telemetry from the "
-            "CPU (FFI) route"
-        )
     info = ref.splash
     if info is None:
         if ref.plan is None:
@@ -211,14 +264,59 @@ def _splash_attention(q, k, v, ref, scale, softcap, sinks, return_lse, telemetry
                 "tessera.jax.plan_ref(plan, splash=True) to the jitted function"
             )
         info = _splash.splash_info(ref.plan)
+    pos = ref.sink_pos
+    if telemetry is not None and pos is None:
+        if ref.plan is None:
+            raise ValueError(
+                "telemetry: the Splash route finds the sink keys from the plan's documents; pass "
+                "tessera.jax.plan_ref(plan, splash=True) to the jitted function")
+        from ..engines.splash_telemetry import sink_positions
+
+        pos = sink_positions(ref.plan)
     if layout == "blhd":
         q, k, v = (x.transpose(0, 2, 1, 3) for x in (q, k, v))
-    out = _splash.splash_attention(
-        q, k, v, info, scale=scale, softcap=softcap, sinks=sinks, return_lse=return_lse
-    )
+    o, lse = _splash.splash_attention(q, k, v, info, scale=scale, softcap=softcap, sinks=sinks, return_lse=True)
+    summary = None
+    if telemetry is not None:
+        summary = _splash_summary(q, k, o, lse, sinks, info, pos, scale, softcap, telemetry)
     if layout == "blhd":
-        if return_lse:
-            o, lse = out
-            return o.transpose(0, 2, 1, 3), lse.transpose(0, 2, 1)
-        return out.transpose(0, 2, 1, 3)
-    return out
+        o, lse = o.transpose(0, 2, 1, 3), lse.transpose(0, 2, 1)
+    out: Tuple[Any, ...] = (o, lse) if return_lse else (o,)
+    if summary is not None:
+        out += (summary,)
+    return out[0] if len(out) == 1 else out
+
+
+def _splash_summary(q, k, o, lse, sinks, info, pos, scale, softcap, telemetry):
+    """The Splash route's telemetry summary ``[Hq, SUMMARY_COLUMNS, 2]`` on logging steps (a
+    ``lax.cond`` on the traced step: a non-logging step runs only the zeros branch), from
+    :func:`tessera.engines.splash_telemetry.summary`; no gradient flows through it."""
+    import jax
+    import jax.numpy as jnp
+
+    from ..engines.splash_telemetry import summary
+
+    cfg = telemetry.config
+    b, hq, lq, _ = q.shape
+    rows = b * lq
+    hi = float(np.float32(rows))  # as the FFI route: (hi, lo) pairs, exact counts
+    cov = np.broadcast_to(np.array([[hi, rows - hi], [1.0, 0.0]], np.float32), (hq, 2, 2))
+    sg = jax.lax.stop_gradient
+    args = (sg(q), sg(k), sg(o), sg(lse), None if sinks is None else sg(jnp.asarray(sinks)))
+    arrays = info.tree_flatten()[0]
+    batched = info.meta.groups[0] > 1
+
+    def logged(args):
+        stats = summary(*args, arrays, pos, block=info.meta.block, batched=batched, scale=scale,
+                        softcap=softcap, tel=cfg)
+        (c,) = _varying([jnp.asarray(cov)], args[:4])
+        return jnp.concatenate([stats, c], axis=1)
+
+    def plain(args):
+        (zeros,) = _varying([jnp.zeros((hq, SUMMARY_COLUMNS, 2), np.float32)], args[:4])
+        return zeros
+
+    if cfg.every == 0:
+        return plain(args)
+    is_logging = (jnp.asarray(telemetry.step, jnp.int32) % max(cfg.every, 1)) == 0
+    return jax.lax.cond(is_logging, logged, plain, args)

@@ -30,15 +30,19 @@ def _meta(plan: Plan) -> _Meta:
 
 class PlanRef:
     """A plan as JAX sees it: the handle words (concrete, or traced inside ``jit``), the static
-    shapes, and optionally the plan's stable-shape Splash ``MaskInfo`` (``splash``, a pytree)."""
+    shapes, and optionally the plan's stable-shape Splash ``MaskInfo`` (``splash``, a pytree) with
+    each key's position in its document (``sink_pos`` ``int32 [B' or 1, Lkv]``, where the Splash
+    route's telemetry finds the sink keys)."""
 
-    __slots__ = ("handle", "meta", "splash", "plan")
+    __slots__ = ("handle", "meta", "splash", "plan", "sink_pos")
 
-    def __init__(self, handle: Any, meta: _Meta, splash: Any = None, plan: Optional[Plan] = None):
+    def __init__(self, handle: Any, meta: _Meta, splash: Any = None, plan: Optional[Plan] = None,
+                 sink_pos: Any = None):
         self.handle = handle
         self.meta = meta
         self.splash = splash
         self.plan = plan  # the Plan itself when concrete (keeps it alive), else None
+        self.sink_pos = sink_pos
 
     @property
     def shape(self) -> Tuple[int, int, int, int]:
@@ -50,12 +54,12 @@ class PlanRef:
 
 
 def _flatten_ref(r: PlanRef):
-    return (r.handle, r.splash), r.meta
+    return (r.handle, r.splash, r.sink_pos), r.meta
 
 
 def _unflatten_ref(meta: _Meta, children) -> PlanRef:
-    handle, splash = children
-    return PlanRef(handle, meta, splash)
+    handle, splash, sink_pos = children
+    return PlanRef(handle, meta, splash, None, sink_pos)
 
 
 def _flatten_plan(p: Plan):
@@ -101,19 +105,26 @@ def plan_ref(plan: Plan, *, splash: Optional[bool] = None, max_partial_blocks: O
     """``plan`` as the pytree a jitted step takes. With ``splash=True`` (the default on TPU) it
     also carries the plan's Splash ``MaskInfo`` in stable shapes (full grid, partial blocks
     padded to ``max_partial_blocks``, default the next power of two), so that plans of equal
-    shapes share one compiled Splash step."""
+    shapes share one compiled Splash step; a plan whose kv tile is not a multiple of 128 raises
+    ``ValueError`` naming ``block`` then. A step exported or compiled for TPU needs this form."""
     if isinstance(plan, PlanRef):
         return plan
     if not isinstance(plan, Plan):
         raise TypeError(f"plan: expected a tessera.Plan, got {type(plan).__name__}")
     if plan._p is None:
         return plan._traced
-    info = None
+    info = pos = None
     if splash if splash is not None else _default_splash():
         from ..core.splash_tables import splash_info
+        from ..engines.splash import check_tiles
 
+        check_tiles(*plan.block)  # Splash (and so a TPU lowering) runs kv tiles of 128·n only
         info = splash_info(plan, max_partial_blocks=max_partial_blocks)
-    return PlanRef(_handle_of(plan), _meta(plan), info, plan)
+        if plan._p.mask is not None:
+            from ..engines.splash_telemetry import sink_positions
+
+            pos = sink_positions(plan)
+    return PlanRef(_handle_of(plan), _meta(plan), info, plan, pos)
 
 
 def _as_ref(plan: Any) -> PlanRef:

@@ -15,6 +15,7 @@ from ..core.args import scale_softcap
 from ..core import splash_tables
 from ..core.plans import Plan, check_plan
 from ..core.splash_tables import SplashInfo
+from ..engines.vma import _like
 from ..engines.splash import _MISSING, _Cfg, _block_sizes, _check, backward, forward
 
 __all__ = ["SplashInfo", "splash_info", "splash_attention"]
@@ -50,17 +51,17 @@ def splash_attention(
     ``[Hq]`` are learned sink logits (denominator only). Returns ``O [B, Hq, Lq, Dv]`` in q's
     dtype, and with ``return_lse`` also ``LSE [B, Hq, Lq]`` float32 (natural log; ``-inf`` on
     rows with no allowed key and no sink). Differentiable (reverse mode) in q, k, v, sinks and
-    through the LSE. ``interpret=None`` runs Pallas interpret mode off TPU."""
+    through the LSE. ``interpret=None`` picks by the platform the step is lowered for: the
+    Mosaic kernels for TPU (also when exported or compiled for TPU on another host), Pallas
+    interpret mode for any other platform; True/False force one."""
     if _MISSING:
         raise NotImplementedError(
             f"this JAX ({jax.__version__}) Splash lacks {', '.join(_MISSING)}, which the exact "
             "LSE gradient needs")
     _check(q, k, v, info, sinks)
     scale, softcap = scale_softcap(q.shape[-1], scale, softcap)
-    if interpret is None:
-        interpret = jax.default_backend() != "tpu"
     tq, tk = info.meta.block
-    cfg = _Cfg(_block_sizes(block_sizes, tq, tk), softcap, bool(interpret), sinks is not None,
+    cfg = _Cfg(_block_sizes(block_sizes, tq, tk), softcap, None if interpret is None else bool(interpret), sinks is not None,
                info.meta.groups[0] > 1)
 
     b, hq, lq, _ = q.shape
@@ -96,7 +97,9 @@ def _core_bwd(cfg, res, cts):
     q, k, v, sinks, o, lse, arrays = res
     do, dlse = cts
     dq, dk, dv, dsinks = backward(cfg, q, k, v, sinks, o, lse, arrays, do, dlse)
-    return (dq, dk, dv, dsinks) + (None,) * len(arrays)
+    # typed like the primals under shard_map (a replicated input's gradient summed over devices)
+    dsinks = None if sinks is None else _like(dsinks, sinks)
+    return (_like(dq, q), _like(dk, k), _like(dv, v), dsinks) + (None,) * len(arrays)
 
 
 _core.defvjp(_core_fwd, _core_bwd)
