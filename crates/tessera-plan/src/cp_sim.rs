@@ -5,7 +5,8 @@
 //! mix, 1 % of documents 32K–128K tokens); [`simulate`] plans `causal & document` over it, shards it
 //! with every [`Scheme`] for every world size, and reports per scheme the largest and mean
 //! per-rank compute (pairs, tiles, modelled cost), the tile work sharding adds, the K/V bytes a
-//! rank receives in all-gather and needed mode, and a modelled step time from the stated
+//! rank receives in all-gather and needed mode (and the busiest receiver's as a fraction of an
+//! all-gather), and a modelled step time from the stated
 //! [`SimModel`] (compute at a FLOP rate plus K/V traffic at a link bandwidth, no overlap). Pure
 //! and deterministic for a given configuration.
 
@@ -237,6 +238,8 @@ pub struct SimRow {
     pub needed_bytes_max: f64,
     /// Mean K/V bytes a rank receives in needed mode (forward).
     pub needed_bytes_mean: f64,
+    /// The busiest receiver's K/V in needed mode over an all-gather's ([`crate::Sharding::kv_fraction`]).
+    pub needed_fraction_max: f64,
     /// Modelled step time, all-gather mode, seconds.
     pub step_allgather_s: f64,
     /// Modelled step time, needed mode, seconds.
@@ -308,6 +311,7 @@ pub fn simulate_plan(plan: &Plan, ranks: &[usize], model: &SimModel) -> Result<V
                 allgather_bytes: allgather,
                 needed_bytes_max: needed.iter().copied().fold(0.0, f64::max),
                 needed_bytes_mean: needed.iter().sum::<f64>() / needed.len().max(1) as f64,
+                needed_fraction_max: s.kv_fraction(),
                 step_allgather_s: step(&|_| allgather),
                 step_needed_s: step(&|k| needed[k]),
                 shard_ms,

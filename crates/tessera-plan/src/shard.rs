@@ -53,8 +53,9 @@ pub enum Scheme {
     /// Head-tail inside each cluster (document): each cluster is cut in `2R` chunks of whole tiles,
     /// rank `r` owns chunks `r` and `2R−1−r`; leftover middle tiles are dealt round-robin.
     PerDocZigzag,
-    /// Minimises the largest per-rank cost from the plan's exact tile costs; keeps short clusters
-    /// (documents) whole on one rank when balance allows.
+    /// Minimises the busiest rank's received K/V within a balance cap on the plan's exact tile
+    /// costs ([`CostModel::balance_cap`]): short clusters (documents) whole on one rank, long ones
+    /// in contiguous pieces, split only where balance needs it.
     Balanced,
 }
 

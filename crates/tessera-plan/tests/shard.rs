@@ -247,8 +247,17 @@ fn bad_inputs_are_clear_errors() {
     let bad_model = CostModel {
         partial_overhead: 2.0,
         backward: 1.0,
+        ..CostModel::default()
     };
     assert!(shard(&p, 2, Scheme::Balanced, bad_model).is_err());
+    for cap in [0.99, f64::NAN, f64::INFINITY] {
+        let m = CostModel {
+            balance_cap: cap,
+            ..CostModel::default()
+        };
+        let e = shard(&p, 2, Scheme::Balanced, m).unwrap_err();
+        assert!(e.to_string().contains("balance_cap"), "{e}");
+    }
     assert!(Scheme::parse("ring").is_err());
     assert_eq!(
         Scheme::parse("perdoc_zigzag").unwrap(),
@@ -273,6 +282,32 @@ fn doc_mix_is_seeded_and_has_long_documents() {
     let long: usize = lens.values().filter(|&&n| n >= 32 * 1024).sum();
     assert!(long as f64 >= 0.25 * a.len() as f64, "{long}");
     assert!(lens.len() > 30, "{} documents", lens.len());
+    // The web mix: about 1 % of documents long, none of the rest.
+    let (mut docs, mut long) = (0usize, 0usize);
+    for seed in 0..40 {
+        let ids = doc_mix(512 * 1024, &DocMix::web(seed)).unwrap();
+        let mut runs = vec![1usize];
+        for w in ids.windows(2) {
+            if w[0] == w[1] {
+                *runs.last_mut().unwrap() += 1;
+            } else {
+                runs.push(1);
+            }
+        }
+        // The row's last document may be cut short; every other one is in a range.
+        for &n in &runs[..runs.len() - 1] {
+            assert!((64..32 * 1024).contains(&n) || (32 * 1024..=128 * 1024).contains(&n));
+        }
+        docs += runs.len();
+        long += runs.iter().filter(|&&n| n >= 32 * 1024).count();
+    }
+    let share = long as f64 / docs as f64;
+    assert!((0.005..0.02).contains(&share), "{long} of {docs} documents long");
+    let bad = DocMix {
+        long_docs: 1.5,
+        ..DocMix::web(0)
+    };
+    assert!(doc_mix(1024, &bad).is_err());
 }
 
 /// The issue's bar at N = 512K, R = 8 on the doc-causal mix.
@@ -286,6 +321,88 @@ fn balanced_meets_the_bar_at_512k_8_ranks() {
     assert!(b.cost_max_over_mean <= z.cost_max_over_mean, "{b:?} {z:?}");
     assert!(b.needed_bytes_max < b.allgather_bytes, "{b:?}");
     assert!(rows.iter().all(|r| r.extra_tiles == 0));
+}
+
+/// Per scheme on a web mix: (max/mean cost, busiest receiver's K/V over an all-gather, ms).
+fn web_row(len: usize, r: usize, seed: u64, tile: usize) -> Vec<(Scheme, f64, f64, f64)> {
+    let p = doc_causal_plan(len, &DocMix::web(seed), tile).unwrap();
+    Scheme::ALL
+        .iter()
+        .map(|&scheme| {
+            let t0 = Instant::now();
+            let s = shard(&p, r, scheme, CostModel::default()).unwrap();
+            let ms = t0.elapsed().as_secs_f64() * 1e3;
+            // The fraction is the exact needed lists' (not the solver's estimate).
+            let ag = (s.tiles - s.tiles_per_rank()) as f64;
+            let max_remote = s.needed.iter().enumerate().map(|(k, row)| {
+                row.iter()
+                    .enumerate()
+                    .filter(|&(src, _)| src != k)
+                    .map(|(_, v)| v.len())
+                    .sum::<usize>()
+            });
+            let frac = max_remote.max().unwrap() as f64 / ag;
+            assert!((frac - s.kv_fraction()).abs() < 1e-12);
+            for c in &s.costs {
+                assert!((c.kv_remote_fraction - c.kv_tiles_remote as f64 / ag).abs() < 1e-12);
+            }
+            (scheme, s.imbalance(), frac, ms)
+        })
+        .collect()
+}
+
+fn print_rows(label: &str, rows: &[(Scheme, f64, f64, f64)]) {
+    let cells: Vec<String> = rows
+        .iter()
+        .map(|(s, b, f, ms)| format!("{s} {b:.3} / {f:.3} ({ms:.0} ms)"))
+        .collect();
+    println!("| {label} | {} |", cells.join(" | "));
+}
+
+/// Issue 41's bar: packed web documents (lognormal lengths, 1 % of documents 32K–128K tokens),
+/// 512K tokens over 8 ranks at tile 128: balanced keeps the busiest rank within 1.05× the mean
+/// cost (its cap is 1.02) and the busiest receiver's K/V within 0.35 of an all-gather, on every
+/// seed. Seeds 6 and 13 are where the balance-only solver needed 0.48 and 0.15 (the issue's 0.42
+/// and 0.15); 8, 19, 21 and 38 have two or more long documents (the hardest found in 0..40).
+#[test]
+fn balanced_meets_the_traffic_bar_on_web_mixes() {
+    for seed in [0, 1, 2, 5, 6, 8, 11, 13, 19, 21, 38] {
+        let rows = web_row(512 * 1024, 8, seed, 128);
+        print_rows(&format!("seed {seed}"), &rows);
+        let &(_, bal, frac, _) = rows.iter().find(|r| r.0 == Scheme::Balanced).unwrap();
+        assert!(bal <= 1.02 + 1e-9, "seed {seed}: max/mean {bal}");
+        assert!(frac <= 0.35, "seed {seed}: needed {frac} of an all-gather");
+    }
+}
+
+/// The bar on 64 seeds, and at other world sizes and tiles (same mix, 512K and 1M tokens):
+/// `cargo test -p tessera-plan --release --test shard -- --ignored --nocapture web`.
+#[test]
+#[ignore]
+fn balanced_meets_the_traffic_bar_on_64_web_seeds() {
+    let mut worst = (0.0f64, 0.0f64);
+    for seed in 0..64 {
+        let rows = web_row(512 * 1024, 8, seed, 128);
+        print_rows(&format!("512K R=8 t=128 seed {seed}"), &rows);
+        let &(_, bal, frac, _) = rows.iter().find(|r| r.0 == Scheme::Balanced).unwrap();
+        worst = (worst.0.max(bal), worst.1.max(frac));
+        assert!(bal <= 1.02 + 1e-9 && frac <= 0.35, "seed {seed}: {bal} {frac}");
+    }
+    println!("worst over 64 seeds: max/mean {:.3}, needed {:.3}", worst.0, worst.1);
+    // Elsewhere: within the cap, and never more traffic than an all-gather's worth.
+    for (len, r, tile) in [
+        (512 * 1024, 4, 128),
+        (512 * 1024, 16, 128),
+        (512 * 1024, 8, 64),
+        (1024 * 1024, 32, 128),
+    ] {
+        for seed in 0..4 {
+            let rows = web_row(len, r, seed, tile);
+            print_rows(&format!("{}K R={r} t={tile} seed {seed}", len >> 10), &rows);
+            let &(_, bal, _, _) = rows.iter().find(|x| x.0 == Scheme::Balanced).unwrap();
+            assert!(bal <= 1.02 + 1e-9, "{len} {r} {tile} {seed}: {bal}");
+        }
+    }
 }
 
 /// Sharding a 1M-token plan over 32 ranks in at most 100 ms (release build):
