@@ -621,6 +621,12 @@ fn swap_singles(
 /// Ranks a swap round tries as partners of the most loaded one.
 const SWAP_PARTNERS: usize = 4;
 
+/// Swaps a repair round checks for traffic, best first.
+const REPAIR_TRIES: usize = 128;
+
+/// Ranks a repair round tries as partners of the most loaded one (the least loaded).
+const REPAIR_PARTNERS: usize = 8;
+
 /// Per rank, the K/V tiles it would receive, estimated from the rows' reach intervals (exact for
 /// masks whose rows reach one interval, such as causal documents and windows).
 fn remote_estimate(tc: &TileCosts, owned: &[Vec<u32>]) -> Vec<u64> {
@@ -804,7 +810,11 @@ fn deal(
     let mut pool: Vec<Option<Run>> = wholes.iter().copied().map(Some).collect();
     // Per split cluster, the remaining pieces [first, last).
     let mut ends: Vec<(usize, usize)> = split.iter().map(|v| (0, v.len())).collect();
-    let mut pool_cost: f64 = wholes.iter().chain(split.iter().flatten()).map(|u| u.cost).sum();
+    let mut pool_cost: f64 = wholes
+        .iter()
+        .chain(split.iter().flatten())
+        .map(|u| u.cost)
+        .sum();
     let mut pool_tiles: usize = wholes
         .iter()
         .chain(split.iter().flatten())
@@ -888,7 +898,11 @@ fn deal(
                 };
                 let split = if take.len < u.len { take.len } else { 0 };
                 // A split also costs the K/V the tail's later owner receives from this head.
-                let d = (p.delta(k, &take).max(0) + split as i64) as f64;
+                let d = if traffic > 0.0 {
+                    (p.delta(k, &take).max(0) + split as i64) as f64
+                } else {
+                    0.0
+                };
                 let score = err / scale + traffic * d / n;
                 if best.is_none_or(|b| score < b.0) {
                     best = Some((score, src, split));
@@ -976,9 +990,8 @@ fn swap_wholes(p: &mut Placer) {
             let wb = &p.wholes[b];
             for (ia, x) in p.wholes[a].iter().enumerate() {
                 let want = x.cost - gap / 2.0;
-                let pos = wb.partition_point(|y| {
-                    y.len < x.len || (y.len == x.len && y.cost < want)
-                });
+                let pos =
+                    wb.partition_point(|y| y.len < x.len || (y.len == x.len && y.cost < want));
                 for ib in [pos.wrapping_sub(1), pos] {
                     let Some(y) = wb.get(ib) else { continue };
                     let d = x.cost - y.cost;
@@ -1096,8 +1109,10 @@ fn repair(tc: &TileCosts, owned: &mut [Vec<u32>], stop: f64) {
         if load[a] <= stop {
             break;
         }
-        // Every other rank: the one holding a piece's neighbours takes its tiles for free.
-        let partners = (0..r).filter(|&b| b != a);
+        // Several partners: the one holding a piece's neighbours takes its tiles for free.
+        let mut partners: Vec<usize> = (0..r).filter(|&b| b != a).collect();
+        partners.sort_by(|&x, &y| load[x].total_cmp(&load[y]).then(x.cmp(&y)));
+        partners.truncate(REPAIR_PARTNERS);
         // (new max, rank b, tile of a, tile of b)
         cands.clear();
         for b in partners {
@@ -1119,9 +1134,18 @@ fn repair(tc: &TileCosts, owned: &mut [Vec<u32>], stop: f64) {
                 }
             }
         }
-        cands.sort_by(|x, y| x.0.total_cmp(&y.0).then((x.1, x.2, x.3).cmp(&(y.1, y.2, y.3))));
+        // The best few by new maximum, in order (a partial sort: the lists are long).
+        let by = |x: &(f64, usize, u32, u32), y: &(f64, usize, u32, u32)| {
+            x.0.total_cmp(&y.0)
+                .then((x.1, x.2, x.3).cmp(&(y.1, y.2, y.3)))
+        };
+        if cands.len() > REPAIR_TRIES {
+            cands.select_nth_unstable_by(REPAIR_TRIES, by);
+            cands.truncate(REPAIR_TRIES);
+        }
+        cands.sort_unstable_by(by);
         let mut done = false;
-        for &(new_max, b, ta, tb) in cands.iter().take(256) {
+        for &(new_max, b, ta, tb) in cands.iter() {
             if new_max >= load[a] * (1.0 - 1e-12) {
                 break;
             }
@@ -1144,9 +1168,8 @@ fn repair(tc: &TileCosts, owned: &mut [Vec<u32>], stop: f64) {
                 if let Some(i) = s.iter().position(|&t| t == from) {
                     s.remove(i);
                 }
-                let i = s.partition_point(|&t| {
-                    cost(t).total_cmp(&cost(to)).then(t.cmp(&to)).is_lt()
-                });
+                let i =
+                    s.partition_point(|&t| cost(t).total_cmp(&cost(to)).then(t.cmp(&to)).is_lt());
                 s.insert(i, to);
             }
             done = true;
@@ -1233,7 +1256,10 @@ fn balanced(
         for keep in [1.0, 0.5, 0.25] {
             let (wholes, split) = make_runs(tc, clus, cap, piece, keep * mean);
             // Thresholds that split the same clusters deal the same.
-            let starts: Vec<u32> = split.iter().filter_map(|v| v.first().map(|u| u.start)).collect();
+            let starts: Vec<u32> = split
+                .iter()
+                .filter_map(|v| v.first().map(|u| u.start))
+                .collect();
             if last_split.as_ref() == Some(&starts) {
                 continue;
             }
