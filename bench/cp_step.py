@@ -98,13 +98,23 @@ def worker(rank, world, port, args, out):
                     times.append(time.perf_counter() - t0)
             res[f"{scheme}/{mode}"] = dict(
                 step_s=statistics.median(times),
-                imbalance=sh.imbalance(),
                 **model_numbers(sh),
             )
     if rank == 0:
         with open(out, "w") as f:
             json.dump(res, f)
     dist.destroy_process_group()
+
+
+def table(res, label, cell):
+    """One row per result: scheme (and mode), `label`, modelled max/mean, the busiest receiver's
+    K/V tiles in needed mode (all-gather's in parentheses) and their ratio."""
+    print(f"| scheme | {label} | modelled max/mean | K/V tiles in, max rank (all-gather) | "
+          "max needed / all-gather |")
+    print("|---|---|---|---|---|")
+    for key, r in res.items():
+        print(f"| {key} | {cell(r)} | {r['imbalance']:.3f} | {r['kv_tiles_remote_max']} "
+              f"({r['kv_tiles_allgather']}) | {r['kv_fraction']:.3f} |")
 
 
 def main():
@@ -123,20 +133,25 @@ def main():
     ap.add_argument("--model-only", action="store_true", help="sharding numbers only, no ranks")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    mix = "web mix" if args.web else "body mix + one long document"
     if args.model_only:
-        res = model_only(args)
-        if args.json:
-            print(json.dumps(dict(args=vars(args), results=res)))
-            return
-        print(f"{args.ranks} ranks, {args.len}-token doc-causal row "
-              f"({'web mix' if args.web else 'body mix + one long document'}, seed {args.seed})")
-        print("| scheme | modelled max/mean | K/V tiles in, max rank (all-gather) | "
-              "max needed / all-gather | shard ms |")
-        print("|---|---|---|---|---|")
-        for scheme, r in res.items():
-            print(f"| {scheme} | {r['imbalance']:.3f} | {r['kv_tiles_remote_max']} "
-                  f"({r['kv_tiles_allgather']}) | {r['kv_fraction']:.3f} | {r['shard_ms']:.1f} |")
+        report(args, model_only(args), f"{args.ranks} ranks, {args.len}-token doc-causal row "
+               f"({mix}, seed {args.seed})", "shard ms", lambda r: f"{r['shard_ms']:.1f}")
         return
+    report(args, run_ranks(args), f"{args.ranks} CPU ranks (gloo, loopback), {args.len}-token "
+           f"doc-causal row ({mix}, seed {args.seed}), H={args.heads} D={args.dim} f32, "
+           f"forward+backward, median of {args.reps}", "step s", lambda r: f"{r['step_s']:.3f}")
+
+
+def report(args, res, title, label, cell):
+    if args.json:
+        print(json.dumps(dict(args=vars(args), results=res)))
+        return
+    print(title)
+    table(res, label, cell)
+
+
+def run_ranks(args):
     import torch.multiprocessing as mp
 
     with socket.socket() as s:
@@ -147,20 +162,7 @@ def main():
         mp.start_processes(worker, args=(args.ranks, port, args, out), nprocs=args.ranks,
                            start_method="spawn")
         with open(out) as f:
-            res = json.load(f)
-    if args.json:
-        print(json.dumps(dict(args=vars(args), results=res)))
-        return
-    print(f"{args.ranks} CPU ranks (gloo, loopback), {args.len}-token doc-causal row, "
-          f"H={args.heads} D={args.dim} f32, forward+backward, median of {args.reps}")
-    print("| scheme | mode | step s | modelled max/mean | K/V tiles in, max rank (all-gather) | "
-          "max needed / all-gather |")
-    print("|---|---|---|---|---|---|")
-    for key, r in res.items():
-        scheme, mode = key.split("/")
-        kv = r["kv_tiles_allgather"] if mode == "allgather" else r["kv_tiles_remote_max"]
-        print(f"| {scheme} | {mode} | {r['step_s']:.3f} | {r['imbalance']:.3f} | {kv} | "
-              f"{r['kv_fraction']:.3f} |")
+            return json.load(f)
 
 
 if __name__ == "__main__":

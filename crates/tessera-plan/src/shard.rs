@@ -400,9 +400,19 @@ pub fn shard(plan: &Plan, world_size: usize, scheme: Scheme, model: CostModel) -
     let tc = tile_costs(plan, &model);
     let clus = clusters(&tc);
     let mut owned: Vec<Vec<u32>> = match scheme {
-        Scheme::Contiguous => (0..world_size)
-            .map(|r| ((r * cap) as u32..((r + 1) * cap) as u32).collect())
-            .collect(),
+        Scheme::Balanced => balanced(&tc, &clus, world_size, cap, model.balance_cap),
+        _ => fixed(scheme, n, world_size, &clus),
+    };
+    for o in &mut owned {
+        o.sort_unstable();
+    }
+    finish(plan, scheme, model, world_size, owned, &tc, clus)
+}
+
+/// The fixed schemes' assignments (zigzag needs `n` a multiple of `2R`).
+fn fixed(scheme: Scheme, n: usize, world_size: usize, clus: &[(u32, u32)]) -> Vec<Vec<u32>> {
+    let cap = n / world_size;
+    match scheme {
         Scheme::Zigzag => {
             let h = n / (2 * world_size);
             (0..world_size)
@@ -415,13 +425,11 @@ pub fn shard(plan: &Plan, world_size: usize, scheme: Scheme, model: CostModel) -
                 })
                 .collect()
         }
-        Scheme::PerDocZigzag => perdoc_zigzag(&clus, world_size),
-        Scheme::Balanced => balanced(&tc, &clus, world_size, cap, model.balance_cap),
-    };
-    for o in &mut owned {
-        o.sort_unstable();
+        Scheme::PerDocZigzag => perdoc_zigzag(clus, world_size),
+        _ => (0..world_size)
+            .map(|r| ((r * cap) as u32..((r + 1) * cap) as u32).collect())
+            .collect(),
     }
-    finish(plan, scheme, model, world_size, owned, &tc, clus)
 }
 
 fn perdoc_zigzag(clus: &[(u32, u32)], r: usize) -> Vec<Vec<u32>> {
@@ -577,22 +585,18 @@ fn swap_singles(
             if b == a || gap <= 0.0 || singles[b].is_empty() {
                 continue;
             }
-            for (ia, &ta) in singles[a].iter().enumerate() {
-                let want = cost(ta) - gap / 2.0;
-                let sb = &singles[b];
-                let pos = sb.partition_point(|&t| cost(t) < want);
-                for ib in [pos.wrapping_sub(1), pos] {
-                    let Some(&tb) = sb.get(ib) else { continue };
-                    let d = cost(ta) - cost(tb);
-                    if d <= 0.0 || d >= gap {
-                        continue;
-                    }
-                    let new_max = (load[a] - d).max(load[b] + d);
+            swap_pairs(
+                &cost,
+                load[a],
+                load[b],
+                &singles[a],
+                &singles[b],
+                |ia, ib, new_max| {
                     if best.is_none_or(|x| new_max < x.3) {
                         best = Some((b, ia, ib, new_max));
                     }
-                }
-            }
+                },
+            );
         }
         let Some((b, ia, ib, new_max)) = best else {
             break;
@@ -614,6 +618,31 @@ fn swap_singles(
             }
             let p = s.partition_point(|&t| cost(t).total_cmp(&cost(to)).then(t.cmp(&to)).is_lt());
             s.insert(p, to);
+        }
+    }
+}
+
+/// Swaps that lower the larger of loads `la > lb`: for each tile of `sa` (ascending cost), the
+/// two tiles of `sb` (ascending cost) nearest to closing half the gap; `f(index in sa, index in
+/// sb, the new larger load)`.
+fn swap_pairs(
+    cost: &impl Fn(u32) -> f64,
+    la: f64,
+    lb: f64,
+    sa: &[u32],
+    sb: &[u32],
+    mut f: impl FnMut(usize, usize, f64),
+) {
+    let gap = la - lb;
+    for (ia, &ta) in sa.iter().enumerate() {
+        let want = cost(ta) - gap / 2.0;
+        let pos = sb.partition_point(|&t| cost(t) < want);
+        for ib in [pos.wrapping_sub(1), pos] {
+            let Some(&tb) = sb.get(ib) else { continue };
+            let d = cost(ta) - cost(tb);
+            if d > 0.0 && d < gap {
+                f(ia, ib, (la - d).max(lb + d));
+            }
         }
     }
 }
@@ -1120,19 +1149,10 @@ fn repair(tc: &TileCosts, owned: &mut [Vec<u32>], stop: f64) {
             if gap <= 0.0 {
                 continue;
             }
-            let sb = &sorted[b];
-            for &ta in &sorted[a] {
-                let want = cost(ta) - gap / 2.0;
-                let pos = sb.partition_point(|&t| cost(t) < want);
-                for ib in [pos.wrapping_sub(1), pos] {
-                    let Some(&tb) = sb.get(ib) else { continue };
-                    let d = cost(ta) - cost(tb);
-                    if d <= 0.0 || d >= gap {
-                        continue;
-                    }
-                    cands.push(((load[a] - d).max(load[b] + d), b, ta, tb));
-                }
-            }
+            let (sa, sb) = (&sorted[a], &sorted[b]);
+            swap_pairs(&cost, load[a], load[b], sa, sb, |ia, ib, new_max| {
+                cands.push((new_max, b, sa[ia], sb[ib]));
+            });
         }
         // The best few by new maximum, in order (a partial sort: the lists are long).
         let by = |x: &(f64, usize, u32, u32), y: &(f64, usize, u32, u32)| {
@@ -1217,9 +1237,9 @@ fn candidate(tc: &TileCosts, owned: Vec<Vec<u32>>, cap: usize) -> Option<Candida
     })
 }
 
-/// [`Scheme::Balanced`]: among balance-first assignments ([`lpt`]) and traffic-first ones
-/// ([`deal`] then [`repair`]), the one whose busiest receiver gets the fewest K/V tiles among
-/// those within `balance_cap` of the mean cost; when none is, the best balanced.
+/// [`Scheme::Balanced`]: among balance-first assignments ([`lpt`]), the fixed schemes and
+/// traffic-first ones ([`deal`] then [`repair`]), the one whose busiest receiver gets the fewest
+/// K/V tiles among those within `balance_cap` of the mean cost; when none is, the best balanced.
 fn balanced(
     tc: &TileCosts,
     clus: &[(u32, u32)],
@@ -1245,6 +1265,14 @@ fn balanced(
     shapes.dedup();
     for &(keep, piece) in &shapes {
         cands.extend(candidate(tc, lpt(tc, clus, r, cap, keep, piece).0, cap));
+    }
+    // The fixed schemes too: balanced is within the cap whenever one of them is, with no more
+    // traffic than any that is (by the estimate).
+    let n = tc.cost.len();
+    for scheme in [Scheme::Contiguous, Scheme::Zigzag, Scheme::PerDocZigzag] {
+        if scheme != Scheme::Zigzag || n.is_multiple_of(2 * r) {
+            cands.extend(candidate(tc, fixed(scheme, n, r, clus), cap));
+        }
     }
     // Traffic first: deals over piece sizes, whole-cluster thresholds, traffic weights and both
     // piece orders.

@@ -2,6 +2,7 @@
 //! are exactly the global mask on the rank's rows and K/V layout, the needed lists are what the
 //! rows touch, balanced beats zigzag on packed documents, and bad inputs are clear errors.
 
+use proptest::prelude::*;
 use std::time::Instant;
 use tessera_mask::{DenseMask, Mask, SegmentIds, Segments};
 use tessera_plan::cp_sim::{doc_causal_plan, doc_mix, simulate_plan, DocMix, SimModel};
@@ -425,7 +426,7 @@ fn balanced_meets_the_traffic_bar_on_64_web_seeds() {
 /// `cargo test -p tessera-plan --release --test shard -- --ignored --nocapture`.
 #[test]
 #[ignore]
-fn sharding_1m_tokens_for_32_ranks_takes_under_100ms() {
+fn sharding_1m_tokens_for_32_ranks_takes_under_1s() {
     let p = doc_causal_plan(1024 * 1024, &DocMix::default(), 128).unwrap();
     for scheme in Scheme::ALL {
         let t0 = Instant::now();
@@ -439,5 +440,72 @@ fn sharding_1m_tokens_for_32_ranks_takes_under_100ms() {
             s.imbalance()
         );
         assert!(ms <= 1000.0, "{scheme}: {ms:.1} ms");
+    }
+}
+
+/// Segment ids of a 2048-token row: a padding run, then documents of `lens` tokens (cycled),
+/// the rest padding.
+fn packed(lens: &[usize], pad: usize) -> Vec<i64> {
+    let len = 2048;
+    let mut ids = vec![-1i64; pad.min(len)];
+    let mut d = 0i64;
+    for &n in lens.iter().cycle() {
+        if ids.len() >= len {
+            break;
+        }
+        ids.extend(std::iter::repeat_n(d, n.min(len - ids.len())));
+        d += 1;
+    }
+    ids
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+    /// Random packed doc-causal rows (documents from one token to past a rank's share, padding),
+    /// world sizes and caps: balanced deals every tile once in equal counts, deterministically,
+    /// loses no pair, reports each rank's received K/V exactly, is within its cap whenever some
+    /// fixed scheme is, and then has the busiest receiver get no more K/V than any such scheme.
+    #[test]
+    fn balanced_is_exact_and_beats_the_fixed_schemes_within_its_cap(
+        lens in prop::collection::vec(1usize..700, 1..30),
+        pad in 0usize..300,
+        r_log in 0u32..4,
+        cap in 1.0f64..1.1,
+    ) {
+        let r = 1usize << r_log;
+        let ids = packed(&lens, pad);
+        let mask = Mask::causal() & Mask::document(Segments::shared(SegmentIds::shared(ids).unwrap()));
+        let p = plan(&mask, 1, 1, 2048, 16);
+        let model = CostModel { balance_cap: cap, ..CostModel::default() };
+        let s = shard(&p, r, Scheme::Balanced, model).unwrap();
+        prop_assert_eq!(&s, &shard(&p, r, Scheme::Balanced, model).unwrap());
+        let mut seen = vec![0u8; p.q_tiles];
+        for o in &s.owned {
+            prop_assert_eq!(o.len(), p.q_tiles / r);
+            for &t in o {
+                seen[t as usize] += 1;
+            }
+        }
+        prop_assert!(seen.iter().all(|&c| c == 1));
+        prop_assert_eq!(s.costs.iter().map(|c| c.pairs).sum::<u64>(), p.stats.allowed_pairs);
+        for (k, o) in s.owned.iter().enumerate() {
+            let mut touched = vec![false; p.kv_tiles];
+            for &t in o {
+                for e in p.head_plans[0].row(t as usize) {
+                    touched[e.tile as usize] = true;
+                }
+            }
+            let remote = (0..p.kv_tiles)
+                .filter(|&t| touched[t] && !o.contains(&(t as u32)))
+                .count() as u64;
+            prop_assert_eq!(s.costs[k].kv_tiles_remote, remote);
+        }
+        for other in [Scheme::Contiguous, Scheme::Zigzag, Scheme::PerDocZigzag] {
+            let o = shard(&p, r, other, model).unwrap();
+            if o.imbalance() <= cap {
+                prop_assert!(s.imbalance() <= cap * (1.0 + 1e-9), "{} {}", other, o.imbalance());
+                prop_assert!(s.kv_fraction() <= o.kv_fraction() + 1e-12, "{} {} {}", other, s.kv_fraction(), o.kv_fraction());
+            }
+        }
     }
 }
