@@ -429,10 +429,34 @@ fn balanced_meets_the_traffic_bar_on_64_web_seeds() {
 #[ignore]
 fn sharding_1m_tokens_for_32_ranks_takes_under_1s() {
     let cases = [
-        ("1M R=32 t=128 tokens mix", 1024 * 1024, 32, DocMix::default(), 128),
-        ("512K R=8 t=128 web seed 0", 512 * 1024, 8, DocMix::web(0), 128),
-        ("512K R=8 t=128 web seed 19", 512 * 1024, 8, DocMix::web(19), 128),
-        ("512K R=8 t=64 web seed 0", 512 * 1024, 8, DocMix::web(0), 64),
+        (
+            "1M R=32 t=128 tokens mix",
+            1024 * 1024,
+            32,
+            DocMix::default(),
+            128,
+        ),
+        (
+            "512K R=8 t=128 web seed 0",
+            512 * 1024,
+            8,
+            DocMix::web(0),
+            128,
+        ),
+        (
+            "512K R=8 t=128 web seed 19",
+            512 * 1024,
+            8,
+            DocMix::web(19),
+            128,
+        ),
+        (
+            "512K R=8 t=64 web seed 0",
+            512 * 1024,
+            8,
+            DocMix::web(0),
+            64,
+        ),
     ];
     for (label, len, r, mix, tile) in cases {
         let p = doc_causal_plan(len, &mix, tile).unwrap();
