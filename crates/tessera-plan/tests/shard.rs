@@ -490,13 +490,11 @@ fn sharding_1m_tokens_for_32_ranks_takes_under_1s() {
 fn packed(lens: &[usize], pad: usize) -> Vec<i64> {
     let len = 2048;
     let mut ids = vec![-1i64; pad.min(len)];
-    let mut d = 0i64;
-    for &n in lens.iter().cycle() {
+    for (d, &n) in lens.iter().cycle().enumerate() {
         if ids.len() >= len {
             break;
         }
-        ids.extend(std::iter::repeat_n(d, n.min(len - ids.len())));
-        d += 1;
+        ids.extend(std::iter::repeat_n(d as i64, n.min(len - ids.len())));
     }
     ids
 }
