@@ -29,7 +29,7 @@ fn i64s(py: Python<'_>, v: impl IntoIterator<Item = usize>) -> Bound<'_, PyArray
 
 /// Shards `plan` over `world_size` ranks with `scheme`.
 #[pyfunction]
-#[pyo3(signature = (plan, world_size, scheme="balanced", partial_overhead=0.3, backward=2.5))]
+#[pyo3(signature = (plan, world_size, scheme="balanced", partial_overhead=0.3, backward=2.5, balance_cap=1.02))]
 pub fn shard(
     py: Python<'_>,
     plan: PyRef<'_, PyPlan>,
@@ -37,11 +37,13 @@ pub fn shard(
     scheme: &str,
     partial_overhead: f64,
     backward: f64,
+    balance_cap: f64,
 ) -> PyResult<PySharding> {
     let scheme = Scheme::parse(scheme).map_err(to_py)?;
     let model = CostModel {
         partial_overhead,
         backward,
+        balance_cap,
     };
     let p = plan.inner.clone();
     let s = py
@@ -95,6 +97,10 @@ impl PySharding {
     /// Largest over mean per-rank modelled cost.
     fn imbalance(&self) -> f64 {
         self.inner.imbalance()
+    }
+    /// The busiest receiver's K/V (needed mode) over an all-gather's.
+    fn kv_fraction(&self) -> f64 {
+        self.inner.kv_fraction()
     }
     /// The q tiles rank `rank` owns (global tile ids, ascending).
     fn owned<'py>(&self, py: Python<'py>, rank: usize) -> PyResult<Bound<'py, PyArray1<i64>>> {
@@ -156,7 +162,7 @@ impl PySharding {
         v.into_pyarray(py).reshape([c.len(), 2])
     }
     /// Per rank: pairs, full/partial tiles, modelled forward/backward cost, needed and remote K/V
-    /// tiles.
+    /// tiles, remote K/V as a fraction of an all-gather.
     #[getter]
     fn costs<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
         self.inner
@@ -171,6 +177,7 @@ impl PySharding {
                 d.set_item("backward_cost", c.backward_cost)?;
                 d.set_item("kv_tiles_needed", c.kv_tiles_needed)?;
                 d.set_item("kv_tiles_remote", c.kv_tiles_remote)?;
+                d.set_item("kv_remote_fraction", c.kv_remote_fraction)?;
                 Ok(d)
             })
             .collect()
@@ -179,7 +186,7 @@ impl PySharding {
 
 /// Segment ids of one packed row drawn from the cp-sim document mix.
 #[pyfunction]
-#[pyo3(signature = (length, seed=0, median=None, sigma=None, long_fraction=None))]
+#[pyo3(signature = (length, seed=0, median=None, sigma=None, long_fraction=None, long_docs=None))]
 pub fn doc_mix<'py>(
     py: Python<'py>,
     length: usize,
@@ -187,6 +194,7 @@ pub fn doc_mix<'py>(
     median: Option<f64>,
     sigma: Option<f64>,
     long_fraction: Option<f64>,
+    long_docs: Option<f64>,
 ) -> PyResult<Bound<'py, PyArray1<i64>>> {
     let d = DocMix::default();
     let mix = DocMix {
@@ -194,6 +202,7 @@ pub fn doc_mix<'py>(
         median: median.unwrap_or(d.median),
         sigma: sigma.unwrap_or(d.sigma),
         long_fraction: long_fraction.unwrap_or(d.long_fraction),
+        long_docs: long_docs.unwrap_or(d.long_docs),
         ..d
     };
     if length == 0 {
@@ -208,7 +217,7 @@ pub fn doc_mix<'py>(
 /// The cp-sim model: every scheme at every world size for the doc-causal row of each length.
 /// Returns `(rows, assumptions)`.
 #[pyfunction]
-#[pyo3(signature = (lengths, ranks, seed=0, flops=400e12, link_gbps=50.0, heads=32, kv_heads=8, head_dim=128, tile=128))]
+#[pyo3(signature = (lengths, ranks, seed=0, flops=400e12, link_gbps=50.0, heads=32, kv_heads=8, head_dim=128, tile=128, mix="tokens", balance_cap=1.02))]
 #[allow(clippy::too_many_arguments)]
 pub fn simulate<'py>(
     py: Python<'py>,
@@ -221,6 +230,8 @@ pub fn simulate<'py>(
     kv_heads: usize,
     head_dim: usize,
     tile: usize,
+    mix: &str,
+    balance_cap: f64,
 ) -> PyResult<(Vec<Bound<'py, PyDict>>, Vec<String>)> {
     if !(flops.is_finite() && flops > 0.0 && link_gbps.is_finite() && link_gbps > 0.0) {
         return Err(PyValueError::new_err(
@@ -239,11 +250,23 @@ pub fn simulate<'py>(
         flops,
         link_bytes_per_s: link_gbps * 1e9,
         tile,
+        cost: CostModel {
+            balance_cap,
+            ..CostModel::default()
+        },
         ..SimModel::default()
     };
-    let mix = DocMix {
-        seed,
-        ..DocMix::default()
+    let mix = match mix {
+        "tokens" => DocMix {
+            seed,
+            ..DocMix::default()
+        },
+        "web" => DocMix::web(seed),
+        _ => {
+            return Err(PyValueError::new_err(format!(
+                "mix: expected 'tokens' or 'web', got '{mix}'"
+            )))
+        }
     };
     let rows = py
         .detach(|| cp_sim::simulate(&lengths, &ranks, &mix, &model))
@@ -263,6 +286,7 @@ pub fn simulate<'py>(
             d.set_item("allgather_bytes", r.allgather_bytes)?;
             d.set_item("needed_bytes_max", r.needed_bytes_max)?;
             d.set_item("needed_bytes_mean", r.needed_bytes_mean)?;
+            d.set_item("needed_fraction_max", r.needed_fraction_max)?;
             d.set_item("step_allgather_s", r.step_allgather_s)?;
             d.set_item("step_needed_s", r.step_needed_s)?;
             d.set_item("shard_ms", r.shard_ms)?;

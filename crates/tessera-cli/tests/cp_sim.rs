@@ -48,6 +48,32 @@ fn cp_sim_reports_every_scheme_as_table_json_and_chart() {
     );
     assert!(b["needed_bytes_max"].as_f64().unwrap() < b["allgather_bytes"].as_f64().unwrap());
     assert_eq!(b["tokens"], 65536);
+    // The needed fraction is the busiest receiver's bytes over an all-gather's.
+    for r in rows {
+        let f = r["needed_fraction_max"].as_f64().unwrap();
+        let want = r["needed_bytes_max"].as_f64().unwrap() / r["allgather_bytes"].as_f64().unwrap();
+        assert!((f - want).abs() < 1e-9, "{r}");
+    }
+
+    // The web mix: 1 % of documents long, named in the header.
+    let out = tessera(
+        &[
+            "cp-sim",
+            "--mix",
+            "web",
+            "--seed",
+            "6",
+            "--lengths",
+            "128K",
+            "--ranks",
+            "8",
+        ],
+        d.path(),
+    );
+    assert!(out.status.success());
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("1% of documents"), "{text}");
+    assert!(text.contains("needed max / all-gather"), "{text}");
 }
 
 #[test]
@@ -56,6 +82,12 @@ fn cp_sim_bad_arguments_exit_2_with_one_line() {
     bad(&["cp-sim", "--lengths", "0"], d.path(), "--lengths");
     bad(&["cp-sim", "--ranks", "two"], d.path(), "--ranks");
     bad(&["cp-sim", "--link-gbps", "0"], d.path(), "--link-gbps");
+    bad(
+        &["cp-sim", "--balance-cap", "0.9"],
+        d.path(),
+        "--balance-cap",
+    );
+    bad(&["cp-sim", "--mix", "books"], d.path(), "--mix");
     // 64K tokens in 128-token tiles is 512 tiles: 3 ranks cannot share them evenly.
     bad(
         &["cp-sim", "--lengths", "64K", "--ranks", "3"],

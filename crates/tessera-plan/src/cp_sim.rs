@@ -1,10 +1,12 @@
 //! Balance and traffic model of context-parallel shardings (`tessera cp-sim`).
 //!
-//! Contract: [`doc_mix`] draws a seeded packed row of document lengths (a lognormal body plus a
-//! fraction of tokens in long documents); [`simulate`] plans `causal & document` over it, shards it
+//! Contract: [`doc_mix`] draws a seeded packed row of document lengths (a lognormal body plus long
+//! documents, as a fraction of the row's tokens or of its documents: [`DocMix::web`] is issue 41's
+//! mix, 1 % of documents 32K–128K tokens); [`simulate`] plans `causal & document` over it, shards it
 //! with every [`Scheme`] for every world size, and reports per scheme the largest and mean
 //! per-rank compute (pairs, tiles, modelled cost), the tile work sharding adds, the K/V bytes a
-//! rank receives in all-gather and needed mode, and a modelled step time from the stated
+//! rank receives in all-gather and needed mode (and the busiest receiver's as a fraction of an
+//! all-gather), and a modelled step time from the stated
 //! [`SimModel`] (compute at a FLOP rate plus K/V traffic at a link bandwidth, no overlap). Pure
 //! and deterministic for a given configuration.
 
@@ -23,8 +25,11 @@ pub struct DocMix {
     pub sigma: f64,
     /// Shortest and longest body document, tokens.
     pub body_range: (usize, usize),
-    /// Fraction of the row's tokens in long documents.
+    /// Fraction of the row's tokens in long documents (drawn first).
     pub long_fraction: f64,
+    /// Fraction of the documents that fill the rest of the row that are long: each one is long
+    /// with this probability.
+    pub long_docs: f64,
     /// Long document lengths, uniform in this range (tokens, capped at the row).
     pub long_range: (usize, usize),
     /// Seed of the draw.
@@ -38,8 +43,22 @@ impl Default for DocMix {
             sigma: 1.3,
             body_range: (64, 32 * 1024 - 1),
             long_fraction: 0.3,
+            long_docs: 0.0,
             long_range: (32 * 1024, 128 * 1024),
             seed: 0,
+        }
+    }
+}
+
+impl DocMix {
+    /// Packed web documents (issue 41): the lognormal body, and 1 % of documents long (32K–128K
+    /// tokens) instead of a fixed share of tokens.
+    pub fn web(seed: u64) -> Self {
+        DocMix {
+            long_fraction: 0.0,
+            long_docs: 0.01,
+            seed,
+            ..DocMix::default()
         }
     }
 }
@@ -66,18 +85,21 @@ impl Rng {
 }
 
 /// Segment ids of one packed row of `len` tokens drawn from `mix`: long documents first take
-/// about `long_fraction` of the row, body documents fill the rest, then the documents are shuffled
-/// (the last one is cut at the row's end).
+/// about `long_fraction` of the row, then documents fill the rest, each long with probability
+/// `long_docs` (else from the body), then the documents are shuffled (the last one is cut at the
+/// row's end).
 pub fn doc_mix(len: usize, mix: &DocMix) -> Result<Vec<i64>> {
     if !(0.0..=1.0).contains(&mix.long_fraction)
+        || !(0.0..=1.0).contains(&mix.long_docs)
         || mix.body_range.0 == 0
         || mix.body_range.0 > mix.body_range.1
+        || mix.long_range.0 == 0
         || mix.long_range.0 > mix.long_range.1
         || !(mix.median > 0.0 && mix.sigma >= 0.0)
     {
         return Err(Error::invalid(
             "doc mix",
-            "median > 0, sigma >= 0, 0 < min <= max lengths, long_fraction in [0, 1]",
+            "median > 0, sigma >= 0, 0 < min <= max lengths, long_fraction and long_docs in [0, 1]",
             format!("{mix:?}"),
         ));
     }
@@ -85,13 +107,20 @@ pub fn doc_mix(len: usize, mix: &DocMix) -> Result<Vec<i64>> {
     let mut docs = Vec::new();
     let long_budget = (len as f64 * mix.long_fraction) as usize;
     let mut used = 0;
+    let span = (mix.long_range.1 - mix.long_range.0) as u64 + 1;
     while used < long_budget {
-        let span = (mix.long_range.1 - mix.long_range.0) as u64 + 1;
         let n = (mix.long_range.0 + (rng.next() % span) as usize).min(len - used);
         docs.push(n);
         used += n;
     }
     while used < len {
+        // No draw when long_docs is 0: the token-fraction mixes keep their documents.
+        if mix.long_docs > 0.0 && rng.unit() < mix.long_docs {
+            let n = (mix.long_range.0 + (rng.next() % span) as usize).min(len - used);
+            docs.push(n);
+            used += n;
+            continue;
+        }
         let x = (mix.median.ln() + mix.sigma * rng.normal()).exp();
         let n = (x as usize)
             .clamp(mix.body_range.0, mix.body_range.1)
@@ -209,6 +238,8 @@ pub struct SimRow {
     pub needed_bytes_max: f64,
     /// Mean K/V bytes a rank receives in needed mode (forward).
     pub needed_bytes_mean: f64,
+    /// The busiest receiver's K/V in needed mode over an all-gather's ([`crate::Sharding::kv_fraction`]).
+    pub needed_fraction_max: f64,
     /// Modelled step time, all-gather mode, seconds.
     pub step_allgather_s: f64,
     /// Modelled step time, needed mode, seconds.
@@ -280,6 +311,7 @@ pub fn simulate_plan(plan: &Plan, ranks: &[usize], model: &SimModel) -> Result<V
                 allgather_bytes: allgather,
                 needed_bytes_max: needed.iter().copied().fold(0.0, f64::max),
                 needed_bytes_mean: needed.iter().sum::<f64>() / needed.len().max(1) as f64,
+                needed_fraction_max: s.kv_fraction(),
                 step_allgather_s: step(&|_| allgather),
                 step_needed_s: step(&|k| needed[k]),
                 shard_ms,

@@ -22,11 +22,21 @@
 //! Costs. A full tile costs 1, a partial tile `partial_overhead + (1 - partial_overhead) ·
 //! allowed fraction` (kernels skip dead 16×16 sub-blocks but still load and mask the tile), the
 //! backward pass `backward` times the forward; each distinct (batch row, head) plan counts as many
-//! times as it is used. [`Scheme::Balanced`] minimises the largest per-rank cost with a
-//! longest-processing-time greedy under the equal-tile constraint plus pairwise single-tile swaps,
-//! keeping *clusters* (runs of q tiles that interact with the rest only through their boundary
-//! tiles: the documents, at tile granularity) whole on one rank, and long ones in contiguous pieces, when that costs at
-//! most 2% of balance (fewer K/V tiles to receive).
+//! times as it is used. Traffic: a rank's K/V tiles received in [`KvLayout::Needed`] mode, also as
+//! a fraction of an all-gather ([`RankCost::kv_remote_fraction`], [`Sharding::kv_fraction`]).
+//!
+//! [`Scheme::Balanced`] minimises the busiest receiver's K/V subject to a balance cap
+//! ([`CostModel::balance_cap`], default: the busiest rank at most 1.02× the mean cost), under the
+//! equal-tile constraint. It works on *clusters* (runs of q tiles that interact with the rest only
+//! through their boundary tiles: the documents, at tile granularity): short ones stay whole on one
+//! rank (no traffic but a halo tile), long ones are cut into contiguous pieces. Candidates: deals
+//! that fill rank after rank to exactly its tiles and the mean cost of what is left, pairing dense
+//! pieces (long documents' tails) with sparse runs and continuing a document's pieces on the rank
+//! that already receives its K/V (`deal`), then single-tile swaps that lower the largest load
+//! without raising the busiest receiver (`repair`); and the balance-first longest-processing-time
+//! greedies (`lpt`). The least traffic among candidates within the cap wins; if none is within
+//! it, the best balance. Traffic is estimated from the rows' reach intervals (exact for
+//! doc-causal rows and windows), so the choice is a pure function of the plan, `R` and the model.
 
 use crate::plan::{HeadPlan, PartialMasks, Plan, PlanStats, TileEntry, FULL_TILE};
 use crate::shape::PlanShape;
@@ -43,8 +53,9 @@ pub enum Scheme {
     /// Head-tail inside each cluster (document): each cluster is cut in `2R` chunks of whole tiles,
     /// rank `r` owns chunks `r` and `2R−1−r`; leftover middle tiles are dealt round-robin.
     PerDocZigzag,
-    /// Minimises the largest per-rank cost from the plan's exact tile costs; keeps short clusters
-    /// (documents) whole on one rank when balance allows.
+    /// Minimises the busiest rank's received K/V within a balance cap on the plan's exact tile
+    /// costs ([`CostModel::balance_cap`]): short clusters (documents) whole on one rank, long ones
+    /// in contiguous pieces, split only where balance needs it.
     Balanced,
 }
 
@@ -95,6 +106,10 @@ pub struct CostModel {
     pub partial_overhead: f64,
     /// Backward cost of a tile relative to its forward cost.
     pub backward: f64,
+    /// [`Scheme::Balanced`]'s balance cap: the busiest rank's cost at most this times the mean
+    /// (when some candidate reaches it; else the best balance found). Within it the solver
+    /// minimises the largest rank's received K/V.
+    pub balance_cap: f64,
 }
 
 impl Default for CostModel {
@@ -103,6 +118,7 @@ impl Default for CostModel {
         CostModel {
             partial_overhead: 0.3,
             backward: 2.5,
+            balance_cap: 1.02,
         }
     }
 }
@@ -121,6 +137,13 @@ impl CostModel {
                 "backward",
                 "a finite number >= 0",
                 self.backward,
+            ));
+        }
+        if !(self.balance_cap.is_finite() && self.balance_cap >= 1.0) {
+            return Err(Error::invalid(
+                "balance_cap",
+                "a finite number >= 1",
+                self.balance_cap,
             ));
         }
         Ok(())
@@ -176,6 +199,9 @@ pub struct RankCost {
     pub kv_tiles_needed: u64,
     /// K/V tiles it must receive from other ranks in [`KvLayout::Needed`] mode.
     pub kv_tiles_remote: u64,
+    /// `kv_tiles_remote` as a fraction of an all-gather (the `tiles − tiles/R` tiles every rank
+    /// receives in [`KvLayout::AllGather`] mode; 0 when `R = 1`).
+    pub kv_remote_fraction: f64,
 }
 
 impl RankCost {
@@ -224,6 +250,8 @@ struct TileCosts {
     /// Lowest and highest tile (q or kv, the same axis) row `t` reaches, `t` included.
     lo: Vec<u32>,
     hi: Vec<u32>,
+    /// `cum[t]`: cost of tiles `0..t`.
+    cum: Vec<f64>,
 }
 
 /// How many (b, h) of the problem each head plan serves.
@@ -251,6 +279,7 @@ fn tile_costs(plan: &Plan, model: &CostModel) -> TileCosts {
         partial: vec![0; n],
         lo: (0..n as u32).collect(),
         hi: (0..n as u32).collect(),
+        cum: Vec::new(),
     };
     let uses = head_plan_uses(plan);
     let po = model.partial_overhead;
@@ -291,6 +320,12 @@ fn tile_costs(plan: &Plan, model: &CostModel) -> TileCosts {
             }
         }
     }
+    tc.cum = std::iter::once(0.0)
+        .chain(tc.cost.iter().scan(0.0, |acc, &c| {
+            *acc += c;
+            Some(*acc)
+        }))
+        .collect();
     tc
 }
 
@@ -365,9 +400,19 @@ pub fn shard(plan: &Plan, world_size: usize, scheme: Scheme, model: CostModel) -
     let tc = tile_costs(plan, &model);
     let clus = clusters(&tc);
     let mut owned: Vec<Vec<u32>> = match scheme {
-        Scheme::Contiguous => (0..world_size)
-            .map(|r| ((r * cap) as u32..((r + 1) * cap) as u32).collect())
-            .collect(),
+        Scheme::Balanced => balanced(&tc, &clus, world_size, cap, model.balance_cap),
+        _ => fixed(scheme, n, world_size, &clus),
+    };
+    for o in &mut owned {
+        o.sort_unstable();
+    }
+    finish(plan, scheme, model, world_size, owned, &tc, clus)
+}
+
+/// The fixed schemes' assignments (zigzag needs `n` a multiple of `2R`).
+fn fixed(scheme: Scheme, n: usize, world_size: usize, clus: &[(u32, u32)]) -> Vec<Vec<u32>> {
+    let cap = n / world_size;
+    match scheme {
         Scheme::Zigzag => {
             let h = n / (2 * world_size);
             (0..world_size)
@@ -380,13 +425,11 @@ pub fn shard(plan: &Plan, world_size: usize, scheme: Scheme, model: CostModel) -
                 })
                 .collect()
         }
-        Scheme::PerDocZigzag => perdoc_zigzag(&clus, world_size),
-        Scheme::Balanced => balanced(&tc, &clus, world_size, cap),
-    };
-    for o in &mut owned {
-        o.sort_unstable();
+        Scheme::PerDocZigzag => perdoc_zigzag(clus, world_size),
+        _ => (0..world_size)
+            .map(|r| ((r * cap) as u32..((r + 1) * cap) as u32).collect())
+            .collect(),
     }
-    finish(plan, scheme, model, world_size, owned, &tc, clus)
 }
 
 fn perdoc_zigzag(clus: &[(u32, u32)], r: usize) -> Vec<Vec<u32>> {
@@ -542,22 +585,18 @@ fn swap_singles(
             if b == a || gap <= 0.0 || singles[b].is_empty() {
                 continue;
             }
-            for (ia, &ta) in singles[a].iter().enumerate() {
-                let want = cost(ta) - gap / 2.0;
-                let sb = &singles[b];
-                let pos = sb.partition_point(|&t| cost(t) < want);
-                for ib in [pos.wrapping_sub(1), pos] {
-                    let Some(&tb) = sb.get(ib) else { continue };
-                    let d = cost(ta) - cost(tb);
-                    if d <= 0.0 || d >= gap {
-                        continue;
-                    }
-                    let new_max = (load[a] - d).max(load[b] + d);
+            swap_pairs(
+                &cost,
+                load[a],
+                load[b],
+                &singles[a],
+                &singles[b],
+                |ia, ib, new_max| {
                     if best.is_none_or(|x| new_max < x.3) {
                         best = Some((b, ia, ib, new_max));
                     }
-                }
-            }
+                },
+            );
         }
         let Some((b, ia, ib, new_max)) = best else {
             break;
@@ -583,45 +622,639 @@ fn swap_singles(
     }
 }
 
+/// Swaps that lower the larger of loads `la > lb`: for each tile of `sa` (ascending cost), the
+/// two tiles of `sb` (ascending cost) nearest to closing half the gap; `f(index in sa, index in
+/// sb, the new larger load)`.
+fn swap_pairs(
+    cost: &impl Fn(u32) -> f64,
+    la: f64,
+    lb: f64,
+    sa: &[u32],
+    sb: &[u32],
+    mut f: impl FnMut(usize, usize, f64),
+) {
+    let gap = la - lb;
+    for (ia, &ta) in sa.iter().enumerate() {
+        let want = cost(ta) - gap / 2.0;
+        let pos = sb.partition_point(|&t| cost(t) < want);
+        for ib in [pos.wrapping_sub(1), pos] {
+            let Some(&tb) = sb.get(ib) else { continue };
+            let d = cost(ta) - cost(tb);
+            if d > 0.0 && d < gap {
+                f(ia, ib, (la - d).max(lb + d));
+            }
+        }
+    }
+}
+
 /// Ranks a swap round tries as partners of the most loaded one.
 const SWAP_PARTNERS: usize = 4;
 
-/// Balance within this factor of the best candidate is traded for keeping clusters whole.
-const LOCALITY_SLACK: f64 = 1.02;
+/// Swaps a repair round checks for traffic, best first.
+const REPAIR_TRIES: usize = 128;
 
-/// K/V tiles the ranks would receive, estimated from the rows' reach intervals (exact for
+/// Ranks a repair round tries as partners of the most loaded one (the least loaded).
+const REPAIR_PARTNERS: usize = 8;
+
+/// Per rank, the K/V tiles it would receive, estimated from the rows' reach intervals (exact for
 /// masks whose rows reach one interval, such as causal documents and windows).
-fn remote_estimate(tc: &TileCosts, owned: &[Vec<u32>]) -> u64 {
-    let mut total = 0u64;
+fn remote_estimate(tc: &TileCosts, owned: &[Vec<u32>]) -> Vec<u64> {
     let mut iv: Vec<(u32, u32)> = Vec::new();
-    for o in owned {
-        iv.clear();
-        iv.extend(o.iter().map(|&t| (tc.lo[t as usize], tc.hi[t as usize])));
-        iv.sort_unstable();
-        let (mut covered, mut cur) = (0u64, None::<(u32, u32)>);
-        for &(a, b) in &iv {
-            cur = match cur {
-                Some((x, y)) if a <= y + 1 => Some((x, y.max(b))),
-                Some((x, y)) => {
-                    covered += (y - x + 1) as u64;
-                    Some((a, b))
-                }
-                None => Some((a, b)),
-            };
-        }
-        if let Some((x, y)) = cur {
-            covered += (y - x + 1) as u64;
-        }
-        total += covered.saturating_sub(o.len() as u64);
-    }
-    total
+    owned
+        .iter()
+        .map(|o| {
+            iv.clear();
+            iv.extend(o.iter().map(|&t| (tc.lo[t as usize], tc.hi[t as usize])));
+            iv.sort_unstable();
+            let (mut covered, mut cur) = (0u64, None::<(u32, u32)>);
+            for &(a, b) in &iv {
+                cur = match cur {
+                    Some((x, y)) if a <= y + 1 => Some((x, y.max(b))),
+                    Some((x, y)) => {
+                        covered += (y - x + 1) as u64;
+                        Some((a, b))
+                    }
+                    None => Some((a, b)),
+                };
+            }
+            if let Some((x, y)) = cur {
+                covered += (y - x + 1) as u64;
+            }
+            covered.saturating_sub(o.len() as u64)
+        })
+        .collect()
 }
 
-fn balanced(tc: &TileCosts, clus: &[(u32, u32)], r: usize, cap: usize) -> Vec<Vec<u32>> {
-    // Candidates: short clusters kept whole (up to half a rank's share, or smaller), long ones
-    // cut into contiguous pieces or single tiles; single tiles balance finest, whole clusters and
-    // pieces need the least K/V.
-    let mut cands: Vec<(usize, usize)> = vec![
+/// A run of q tiles placed as one: a whole cluster or a contiguous piece of one, with the hull of
+/// the tiles its rows reach.
+#[derive(Clone, Copy, Debug)]
+struct Run {
+    start: u32,
+    len: u32,
+    cost: f64,
+    lo: u32,
+    hi: u32,
+    whole: bool,
+}
+
+fn run_of(tc: &TileCosts, a: u32, b: u32, whole: bool) -> Run {
+    let r = a as usize..b as usize;
+    Run {
+        start: a,
+        len: b - a,
+        cost: tc.cost[r.clone()].iter().sum(),
+        lo: tc.lo[r.clone()].iter().copied().min().unwrap_or(a),
+        hi: tc.hi[r].iter().copied().max().unwrap_or(a),
+        whole,
+    }
+}
+
+/// Set bits of `bits` in the inclusive tile range `[lo, hi]`.
+fn ones_in(bits: &[u64], lo: usize, hi: usize) -> usize {
+    let (wa, wb) = (lo / 64, hi / 64);
+    (wa..=wb)
+        .map(|w| {
+            let mut x = bits[w];
+            if w == wa {
+                x &= !0u64 << (lo % 64);
+            }
+            if w == wb && hi % 64 != 63 {
+                x &= (1u64 << (hi % 64 + 1)) - 1;
+            }
+            x.count_ones() as usize
+        })
+        .sum()
+}
+
+fn set_range(bits: &mut [u64], lo: usize, hi: usize) {
+    for t in lo..=hi {
+        bits[t / 64] |= 1 << (t % 64);
+    }
+}
+
+/// The state of a traffic-aware placement: per rank its load, free tiles, the tiles its rows
+/// reach (a bitset over the row) and how many of those it does not own.
+struct Placer {
+    words: usize,
+    need: Vec<u64>,
+    load: Vec<f64>,
+    free: Vec<usize>,
+    remote: Vec<i64>,
+    owned: Vec<Vec<u32>>,
+    wholes: Vec<Vec<Run>>,
+}
+
+impl Placer {
+    fn new(tc: &TileCosts, r: usize, cap: usize) -> Self {
+        let words = tc.cost.len().div_ceil(64).max(1);
+        Placer {
+            words,
+            need: vec![0; r * words],
+            load: vec![0.0; r],
+            free: vec![cap; r],
+            remote: vec![0; r],
+            owned: vec![Vec::with_capacity(cap); r],
+            wholes: vec![Vec::new(); r],
+        }
+    }
+
+    fn bits(&self, k: usize) -> &[u64] {
+        &self.need[k * self.words..(k + 1) * self.words]
+    }
+
+    /// Change of rank `k`'s received tiles if it took `u` (its tiles are owned by no one yet).
+    fn delta(&self, k: usize, u: &Run) -> i64 {
+        let span = (u.hi - u.lo + 1) as usize;
+        let new = span - ones_in(self.bits(k), u.lo as usize, u.hi as usize);
+        new as i64 - u.len as i64
+    }
+
+    fn put(&mut self, k: usize, u: Run) {
+        self.remote[k] += self.delta(k, &u);
+        let w = self.words;
+        set_range(
+            &mut self.need[k * w..(k + 1) * w],
+            u.lo as usize,
+            u.hi as usize,
+        );
+        self.load[k] += u.cost;
+        self.free[k] -= u.len as usize;
+        self.owned[k].extend(u.start..u.start + u.len);
+        if u.whole {
+            self.wholes[k].push(u);
+        }
+    }
+}
+
+/// The clusters as placement runs: clusters of at most half a rank's tiles costing at most
+/// `keep_cost` whole; longer ones as their contiguous pieces of `piece` tiles, in order.
+fn make_runs(
+    tc: &TileCosts,
+    clus: &[(u32, u32)],
+    cap: usize,
+    piece: usize,
+    keep_cost: f64,
+) -> (Vec<Run>, Vec<Vec<Run>>) {
+    let (mut wholes, mut split) = (Vec::new(), Vec::new());
+    for &(a, b) in clus {
+        let whole = run_of(tc, a, b, true);
+        if whole.len as usize <= cap / 2 && whole.cost <= keep_cost {
+            wholes.push(whole);
+        } else {
+            let step = piece.max(1) as u32;
+            let mut pieces = Vec::new();
+            let mut s = a;
+            while s < b {
+                let e = (s + step).min(b);
+                pieces.push(run_of(tc, s, e, false));
+                s = e;
+            }
+            split.push(pieces);
+        }
+    }
+    (wholes, split)
+}
+
+/// Rank-by-rank dealing. Rank `k` is filled to exactly its tiles and, as nearly as the runs
+/// allow, the mean cost of what is left (`pool cost / ranks left`, so earlier errors spread
+/// over later ranks): each step takes the run that leaves the rest of the rank best fillable
+/// by the pool's average (the cost error if the rank's remaining tiles were filled at the
+/// density of what is left, relative to the mean) plus `traffic` times the K/V tiles it adds
+/// to the rank, relative to the row. A split cluster offers only its first and last remaining
+/// pieces, so its pieces are dealt from both ends inwards in contiguous runs: dense tail pieces
+/// pair with sparse runs (short documents, head pieces), and a rank holding a piece prefers the
+/// neighbouring ones, whose K/V it already receives. When no run fits the tiles left, the head
+/// of the best run is split off (its tail returns to the pool). Then swaps of equal-length
+/// whole clusters lower the largest load.
+fn deal(
+    tc: &TileCosts,
+    wholes: &[Run],
+    split: &[Vec<Run>],
+    r: usize,
+    cap: usize,
+    traffic: f64,
+    cursor: bool,
+) -> Vec<Vec<u32>> {
+    let n = tc.cost.len().max(1) as f64;
+    let mut pool: Vec<Option<Run>> = wholes.iter().copied().map(Some).collect();
+    // Per split cluster, the remaining pieces [first, last).
+    let mut ends: Vec<(usize, usize)> = split.iter().map(|v| (0, v.len())).collect();
+    let mut pool_cost: f64 = wholes
+        .iter()
+        .chain(split.iter().flatten())
+        .map(|u| u.cost)
+        .sum();
+    let mut pool_tiles: usize = wholes
+        .iter()
+        .chain(split.iter().flatten())
+        .map(|u| u.len as usize)
+        .sum();
+    let mut p = Placer::new(tc, r, cap);
+    // A candidate: a whole-pool index, or (cluster, front?) of a split cluster.
+    #[derive(Clone, Copy)]
+    enum Src {
+        Pool(usize),
+        Front(usize),
+        Back(usize),
+    }
+    // Cursor mode: the split clusters' pieces in one sequence, each cluster tail first.
+    let seq: Vec<(usize, usize)> = if cursor {
+        (0..split.len())
+            .flat_map(|c| (0..split[c].len()).rev().map(move |i| (c, i)))
+            .collect()
+    } else {
+        Vec::new()
+    };
+    let mut at = 0usize;
+    // Cost and tiles of the sequence's pieces not yet dealt (cursor mode).
+    let mut seq_cost: f64 = seq.iter().map(|&(c, i)| split[c][i].cost).sum();
+    let mut seq_tiles: usize = seq.iter().map(|&(c, i)| split[c][i].len as usize).sum();
+    for k in 0..r {
+        let target = pool_cost / (r - k) as f64;
+        let scale = target.max(f64::MIN_POSITIVE);
+        // Cursor mode: first the next pieces of the sequence, while the rest of the rank can
+        // still be filled at the density of the whole clusters left (the last rank takes all).
+        while let Some(&(c, i)) = seq.get(at) {
+            let u = split[c][i];
+            let (tiles_left, cost_left) = (p.free[k], target - p.load[k]);
+            if u.len as usize > tiles_left {
+                break;
+            }
+            let (fc, ft) = (pool_cost - seq_cost, pool_tiles - seq_tiles);
+            let rest = (tiles_left - u.len as usize) as f64;
+            if k + 1 < r && cost_left - u.cost < fc / ft.max(1) as f64 * rest {
+                break;
+            }
+            ends[c].1 = i;
+            at += 1;
+            seq_cost -= u.cost;
+            seq_tiles -= u.len as usize;
+            pool_cost -= u.cost;
+            pool_tiles -= u.len as usize;
+            p.put(k, u);
+        }
+        while p.free[k] > 0 {
+            let (tiles_left, cost_left) = (p.free[k], target - p.load[k]);
+            // (score, source, split length or 0)
+            let mut best: Option<(f64, Src, u32)> = None;
+            let mut consider = |u: &Run, src: Src, p: &Placer| {
+                let take = if (u.len as usize) <= tiles_left {
+                    *u
+                } else {
+                    // The head's estimate (cost exact up to rounding, reach from its ends).
+                    let e = u.start as usize + tiles_left;
+                    Run {
+                        len: tiles_left as u32,
+                        cost: tc.cum[e] - tc.cum[u.start as usize],
+                        hi: tc.hi[e - 1].max(e as u32 - 1),
+                        whole: false,
+                        ..*u
+                    }
+                };
+                let rest = tiles_left - take.len as usize;
+                let err = if rest == 0 {
+                    (cost_left - take.cost).abs()
+                } else {
+                    // What the rest of the rank is filled from: the pool (cursor mode: its
+                    // whole clusters, the sequence being dealt in order).
+                    let (c, t) = match src {
+                        Src::Back(_) if cursor => (0.0, 0),
+                        _ => (take.cost, take.len as usize),
+                    };
+                    let rho = (pool_cost - seq_cost - c)
+                        / (pool_tiles - seq_tiles).saturating_sub(t).max(1) as f64;
+                    (cost_left - take.cost - rho * rest as f64).abs()
+                };
+                let split = if take.len < u.len { take.len } else { 0 };
+                // A split also costs the K/V the tail's later owner receives from this head.
+                let d = if traffic > 0.0 {
+                    (p.delta(k, &take).max(0) + split as i64) as f64
+                } else {
+                    0.0
+                };
+                let score = err / scale + traffic * d / n;
+                if best.is_none_or(|b| score < b.0) {
+                    best = Some((score, src, split));
+                }
+            };
+            for (i, slot) in pool.iter().enumerate() {
+                if let Some(u) = slot {
+                    consider(u, Src::Pool(i), &p);
+                }
+            }
+            if cursor {
+                // The sequence's next piece stays on offer (the last ranks must take the rest).
+                if let Some(&(c, i)) = seq.get(at) {
+                    consider(&split[c][i], Src::Back(c), &p);
+                }
+            } else {
+                for (c, &(a, b)) in ends.iter().enumerate() {
+                    if a < b {
+                        consider(&split[c][a], Src::Front(c), &p);
+                        if b - 1 > a {
+                            consider(&split[c][b - 1], Src::Back(c), &p);
+                        }
+                    }
+                }
+            }
+            let Some((_, src, cut)) = best else { break };
+            let u = match src {
+                Src::Pool(i) => pool[i].take(),
+                Src::Front(c) => {
+                    ends[c].0 += 1;
+                    split[c].get(ends[c].0 - 1).copied()
+                }
+                Src::Back(c) => {
+                    if cursor {
+                        at += 1;
+                        if let Some(v) = split[c].get(ends[c].1 - 1) {
+                            seq_cost -= v.cost;
+                            seq_tiles -= v.len as usize;
+                        }
+                    }
+                    ends[c].1 -= 1;
+                    split[c].get(ends[c].1).copied()
+                }
+            };
+            let Some(u) = u else { break };
+            let u = if cut > 0 {
+                // The tail goes back to the pool.
+                pool.push(Some(run_of(tc, u.start + cut, u.start + u.len, false)));
+                run_of(tc, u.start, u.start + cut, false)
+            } else {
+                u
+            };
+            pool_cost -= u.cost;
+            pool_tiles -= u.len as usize;
+            p.put(k, u);
+        }
+    }
+    swap_wholes(&mut p);
+    p.owned
+}
+
+/// Lowers the largest load by swapping a whole cluster of the most loaded rank with a cheaper
+/// one of the same length on a less loaded rank (tile counts and traffic stay), while that
+/// strictly helps (bounded number of rounds).
+fn swap_wholes(p: &mut Placer) {
+    let r = p.load.len();
+    let key = |u: &Run| (u.len, u.cost);
+    for w in p.wholes.iter_mut() {
+        w.sort_by(|x, y| key(x).0.cmp(&key(y).0).then(x.cost.total_cmp(&y.cost)));
+    }
+    for _round in 0..(8 * r + 64) {
+        let a = (0..r)
+            .max_by(|&x, &y| p.load[x].total_cmp(&p.load[y]).then(y.cmp(&x)))
+            .unwrap_or(0);
+        let mut partners: Vec<usize> = (0..r).filter(|&b| b != a).collect();
+        partners.sort_by(|&x, &y| p.load[x].total_cmp(&p.load[y]).then(x.cmp(&y)));
+        partners.truncate(SWAP_PARTNERS);
+        // (rank b, index in a, index in b, new max)
+        let mut best: Option<(usize, usize, usize, f64)> = None;
+        for b in partners {
+            let gap = p.load[a] - p.load[b];
+            if gap <= 0.0 {
+                continue;
+            }
+            let wb = &p.wholes[b];
+            for (ia, x) in p.wholes[a].iter().enumerate() {
+                let want = x.cost - gap / 2.0;
+                let pos =
+                    wb.partition_point(|y| y.len < x.len || (y.len == x.len && y.cost < want));
+                for ib in [pos.wrapping_sub(1), pos] {
+                    let Some(y) = wb.get(ib) else { continue };
+                    let d = x.cost - y.cost;
+                    if y.len != x.len || d <= 0.0 || d >= gap {
+                        continue;
+                    }
+                    let new_max = (p.load[a] - d).max(p.load[b] + d);
+                    if best.is_none_or(|z| new_max < z.3) {
+                        best = Some((b, ia, ib, new_max));
+                    }
+                }
+            }
+        }
+        let Some((b, ia, ib, new_max)) = best else {
+            break;
+        };
+        if new_max >= p.load[a] * (1.0 - 1e-12) {
+            break;
+        }
+        let x = p.wholes[a].remove(ia);
+        let y = p.wholes[b].remove(ib);
+        p.load[a] += y.cost - x.cost;
+        p.load[b] += x.cost - y.cost;
+        for (k, from, to) in [(a, x, y), (b, y, x)] {
+            let o = &mut p.owned[k];
+            o.retain(|&t| t < from.start || t >= from.start + from.len);
+            o.extend(to.start..to.start + to.len);
+            let w = &mut p.wholes[k];
+            let pos = w.partition_point(|z| {
+                z.len < to.len || (z.len == to.len && z.cost.total_cmp(&to.cost).is_lt())
+            });
+            w.insert(pos, to);
+        }
+    }
+}
+
+/// Per rank, how many of its tiles' reach intervals cover each tile, and how many tiles are
+/// covered: the rank's estimated received K/V is `covered − owned`.
+struct Cover {
+    n: usize,
+    count: Vec<u32>,
+    covered: Vec<usize>,
+}
+
+impl Cover {
+    fn new(tc: &TileCosts, owned: &[Vec<u32>]) -> Self {
+        let n = tc.cost.len();
+        let mut c = Cover {
+            n,
+            count: vec![0; owned.len() * n],
+            covered: vec![0; owned.len()],
+        };
+        for (k, o) in owned.iter().enumerate() {
+            for &t in o {
+                c.add(tc, k, t);
+            }
+        }
+        c
+    }
+
+    fn add(&mut self, tc: &TileCosts, k: usize, t: u32) {
+        let (lo, hi) = (tc.lo[t as usize] as usize, tc.hi[t as usize] as usize);
+        for x in &mut self.count[k * self.n + lo..=k * self.n + hi] {
+            self.covered[k] += (*x == 0) as usize;
+            *x += 1;
+        }
+    }
+
+    fn remove(&mut self, tc: &TileCosts, k: usize, t: u32) {
+        let (lo, hi) = (tc.lo[t as usize] as usize, tc.hi[t as usize] as usize);
+        for x in &mut self.count[k * self.n + lo..=k * self.n + hi] {
+            *x -= 1;
+            self.covered[k] -= (*x == 0) as usize;
+        }
+    }
+
+    /// Moves tile `ta` from rank `a` to `b` and `tb` from `b` to `a`.
+    fn swap(&mut self, tc: &TileCosts, a: usize, b: usize, ta: u32, tb: u32) {
+        self.remove(tc, a, ta);
+        self.add(tc, a, tb);
+        self.remove(tc, b, tb);
+        self.add(tc, b, ta);
+    }
+}
+
+/// Lowers the largest load below `stop` by swapping single tiles between the most loaded rank
+/// and the least loaded ones (any tiles: pieces' boundary tiles and short documents give the
+/// fine steps whole-cluster swaps lack), accepting a swap only when neither rank then receives
+/// more K/V than the busiest receiver before the repair (estimated from reach intervals).
+/// Bounded number of rounds.
+fn repair(tc: &TileCosts, owned: &mut [Vec<u32>], stop: f64) {
+    let r = owned.len();
+    let cost = |t: u32| tc.cost[t as usize];
+    let mut load: Vec<f64> = owned
+        .iter()
+        .map(|o| o.iter().map(|&t| cost(t)).sum())
+        .collect();
+    if load.iter().all(|&l| l <= stop) {
+        return;
+    }
+    let mut cover = Cover::new(tc, owned);
+    let limit = (0..r)
+        .map(|k| cover.covered[k].saturating_sub(owned[k].len()))
+        .max()
+        .unwrap_or(0);
+    let mut sorted: Vec<Vec<u32>> = owned.to_vec();
+    for s in sorted.iter_mut() {
+        s.sort_by(|&a, &b| cost(a).total_cmp(&cost(b)).then(a.cmp(&b)));
+    }
+    let mut cands: Vec<(f64, usize, u32, u32)> = Vec::new();
+    for _round in 0..(8 * r + 64) {
+        let a = (0..r)
+            .max_by(|&x, &y| load[x].total_cmp(&load[y]).then(y.cmp(&x)))
+            .unwrap_or(0);
+        if load[a] <= stop {
+            break;
+        }
+        // Several partners: the one holding a piece's neighbours takes its tiles for free.
+        let mut partners: Vec<usize> = (0..r).filter(|&b| b != a).collect();
+        partners.sort_by(|&x, &y| load[x].total_cmp(&load[y]).then(x.cmp(&y)));
+        partners.truncate(REPAIR_PARTNERS);
+        // (new max, rank b, tile of a, tile of b)
+        cands.clear();
+        for b in partners {
+            let gap = load[a] - load[b];
+            if gap <= 0.0 {
+                continue;
+            }
+            let (sa, sb) = (&sorted[a], &sorted[b]);
+            swap_pairs(&cost, load[a], load[b], sa, sb, |ia, ib, new_max| {
+                cands.push((new_max, b, sa[ia], sb[ib]));
+            });
+        }
+        // The best few by new maximum, in order (a partial sort: the lists are long).
+        let by = |x: &(f64, usize, u32, u32), y: &(f64, usize, u32, u32)| {
+            x.0.total_cmp(&y.0)
+                .then((x.1, x.2, x.3).cmp(&(y.1, y.2, y.3)))
+        };
+        if cands.len() > REPAIR_TRIES {
+            cands.select_nth_unstable_by(REPAIR_TRIES, by);
+            cands.truncate(REPAIR_TRIES);
+        }
+        cands.sort_unstable_by(by);
+        let mut done = false;
+        for &(new_max, b, ta, tb) in cands.iter() {
+            if new_max >= load[a] * (1.0 - 1e-12) {
+                break;
+            }
+            cover.swap(tc, a, b, ta, tb);
+            let ok = [a, b]
+                .iter()
+                .all(|&k| cover.covered[k].saturating_sub(owned[k].len()) <= limit);
+            if !ok {
+                cover.swap(tc, a, b, tb, ta);
+                continue;
+            }
+            let d = cost(ta) - cost(tb);
+            load[a] -= d;
+            load[b] += d;
+            for (k, from, to) in [(a, ta, tb), (b, tb, ta)] {
+                if let Some(x) = owned[k].iter_mut().find(|x| **x == from) {
+                    *x = to;
+                }
+                let s = &mut sorted[k];
+                if let Some(i) = s.iter().position(|&t| t == from) {
+                    s.remove(i);
+                }
+                let i =
+                    s.partition_point(|&t| cost(t).total_cmp(&cost(to)).then(t.cmp(&to)).is_lt());
+                s.insert(i, to);
+            }
+            done = true;
+            break;
+        }
+        if !done {
+            break;
+        }
+    }
+}
+
+/// Candidate result of a solver run: the assignment, its largest load, largest and total
+/// estimated received K/V tiles.
+struct Candidate {
+    owned: Vec<Vec<u32>>,
+    max_load: f64,
+    max_remote: u64,
+    sum_remote: u64,
+}
+
+/// `None` unless `owned` deals every tile once, `cap` to each rank.
+fn candidate(tc: &TileCosts, owned: Vec<Vec<u32>>, cap: usize) -> Option<Candidate> {
+    let mut seen = vec![false; tc.cost.len()];
+    for o in &owned {
+        if o.len() != cap {
+            return None;
+        }
+        for &t in o {
+            let s = seen.get_mut(t as usize)?;
+            if std::mem::replace(s, true) {
+                return None;
+            }
+        }
+    }
+    let max_load = owned
+        .iter()
+        .map(|o| o.iter().map(|&t| tc.cost[t as usize]).sum::<f64>())
+        .fold(0.0, f64::max);
+    let rem = remote_estimate(tc, &owned);
+    Some(Candidate {
+        owned,
+        max_load,
+        max_remote: rem.iter().copied().max().unwrap_or(0),
+        sum_remote: rem.iter().sum(),
+    })
+}
+
+/// [`Scheme::Balanced`]: among balance-first assignments ([`lpt`]), the fixed schemes and
+/// traffic-first ones ([`deal`] then [`repair`]), the one whose busiest receiver gets the fewest
+/// K/V tiles among those within `balance_cap` of the mean cost; when none is, the best balanced.
+fn balanced(
+    tc: &TileCosts,
+    clus: &[(u32, u32)],
+    r: usize,
+    cap: usize,
+    balance_cap: f64,
+) -> Vec<Vec<u32>> {
+    let total: f64 = tc.cost.iter().sum();
+    let mean = total / r as f64;
+    let cap_cost = mean * balance_cap;
+    let fits = |c: &Candidate| c.max_load <= cap_cost * (1.0 + 1e-12);
+    let mut cands: Vec<Candidate> = Vec::new();
+    // Balance first: short clusters kept whole (up to half a rank's share, or smaller), long ones
+    // cut into contiguous pieces or single tiles; single tiles balance finest.
+    let mut shapes: Vec<(usize, usize)> = vec![
         (cap / 2, cap / 16),
         (cap / 2, cap / 64),
         (cap / 2, 1),
@@ -629,21 +1262,94 @@ fn balanced(tc: &TileCosts, clus: &[(u32, u32)], r: usize, cap: usize) -> Vec<Ve
         (cap / 32, 1),
         (0, 1),
     ];
-    cands.dedup();
-    let runs: Vec<(Vec<Vec<u32>>, f64)> = cands
+    shapes.dedup();
+    for &(keep, piece) in &shapes {
+        cands.extend(candidate(tc, lpt(tc, clus, r, cap, keep, piece).0, cap));
+    }
+    // The fixed schemes too: balanced is within the cap whenever one of them is, with no more
+    // traffic than any that is (by the estimate).
+    let n = tc.cost.len();
+    for scheme in [Scheme::Contiguous, Scheme::Zigzag, Scheme::PerDocZigzag] {
+        if scheme != Scheme::Zigzag || n.is_multiple_of(2 * r) {
+            cands.extend(candidate(tc, fixed(scheme, n, r, clus), cap));
+        }
+    }
+    // Traffic first: deals over piece sizes, whole-cluster thresholds, traffic weights and both
+    // piece orders.
+    let mut dealt: Vec<Candidate> = Vec::new();
+    let mut pieces = vec![(cap / 32).max(1), (cap / 128).max(1)];
+    pieces.dedup();
+    for &piece in &pieces {
+        let mut last_split = None;
+        for keep in [1.0, 0.5, 0.25] {
+            let (wholes, split) = make_runs(tc, clus, cap, piece, keep * mean);
+            // Thresholds that split the same clusters deal the same.
+            let starts: Vec<u32> = split
+                .iter()
+                .filter_map(|v| v.first().map(|u| u.start))
+                .collect();
+            if last_split.as_ref() == Some(&starts) {
+                continue;
+            }
+            last_split = Some(starts);
+            for traffic in [0.0, 0.05, 0.2, 1.0] {
+                for cursor in [false, true] {
+                    let owned = deal(tc, &wholes, &split, r, cap, traffic, cursor);
+                    dealt.extend(candidate(tc, owned, cap));
+                }
+            }
+        }
+    }
+    // Repair never raises the busiest receiver, so repairing deals in increasing order of it
+    // can stop at the first that then fits the cap unless a later one starts lower.
+    let mut order: Vec<usize> = (0..dealt.len()).collect();
+    order.sort_by_key(|&i| (dealt[i].max_remote, dealt[i].sum_remote, i));
+    let stop = mean * (1.0 + (balance_cap - 1.0) / 2.0);
+    let mut best_fit = cands
         .iter()
-        .map(|&(keep, piece)| lpt(tc, clus, r, cap, keep, piece))
-        .collect();
-    let best = runs.iter().map(|c| c.1).fold(f64::INFINITY, f64::min);
-    // Among the candidates within the slack of the best balance, the least K/V traffic.
-    let pick = runs
+        .filter(|c| fits(c))
+        .map(|c| c.max_remote)
+        .min()
+        .unwrap_or(u64::MAX);
+    let mut slots: Vec<Option<Candidate>> = dealt.into_iter().map(Some).collect();
+    for i in order {
+        let Some(c) = slots[i].take() else { continue };
+        if c.max_remote >= best_fit {
+            break;
+        }
+        let mut owned = c.owned;
+        repair(tc, &mut owned, stop);
+        if let Some(c) = candidate(tc, owned, cap) {
+            if fits(&c) {
+                best_fit = best_fit.min(c.max_remote);
+            }
+            cands.push(c);
+        }
+    }
+    // Within the cap: the least K/V for the busiest receiver; else the best balance.
+    let pick = cands
         .iter()
         .enumerate()
-        .filter(|(_, c)| c.1 <= best * LOCALITY_SLACK)
-        .min_by_key(|(i, c)| (remote_estimate(tc, &c.0), *i))
+        .min_by(|(i, x), (j, y)| {
+            let (fx, fy) = (fits(x), fits(y));
+            fy.cmp(&fx)
+                .then_with(|| {
+                    let traffic = (x.max_remote, x.sum_remote).cmp(&(y.max_remote, y.sum_remote));
+                    if fx && fy {
+                        traffic.then(x.max_load.total_cmp(&y.max_load))
+                    } else {
+                        x.max_load.total_cmp(&y.max_load).then(traffic)
+                    }
+                })
+                .then(i.cmp(j))
+        })
         .map(|(i, _)| i)
         .unwrap_or(0);
-    runs.into_iter().nth(pick).map(|c| c.0).unwrap_or_default()
+    cands
+        .into_iter()
+        .nth(pick)
+        .map(|c| c.owned)
+        .unwrap_or_default()
 }
 
 fn finish(
@@ -693,6 +1399,12 @@ fn finish(
                 c.kv_tiles_remote += needed[k][s].len() as u64;
             }
         }
+        let allgather = (n - n / r) as f64;
+        c.kv_remote_fraction = if allgather > 0.0 {
+            c.kv_tiles_remote as f64 / allgather
+        } else {
+            0.0
+        };
         costs.push(c);
     }
     let mut h = blake3::Hasher::new();
@@ -702,6 +1414,7 @@ fn finish(
     h.update(&(r as u64).to_le_bytes());
     h.update(&model.partial_overhead.to_le_bytes());
     h.update(&model.backward.to_le_bytes());
+    h.update(&model.balance_cap.to_le_bytes());
     for o in &owned {
         for &t in o {
             h.update(&t.to_le_bytes());
@@ -764,6 +1477,15 @@ impl Sharding {
         } else {
             1.0
         }
+    }
+
+    /// The busiest receiver's K/V in [`KvLayout::Needed`] mode as a fraction of an all-gather
+    /// (the largest [`RankCost::kv_remote_fraction`]).
+    pub fn kv_fraction(&self) -> f64 {
+        self.costs
+            .iter()
+            .map(|c| c.kv_remote_fraction)
+            .fold(0.0, f64::max)
     }
 
     fn check_rank(&self, rank: usize) -> Result<()> {

@@ -2,6 +2,7 @@
 //! are exactly the global mask on the rank's rows and K/V layout, the needed lists are what the
 //! rows touch, balanced beats zigzag on packed documents, and bad inputs are clear errors.
 
+use proptest::prelude::*;
 use std::time::Instant;
 use tessera_mask::{DenseMask, Mask, SegmentIds, Segments};
 use tessera_plan::cp_sim::{doc_causal_plan, doc_mix, simulate_plan, DocMix, SimModel};
@@ -247,8 +248,17 @@ fn bad_inputs_are_clear_errors() {
     let bad_model = CostModel {
         partial_overhead: 2.0,
         backward: 1.0,
+        ..CostModel::default()
     };
     assert!(shard(&p, 2, Scheme::Balanced, bad_model).is_err());
+    for cap in [0.99, f64::NAN, f64::INFINITY] {
+        let m = CostModel {
+            balance_cap: cap,
+            ..CostModel::default()
+        };
+        let e = shard(&p, 2, Scheme::Balanced, m).unwrap_err();
+        assert!(e.to_string().contains("balance_cap"), "{e}");
+    }
     assert!(Scheme::parse("ring").is_err());
     assert_eq!(
         Scheme::parse("perdoc_zigzag").unwrap(),
@@ -273,6 +283,41 @@ fn doc_mix_is_seeded_and_has_long_documents() {
     let long: usize = lens.values().filter(|&&n| n >= 32 * 1024).sum();
     assert!(long as f64 >= 0.25 * a.len() as f64, "{long}");
     assert!(lens.len() > 30, "{} documents", lens.len());
+    // The web mix: about 1 % of documents long, none of the rest.
+    let (mut docs, mut long) = (0usize, 0usize);
+    for seed in 0..40 {
+        let ids = doc_mix(512 * 1024, &DocMix::web(seed)).unwrap();
+        let mut runs = vec![1usize];
+        for w in ids.windows(2) {
+            if w[0] == w[1] {
+                *runs.last_mut().unwrap() += 1;
+            } else {
+                runs.push(1);
+            }
+        }
+        // The document drawn last is cut at the row's end (then shuffled); every other one is
+        // in the body's or the long range.
+        let outside = runs
+            .iter()
+            .filter(|&&n| !(64..=128 * 1024).contains(&n))
+            .count();
+        assert!(
+            outside <= 1,
+            "seed {seed}: {outside} documents out of range"
+        );
+        docs += runs.len();
+        long += runs.iter().filter(|&&n| n >= 32 * 1024).count();
+    }
+    let share = long as f64 / docs as f64;
+    assert!(
+        (0.005..0.02).contains(&share),
+        "{long} of {docs} documents long"
+    );
+    let bad = DocMix {
+        long_docs: 1.5,
+        ..DocMix::web(0)
+    };
+    assert!(doc_mix(1024, &bad).is_err());
 }
 
 /// The issue's bar at N = 512K, R = 8 on the doc-causal mix.
@@ -288,23 +333,219 @@ fn balanced_meets_the_bar_at_512k_8_ranks() {
     assert!(rows.iter().all(|r| r.extra_tiles == 0));
 }
 
-/// Sharding a 1M-token plan over 32 ranks in at most 100 ms (release build):
-/// `cargo test -p tessera-plan --release --test shard -- --ignored --nocapture`.
+/// Per scheme on a web mix: (max/mean cost, busiest receiver's K/V over an all-gather, ms).
+fn web_row(len: usize, r: usize, seed: u64, tile: usize) -> Vec<(Scheme, f64, f64, f64)> {
+    let p = doc_causal_plan(len, &DocMix::web(seed), tile).unwrap();
+    Scheme::ALL
+        .iter()
+        .map(|&scheme| {
+            let t0 = Instant::now();
+            let s = shard(&p, r, scheme, CostModel::default()).unwrap();
+            let ms = t0.elapsed().as_secs_f64() * 1e3;
+            // The fraction is the exact needed lists' (not the solver's estimate).
+            let ag = (s.tiles - s.tiles_per_rank()) as f64;
+            let max_remote = s.needed.iter().enumerate().map(|(k, row)| {
+                row.iter()
+                    .enumerate()
+                    .filter(|&(src, _)| src != k)
+                    .map(|(_, v)| v.len())
+                    .sum::<usize>()
+            });
+            let frac = max_remote.max().unwrap() as f64 / ag;
+            assert!((frac - s.kv_fraction()).abs() < 1e-12);
+            for c in &s.costs {
+                assert!((c.kv_remote_fraction - c.kv_tiles_remote as f64 / ag).abs() < 1e-12);
+            }
+            (scheme, s.imbalance(), frac, ms)
+        })
+        .collect()
+}
+
+fn print_rows(label: &str, rows: &[(Scheme, f64, f64, f64)]) {
+    let cells: Vec<String> = rows
+        .iter()
+        .map(|(s, b, f, ms)| format!("{s} {b:.3} / {f:.3} ({ms:.0} ms)"))
+        .collect();
+    println!("| {label} | {} |", cells.join(" | "));
+}
+
+/// Issue 41's bar: packed web documents (lognormal lengths, 1 % of documents 32K–128K tokens),
+/// 512K tokens over 8 ranks at tile 128: balanced keeps the busiest rank within 1.05× the mean
+/// cost (its cap is 1.02) and the busiest receiver's K/V within 0.35 of an all-gather, on every
+/// seed. Seeds 6 and 13 are where the balance-only solver needed 0.48 and 0.15 (the issue's 0.42
+/// and 0.15); 8, 19, 21 and 38 have two or more long documents (the hardest found in 0..40).
+#[test]
+fn balanced_meets_the_traffic_bar_on_web_mixes() {
+    for seed in [0, 1, 2, 5, 6, 8, 11, 13, 19, 21, 38] {
+        let rows = web_row(512 * 1024, 8, seed, 128);
+        print_rows(&format!("seed {seed}"), &rows);
+        let &(_, bal, frac, _) = rows.iter().find(|r| r.0 == Scheme::Balanced).unwrap();
+        assert!(bal <= 1.02 + 1e-9, "seed {seed}: max/mean {bal}");
+        assert!(frac <= 0.35, "seed {seed}: needed {frac} of an all-gather");
+    }
+}
+
+/// The bar on 64 seeds, and at other world sizes and tiles (same mix, 512K and 1M tokens):
+/// `cargo test -p tessera-plan --release --test shard -- --ignored --nocapture web`.
 #[test]
 #[ignore]
-fn sharding_1m_tokens_for_32_ranks_takes_under_100ms() {
-    let p = doc_causal_plan(1024 * 1024, &DocMix::default(), 128).unwrap();
-    for scheme in Scheme::ALL {
-        let t0 = Instant::now();
-        let s = shard(&p, 32, scheme, CostModel::default()).unwrap();
-        let ms = t0.elapsed().as_secs_f64() * 1e3;
-        let t1 = Instant::now();
-        s.local_plan(&p, 31, KvLayout::Needed).unwrap();
-        let local_ms = t1.elapsed().as_secs_f64() * 1e3;
-        println!(
-            "{scheme}: shard {ms:.1} ms, one local plan {local_ms:.1} ms, max/mean {:.3}",
-            s.imbalance()
+fn balanced_meets_the_traffic_bar_on_64_web_seeds() {
+    let mut worst = (0.0f64, 0.0f64);
+    for seed in 0..64 {
+        let rows = web_row(512 * 1024, 8, seed, 128);
+        print_rows(&format!("512K R=8 t=128 seed {seed}"), &rows);
+        let &(_, bal, frac, _) = rows.iter().find(|r| r.0 == Scheme::Balanced).unwrap();
+        worst = (worst.0.max(bal), worst.1.max(frac));
+        assert!(
+            bal <= 1.02 + 1e-9 && frac <= 0.35,
+            "seed {seed}: {bal} {frac}"
         );
-        assert!(ms <= 100.0, "{scheme}: {ms:.1} ms");
+    }
+    println!(
+        "worst over 64 seeds: max/mean {:.3}, needed {:.3}",
+        worst.0, worst.1
+    );
+    // Elsewhere: within the cap, and never more traffic than an all-gather's worth.
+    for (len, r, tile) in [
+        (512 * 1024, 4, 128),
+        (512 * 1024, 16, 128),
+        (512 * 1024, 8, 64),
+        (1024 * 1024, 32, 128),
+    ] {
+        for seed in 0..4 {
+            let rows = web_row(len, r, seed, tile);
+            print_rows(&format!("{}K R={r} t={tile} seed {seed}", len >> 10), &rows);
+            let &(_, bal, _, _) = rows.iter().find(|x| x.0 == Scheme::Balanced).unwrap();
+            assert!(bal <= 1.02 + 1e-9, "{len} {r} {tile} {seed}: {bal}");
+        }
+    }
+}
+
+/// Sharding time, median of 5 (release build): 1M tokens over 32 ranks (the cp-sim token mix)
+/// and issue 41's 512K over 8 ranks (web mix, seeds 0 and 19, tile 128 — the default — and 64),
+/// each scheme at most 1 s:
+/// `cargo test -p tessera-plan --release --test shard -- --ignored --nocapture takes`.
+#[test]
+#[ignore]
+fn sharding_1m_tokens_for_32_ranks_takes_under_1s() {
+    let cases = [
+        (
+            "1M R=32 t=128 tokens mix",
+            1024 * 1024,
+            32,
+            DocMix::default(),
+            128,
+        ),
+        (
+            "512K R=8 t=128 web seed 0",
+            512 * 1024,
+            8,
+            DocMix::web(0),
+            128,
+        ),
+        (
+            "512K R=8 t=128 web seed 19",
+            512 * 1024,
+            8,
+            DocMix::web(19),
+            128,
+        ),
+        (
+            "512K R=8 t=64 web seed 0",
+            512 * 1024,
+            8,
+            DocMix::web(0),
+            64,
+        ),
+    ];
+    for (label, len, r, mix, tile) in cases {
+        let p = doc_causal_plan(len, &mix, tile).unwrap();
+        for scheme in Scheme::ALL {
+            let mut times: Vec<f64> = (0..5)
+                .map(|_| {
+                    let t0 = Instant::now();
+                    shard(&p, r, scheme, CostModel::default()).unwrap();
+                    t0.elapsed().as_secs_f64() * 1e3
+                })
+                .collect();
+            times.sort_by(f64::total_cmp);
+            let s = shard(&p, r, scheme, CostModel::default()).unwrap();
+            let t1 = Instant::now();
+            s.local_plan(&p, r - 1, KvLayout::Needed).unwrap();
+            let local_ms = t1.elapsed().as_secs_f64() * 1e3;
+            let ms = times[2];
+            println!(
+                "{label}: {scheme}: shard {ms:.1} ms (median of 5), one local plan {local_ms:.1} ms, \
+                 max/mean {:.3}, needed {:.3}",
+                s.imbalance(),
+                s.kv_fraction()
+            );
+            assert!(ms <= 1000.0, "{label} {scheme}: {ms:.1} ms");
+        }
+    }
+}
+
+/// Segment ids of a 2048-token row: a padding run, then documents of `lens` tokens (cycled),
+/// the rest padding.
+fn packed(lens: &[usize], pad: usize) -> Vec<i64> {
+    let len = 2048;
+    let mut ids = vec![-1i64; pad.min(len)];
+    for (d, &n) in lens.iter().cycle().enumerate() {
+        if ids.len() >= len {
+            break;
+        }
+        ids.extend(std::iter::repeat_n(d as i64, n.min(len - ids.len())));
+    }
+    ids
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+    /// Random packed doc-causal rows (documents from one token to past a rank's share, padding),
+    /// world sizes and caps: balanced deals every tile once in equal counts, deterministically,
+    /// loses no pair, reports each rank's received K/V exactly, is within its cap whenever some
+    /// fixed scheme is, and then has the busiest receiver get no more K/V than any such scheme.
+    #[test]
+    fn balanced_is_exact_and_beats_the_fixed_schemes_within_its_cap(
+        lens in prop::collection::vec(1usize..700, 1..30),
+        pad in 0usize..300,
+        r_log in 0u32..4,
+        cap in 1.0f64..1.1,
+    ) {
+        let r = 1usize << r_log;
+        let ids = packed(&lens, pad);
+        let mask = Mask::causal() & Mask::document(Segments::shared(SegmentIds::shared(ids).unwrap()));
+        let p = plan(&mask, 1, 1, 2048, 16);
+        let model = CostModel { balance_cap: cap, ..CostModel::default() };
+        let s = shard(&p, r, Scheme::Balanced, model).unwrap();
+        prop_assert_eq!(&s, &shard(&p, r, Scheme::Balanced, model).unwrap());
+        let mut seen = vec![0u8; p.q_tiles];
+        for o in &s.owned {
+            prop_assert_eq!(o.len(), p.q_tiles / r);
+            for &t in o {
+                seen[t as usize] += 1;
+            }
+        }
+        prop_assert!(seen.iter().all(|&c| c == 1));
+        prop_assert_eq!(s.costs.iter().map(|c| c.pairs).sum::<u64>(), p.stats.allowed_pairs);
+        for (k, o) in s.owned.iter().enumerate() {
+            let mut touched = vec![false; p.kv_tiles];
+            for &t in o {
+                for e in p.head_plans[0].row(t as usize) {
+                    touched[e.tile as usize] = true;
+                }
+            }
+            let remote = (0..p.kv_tiles)
+                .filter(|&t| touched[t] && !o.contains(&(t as u32)))
+                .count() as u64;
+            prop_assert_eq!(s.costs[k].kv_tiles_remote, remote);
+        }
+        for other in [Scheme::Contiguous, Scheme::Zigzag, Scheme::PerDocZigzag] {
+            let o = shard(&p, r, other, model).unwrap();
+            if o.imbalance() <= cap {
+                prop_assert!(s.imbalance() <= cap * (1.0 + 1e-9), "{} {}", other, o.imbalance());
+                prop_assert!(s.kv_fraction() <= o.kv_fraction() + 1e-12, "{} {} {}", other, s.kv_fraction(), o.kv_fraction());
+            }
+        }
     }
 }

@@ -8,7 +8,7 @@ use tessera::plan::cp_sim::{simulate, DocMix, SimModel, SimRow};
 
 #[derive(clap::Args, Debug)]
 #[command(
-    after_help = "Examples:\n  tessera cp-sim\n  tessera cp-sim --lengths 512K --ranks 8 --json\n  tessera cp-sim --flops-tera 400 --link-gbps 50 --png cp.png"
+    after_help = "Examples:\n  tessera cp-sim\n  tessera cp-sim --lengths 512K --ranks 8 --json\n  tessera cp-sim --mix web --seed 6 --lengths 512K --ranks 8\n  tessera cp-sim --flops-tera 400 --link-gbps 50 --png cp.png"
 )]
 pub struct CpSimArgs {
     /// Row lengths in tokens (K = 1024, M = 1048576), comma-separated.
@@ -20,6 +20,13 @@ pub struct CpSimArgs {
     /// Seed of the document-length draw.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Document mix: `tokens` (30% of the row's tokens in 32K-128K documents) or `web` (packed web
+    /// documents: 1% of documents 32K-128K, issue 41).
+    #[arg(long, default_value = "tokens", value_parser = ["tokens", "web"])]
+    pub mix: String,
+    /// Balanced scheme's cap on the busiest rank's cost over the mean.
+    #[arg(long, value_name = "X", default_value_t = 1.02)]
+    pub balance_cap: f64,
     /// Sustained attention TFLOP/s per rank.
     #[arg(long, value_name = "T", default_value_t = 400.0)]
     pub flops_tera: f64,
@@ -79,6 +86,7 @@ struct JsonRow {
     allgather_bytes: f64,
     needed_bytes_max: f64,
     needed_bytes_mean: f64,
+    needed_fraction_max: f64,
     step_allgather_s: f64,
     step_needed_s: f64,
     shard_ms: f64,
@@ -98,6 +106,7 @@ impl From<&SimRow> for JsonRow {
             allgather_bytes: r.allgather_bytes,
             needed_bytes_max: r.needed_bytes_max,
             needed_bytes_mean: r.needed_bytes_mean,
+            needed_fraction_max: r.needed_fraction_max,
             step_allgather_s: r.step_allgather_s,
             step_needed_s: r.step_needed_s,
             shard_ms: r.shard_ms,
@@ -131,6 +140,13 @@ pub fn run(args: CpSimArgs, ctx: &Ctx) -> Result<()> {
             return Err(Error::invalid(name, "a positive int", v));
         }
     }
+    if !(args.balance_cap.is_finite() && args.balance_cap >= 1.0) {
+        return Err(Error::invalid(
+            "--balance-cap",
+            "a finite number >= 1",
+            args.balance_cap,
+        ));
+    }
     let model = SimModel {
         heads: args.heads,
         kv_heads: args.kv_heads,
@@ -138,11 +154,19 @@ pub fn run(args: CpSimArgs, ctx: &Ctx) -> Result<()> {
         flops: args.flops_tera * 1e12,
         link_bytes_per_s: args.link_gbps * 1e9,
         tile: args.tile,
+        cost: tessera::CostModel {
+            balance_cap: args.balance_cap,
+            ..tessera::CostModel::default()
+        },
         ..SimModel::default()
     };
-    let mix = DocMix {
-        seed: args.seed,
-        ..DocMix::default()
+    let mix = if args.mix == "web" {
+        DocMix::web(args.seed)
+    } else {
+        DocMix {
+            seed: args.seed,
+            ..DocMix::default()
+        }
     };
     let rows = simulate(&lengths, &ranks, &mix, &model)?;
     if let Some(p) = &args.png {
@@ -154,25 +178,33 @@ pub fn run(args: CpSimArgs, ctx: &Ctx) -> Result<()> {
             rows: rows.iter().map(JsonRow::from).collect(),
         });
     }
+    let long = if mix.long_docs > 0.0 {
+        format!("{}% of documents", mix.long_docs * 100.0)
+    } else {
+        format!("{:.0}% of tokens in", mix.long_fraction * 100.0)
+    };
     println!(
-        "doc-causal row: lognormal body (median {} tokens, sigma {}) + {:.0}% of tokens in {}K-{}K documents, seed {}",
+        "doc-causal row: lognormal body (median {} tokens, sigma {}) + {long} {}K-{}K documents, seed {}",
         mix.median,
         mix.sigma,
-        mix.long_fraction * 100.0,
         mix.long_range.0 >> 10,
         mix.long_range.1 >> 10,
         mix.seed
+    );
+    println!(
+        "balanced: least K/V for the busiest receiver with the busiest rank <= {}x the mean cost",
+        model.cost.balance_cap
     );
     for a in model.assumptions() {
         println!("assumption: {a}");
     }
     println!(
-        "| N | R | scheme | cost max/mean | pairs max/mean | tiles max/mean | extra tiles | KV in/rank all-gather MiB | KV in/rank needed max (mean) MiB | step all-gather ms | step needed ms | shard ms |"
+        "| N | R | scheme | cost max/mean | pairs max/mean | tiles max/mean | extra tiles | KV in/rank all-gather MiB | KV in/rank needed max (mean) MiB | needed max / all-gather | step all-gather ms | step needed ms | shard ms |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for r in &rows {
         println!(
-            "| {} | {} | {} | {:.3} | {:.3} | {:.3} | {} | {} | {} ({}) | {:.2} | {:.2} | {:.1} |",
+            "| {} | {} | {} | {:.3} | {:.3} | {:.3} | {} | {} | {} ({}) | {:.3} | {:.2} | {:.2} | {:.1} |",
             r.tokens,
             r.ranks,
             r.scheme,
@@ -183,6 +215,7 @@ pub fn run(args: CpSimArgs, ctx: &Ctx) -> Result<()> {
             mib(r.allgather_bytes),
             mib(r.needed_bytes_max),
             mib(r.needed_bytes_mean),
+            r.needed_fraction_max,
             r.step_allgather_s * 1e3,
             r.step_needed_s * 1e3,
             r.shard_ms

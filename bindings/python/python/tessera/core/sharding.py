@@ -63,12 +63,17 @@ class Sharding:
     @property
     def costs(self) -> List[Dict[str, Any]]:
         """Per rank: ``pairs``, ``full_tiles``, ``partial_tiles``, ``forward_cost``,
-        ``backward_cost`` (one full tile = 1), ``kv_tiles_needed``, ``kv_tiles_remote``."""
+        ``backward_cost`` (one full tile = 1), ``kv_tiles_needed``, ``kv_tiles_remote``,
+        ``kv_remote_fraction`` (remote tiles over an all-gather's)."""
         return self._s.costs
 
     def imbalance(self) -> float:
         """Largest over mean per-rank modelled cost (1.0 is perfect balance)."""
         return self._s.imbalance()
+
+    def kv_fraction(self) -> float:
+        """The busiest receiver's K/V in ``needed`` mode over an all-gather's (0 for one rank)."""
+        return self._s.kv_fraction()
 
     def owned(self, rank: int) -> np.ndarray:
         """The q tiles ``rank`` owns (global tile ids, ascending)."""
@@ -108,7 +113,8 @@ class Sharding:
     def __repr__(self) -> str:
         return (
             f"tessera.cp.Sharding(scheme={self.scheme!r}, world_size={self.world_size}, "
-            f"tokens_per_rank={self.tokens_per_rank}, imbalance={self.imbalance():.3f})"
+            f"tokens_per_rank={self.tokens_per_rank}, imbalance={self.imbalance():.3f}, "
+            f"kv_fraction={self.kv_fraction():.3f})"
         )
 
     def _rank(self, rank: int) -> int:
@@ -142,11 +148,14 @@ def shard(
     *,
     partial_overhead: float = 0.3,
     backward: float = 2.5,
+    balance_cap: float = 1.02,
 ) -> Sharding:
     """Shards ``plan``'s row over ``world_size`` ranks with ``scheme`` (``contiguous``,
     ``zigzag``, ``perdoc_zigzag`` or ``balanced``). ``partial_overhead`` and ``backward`` are the
     cost model (a partial tile costs ``partial_overhead + (1 - partial_overhead) · allowed
-    fraction`` of a full one; backward ``backward`` times forward). Needs self-attention with square
+    fraction`` of a full one; backward ``backward`` times forward). ``balanced`` gives the busiest
+    rank's ``needed``-mode K/V the fewest tiles it can while the busiest rank's cost stays within
+    ``balance_cap`` times the mean (the best balance it finds when nothing is). Needs self-attention with square
     tiles and ``L`` a multiple of ``world_size · block`` (``2 · world_size · block`` for zigzag):
     a ``ValueError`` says how far to pad otherwise."""
     if not isinstance(plan, Plan):
@@ -154,11 +163,14 @@ def shard(
     world_size = _int_arg("shard", "world_size", world_size, 1, 2**20)
     if not isinstance(scheme, str):
         raise TypeError(f"scheme: expected a str, got {type(scheme).__name__}")
-    for name, v in (("partial_overhead", partial_overhead), ("backward", backward)):
+    for name, v in (("partial_overhead", partial_overhead), ("backward", backward),
+                    ("balance_cap", balance_cap)):
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise TypeError(f"{name}: expected a number, got {type(v).__name__}")
     return Sharding(
-        _tessera.shard(plan._p, world_size, scheme, float(partial_overhead), float(backward)), plan
+        _tessera.shard(plan._p, world_size, scheme, float(partial_overhead), float(backward),
+                       float(balance_cap)),
+        plan,
     )
 
 
@@ -167,17 +179,21 @@ def shard(
 
 def doc_mix(
     length: int, seed: int = 0, *, median: float = 1000.0, sigma: float = 1.3,
-    long_fraction: float = 0.3,
+    long_fraction: float = 0.3, long_docs: float = 0.0,
 ) -> np.ndarray:
     """Segment ids of one packed row of ``length`` tokens from the cp-sim mix: a lognormal body
-    (``median`` tokens, ``sigma``, 64..32K−1) plus ``long_fraction`` of the tokens in 32K–128K
-    documents (capped at the row), shuffled; seeded."""
+    (``median`` tokens, ``sigma``, 64..32K−1) plus 32K–128K documents (capped at the row):
+    ``long_fraction`` of the tokens first, then each further document long with probability
+    ``long_docs`` (``long_fraction=0, long_docs=0.01``: issue 41's packed web documents);
+    shuffled; seeded."""
     length = _int_arg("doc_mix", "length", length, 1, 2**40)
     seed = _int_arg("doc_mix", "seed", seed, 0, 2**64)
-    for name, v in (("median", median), ("sigma", sigma), ("long_fraction", long_fraction)):
+    for name, v in (("median", median), ("sigma", sigma), ("long_fraction", long_fraction),
+                    ("long_docs", long_docs)):
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise TypeError(f"{name}: expected a number, got {type(v).__name__}")
-    return _tessera.doc_mix(length, seed, float(median), float(sigma), float(long_fraction))
+    return _tessera.doc_mix(length, seed, float(median), float(sigma), float(long_fraction),
+                            float(long_docs))
 
 
 def simulate(
@@ -191,11 +207,16 @@ def simulate(
     kv_heads: int = 8,
     head_dim: int = 128,
     block: int = 128,
+    mix: str = "tokens",
+    balance_cap: float = 1.02,
 ) -> Tuple[List[Dict[str, Any]], List[str]]:
     """The ``tessera cp-sim`` model: for the doc-causal row of each length (:func:`doc_mix`), every
     scheme at every world size: max/mean per-rank cost, pairs and tiles, extra tile work, K/V bytes
-    received per rank (all-gather; needed max and mean), modelled step times. Returns
+    received per rank (all-gather; needed max and mean; ``needed_fraction_max``: the busiest
+    receiver's over an all-gather's), modelled step times. ``mix``: ``"tokens"`` (30 % of the
+    tokens in long documents) or ``"web"`` (1 % of documents long). Returns
     ``(rows, assumptions)``."""
     ls = [_int_arg("simulate", "lengths", n, 1, 2**40) for n in lengths]
     rs = [_int_arg("simulate", "ranks", r, 1, 2**20) for r in ranks]
-    return _tessera.simulate(ls, rs, seed, float(flops), float(link_gbps), heads, kv_heads, head_dim, block)
+    return _tessera.simulate(ls, rs, seed, float(flops), float(link_gbps), heads, kv_heads, head_dim,
+                             block, mix, float(balance_cap))
