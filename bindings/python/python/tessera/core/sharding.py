@@ -155,8 +155,8 @@ def shard(
     cost model (a partial tile costs ``partial_overhead + (1 - partial_overhead) · allowed
     fraction`` of a full one; backward ``backward`` times forward). ``balanced`` gives the busiest
     rank's ``needed``-mode K/V the fewest tiles it can while the busiest rank's cost stays within
-    ``balance_cap`` times the mean (the best balance it finds when nothing is). Needs self-attention with square
-    tiles and ``L`` a multiple of ``world_size · block`` (``2 · world_size · block`` for zigzag):
+    ``balance_cap`` times the mean (the best balance it finds when nothing is). Needs
+    self-attention with square tiles and ``L`` a multiple of ``world_size · block`` (``2 · world_size · block`` for zigzag):
     a ``ValueError`` says how far to pad otherwise."""
     if not isinstance(plan, Plan):
         raise TypeError(f"plan: expected a tessera.Plan, got {type(plan).__name__}")
