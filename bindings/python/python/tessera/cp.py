@@ -125,8 +125,8 @@ def shard(
     fraction`` of a full one; backward ``backward`` times forward). ``balanced`` gives the busiest
     rank's ``needed``-mode K/V the fewest tiles it can while the busiest rank's cost stays within
     ``balance_cap`` times the mean (the best balance it finds when nothing is). Needs
-    self-attention with square tiles and ``L`` a multiple of ``world_size · block`` (``2 · world_size · block`` for zigzag):
-    a ``ValueError`` says how far to pad otherwise."""
+    self-attention with square tiles and ``L`` a multiple of ``world_size · block``
+    (``2 · world_size · block`` for zigzag): a ``ValueError`` says how far to pad otherwise."""
     sh = _core.shard(plan, world_size, scheme, partial_overhead=partial_overhead, backward=backward,
                      balance_cap=balance_cap)
     return Sharding(sh._s, sh.plan)

@@ -156,8 +156,8 @@ def shard(
     fraction`` of a full one; backward ``backward`` times forward). ``balanced`` gives the busiest
     rank's ``needed``-mode K/V the fewest tiles it can while the busiest rank's cost stays within
     ``balance_cap`` times the mean (the best balance it finds when nothing is). Needs
-    self-attention with square tiles and ``L`` a multiple of ``world_size · block`` (``2 · world_size · block`` for zigzag):
-    a ``ValueError`` says how far to pad otherwise."""
+    self-attention with square tiles and ``L`` a multiple of ``world_size · block``
+    (``2 · world_size · block`` for zigzag): a ``ValueError`` says how far to pad otherwise."""
     if not isinstance(plan, Plan):
         raise TypeError(f"plan: expected a tessera.Plan, got {type(plan).__name__}")
     world_size = _int_arg("shard", "world_size", world_size, 1, 2**20)
