@@ -36,10 +36,10 @@ class CPPlan:
     needed tiles lands in what it receives); with ``splash=True`` also ``splash``, every rank's
     local plan as Splash ``MaskInfo`` stacked on a leading ``[R]`` axis (one stable shape: the
     partial blocks padded to a bound shared by the ranks) and its local keys' positions in their
-    documents (``int32 [R, B' or 1, Lkv_local]``, for telemetry's sink keys), as a pair. Static: the local plans' shapes, the
-    mode, ``M`` and ``N`` (powers of two, so new plans rarely change them), the tile and the
-    world size. Any leaf may instead be passed sharded over the mesh axis (``[1, ...]`` per
-    device)."""
+    documents (``int32 [R, B' or 1, Lkv_local]``, for telemetry's sink keys), as a pair. Static:
+    the local plans' shapes, the mode, ``M`` and ``N`` (powers of two, so new plans rarely
+    change them), the tile and the world size. Any leaf may instead be passed sharded over the
+    mesh axis (``[1, ...]`` per device)."""
 
     __slots__ = ("handles", "send", "recv", "splash", "aux", "_keep")
 
