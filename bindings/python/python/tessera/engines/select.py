@@ -1,0 +1,233 @@
+"""Engine selection for ``tessera.torch.attention`` (the pattern of xFormers' ``fmha/dispatch.py``):
+each engine states, for given inputs, the reasons it cannot run them exactly; ``auto`` walks a
+fixed priority list and takes the first engine with none. The choice and every skipped engine's
+reasons are kept as a readable record (:func:`last_dispatch`).
+
+Priority for tensors on a GPU: ``flex_flash`` (FlexAttention's FlashAttention-4 backend), then
+``varlen`` (``torch.nn.attention.varlen.varlen_attn``: packed causal documents from
+``cu_seqlens``, no mask), then ``flex`` (FlexAttention's Triton kernel). For CPU tensors:
+``tessera`` (Tessera's CPU kernels). Every engine keeps SPEC §4 exactly or declines.
+
+Capability probes are module functions (:func:`flash_importable`, :func:`varlen_importable`,
+:func:`device_capability`) so tests can fake a device by replacing them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any, Dict, List, Optional, Tuple
+
+from ..core.flex_mask import causal_documents
+
+ENGINES = ("auto", "tessera", "flex", "flex_flash", "varlen")
+GPU_PRIORITY = ("flex_flash", "varlen", "flex")
+CPU_PRIORITY = ("tessera",)
+
+_LAST: Dict[str, Any] = {}
+
+# probe results, per process (read inside compiled steps without probing again)
+_PROBED: Dict[str, Any] = {}
+
+
+# -- capability probes (replaced by tests) --------------------------------------------------------
+
+
+_UNPROBED = "not probed outside a compiled step (run one call eagerly, or call warm(device), first)"
+
+
+def _probe(key: str, fn, default):
+    """``fn()`` once per process; inside a compiled step, before any eager probe, ``default``."""
+    if key not in _PROBED:
+        import torch
+
+        if torch.compiler.is_compiling():
+            return default
+        _PROBED[key] = fn()
+    return _PROBED[key]
+
+
+def _find_flash() -> Tuple[bool, str]:
+    try:
+        ok = importlib.util.find_spec("flash_attn.cute") is not None
+    except (ImportError, ValueError):
+        ok = False
+    return ok, "" if ok else "flash_attn.cute is not importable (pip install flash-attn-4)"
+
+
+def _find_varlen() -> Tuple[bool, str]:
+    try:
+        mod = importlib.import_module("torch.nn.attention.varlen")
+    except ImportError:
+        return False, "this torch has no torch.nn.attention.varlen (torch >= 2.10)"
+    ok = hasattr(mod, "varlen_attn")
+    return ok, "" if ok else "torch.nn.attention.varlen has no varlen_attn"
+
+
+def flash_importable() -> Tuple[bool, str]:
+    """Whether ``flash_attn.cute`` (FlashAttention-4, CuTe DSL) can be imported."""
+    return _probe("flash", _find_flash, (False, _UNPROBED))
+
+
+def varlen_importable() -> Tuple[bool, str]:
+    """Whether this torch has ``torch.nn.attention.varlen.varlen_attn`` (torch 2.10+)."""
+    return _probe("varlen", _find_varlen, (False, _UNPROBED))
+
+
+def device_capability(device: Any) -> Optional[Tuple[int, int]]:
+    """The CUDA compute capability of ``device`` (``None`` for other devices)."""
+    import torch
+
+    if device.type != "cuda":
+        return None
+    return _probe(f"cap:{device}", lambda: tuple(torch.cuda.get_device_capability(device)), None)
+
+
+def warm(device: Any) -> None:
+    """Probes everything selection asks about ``device`` now (outside any compiled step)."""
+    import torch
+
+    flash_importable()
+    varlen_importable()
+    device_capability(torch.device(device))
+
+
+# -- inputs and reasons ---------------------------------------------------------------------------
+
+
+class Inputs:
+    """What selection looks at: the tensors, the plan and the options of one call."""
+
+    __slots__ = ("q", "k", "v", "plan", "sinks", "softcap", "return_lse", "logging", "grad")
+
+    def __init__(self, q, k, v, plan, sinks, softcap, return_lse, logging):
+        import torch
+
+        self.q, self.k, self.v, self.plan = q, k, v, plan
+        self.sinks, self.softcap, self.return_lse, self.logging = sinks, softcap, return_lse, logging
+        ts = [t for t in (q, k, v, sinks) if isinstance(t, torch.Tensor)]
+        self.grad = torch.is_grad_enabled() and any(t.requires_grad for t in ts)
+
+
+def _tessera_reasons(i: Inputs) -> List[str]:
+    import torch
+
+    r = []
+    if i.q.device.type != "cpu":
+        r.append(f"Tessera's kernels run on CPU tensors; q is on {i.q.device}")
+    if i.q.dtype not in (torch.float32, torch.bfloat16):
+        r.append(f"Tessera's kernels take float32 or bfloat16, not {i.q.dtype}")
+    return r
+
+
+def _flex_reasons(i: Inputs) -> List[str]:
+    from . import flex
+
+    r = []
+    if i.q.device.type == "cpu" and i.grad and flex._KERNEL is None:
+        r.append("FlexAttention has no CPU backward")
+    return r
+
+
+def _flash_reasons(i: Inputs) -> List[str]:
+    import torch
+
+    r = []
+    ok, why = flash_importable()
+    if not ok:
+        r.append(why)
+    cap = device_capability(i.q.device)
+    if cap is None:
+        r.append(f"the FLASH backend runs on CUDA GPUs; q is on {i.q.device}")
+    elif cap[0] not in (9, 10, 11):
+        r.append(f"the FLASH backend needs Hopper (sm90) or Blackwell (sm100+); this GPU is sm{cap[0]}{cap[1]}")
+    elif cap[0] == 9 and tuple(i.plan.block) != (128, 128):
+        r.append(f"on Hopper the FLASH backend needs 128x128 blocks; the plan has {tuple(i.plan.block)} "
+                 "(plan with block=128)")
+    if i.q.dtype not in (torch.bfloat16, torch.float16):
+        r.append(f"FlashAttention-4 takes bfloat16 or float16, not {i.q.dtype}")
+    dqk, dv = i.q.shape[-1], i.v.shape[-1]
+    if dqk != dv or dqk % 16 or not 16 <= dqk <= 128:
+        r.append(f"head dims q/k {dqk}, v {dv}: this engine takes equal head dims, multiples of 16 up to 128")
+    if i.q.shape[2] < 128:
+        r.append("fewer than 128 queries (FlexAttention's decoding kernel)")
+    if i.logging:
+        r.append("telemetry's extra passes need max scores and captured LSE buffers (the Triton kernel)")
+    return r
+
+
+def _varlen_reasons(i: Inputs) -> List[str]:
+    import torch
+
+    r = []
+    ok, why = varlen_importable()
+    if not ok:
+        r.append(why)
+    if device_capability(i.q.device) is None:
+        r.append(f"varlen_attn runs FlashAttention on CUDA GPUs; q is on {i.q.device}")
+    if i.q.dtype not in (torch.bfloat16, torch.float16):
+        r.append(f"varlen_attn takes bfloat16 or float16, not {i.q.dtype}")
+    if i.softcap is not None:
+        r.append("varlen_attn has no softcap")
+    if i.logging:
+        r.append("telemetry's extra passes need FlexAttention")
+    if i.grad and (i.sinks is not None or i.return_lse):
+        r.append("varlen_attn's backward drops the LSE gradient (exact sinks and a differentiable LSE need it)")
+    if i.q.shape[2] != i.k.shape[2]:
+        r.append("query and key lengths differ")
+    if i.q.shape[-1] != i.v.shape[-1]:
+        r.append("varlen_attn needs equal q/k and v head dims")
+    docs = i.plan._flex.get("docs")
+    from . import varlen
+
+    if torch.compiler.is_compiling() and docs is not None and docs[0] is not None and not varlen.prepared(
+        i.plan, i.q.shape[0], i.q.device
+    ):
+        r.append("the plan's sequence boundaries were not built before the compiled step "
+                 "(call plan.to_flex_block_mask(device) first)")
+    if docs is None and torch.compiler.is_compiling():
+        r.append("the plan's documents were not read before the compiled step "
+                 "(call plan.to_flex_block_mask(device) first)")
+    elif (docs or causal_documents(i.plan))[0] is None:
+        r.append((docs or causal_documents(i.plan))[1])
+    return r
+
+
+REASONS = {
+    "tessera": _tessera_reasons,
+    "flex": _flex_reasons,
+    "flex_flash": _flash_reasons,
+    "varlen": _varlen_reasons,
+}
+
+
+def select(engine: Any, i: Inputs) -> str:
+    """The engine to run: ``engine`` itself when named (``RuntimeError`` with its reasons when it
+    cannot run these inputs; ``tessera`` and ``flex`` keep their own argument checks), else the
+    first of the priority list with no reason. Records the choice for :func:`last_dispatch`."""
+    if not isinstance(engine, str) or engine not in ENGINES:
+        raise ValueError(f"engine: expected one of {ENGINES}, got {engine!r}")
+    skipped: Dict[str, List[str]] = {}
+    if engine != "auto":
+        if engine in ("flex_flash", "varlen"):
+            why = REASONS[engine](i)
+            if why:
+                raise RuntimeError(f"engine={engine!r} cannot run these inputs: " + "; ".join(why))
+        chosen = engine
+    else:
+        order = CPU_PRIORITY if i.q.device.type == "cpu" else GPU_PRIORITY
+        chosen = order[-1]
+        for name in order:
+            why = REASONS[name](i)
+            if not why:
+                chosen = name
+                break
+            skipped[name] = why
+    global _LAST
+    _LAST = {"requested": engine, "engine": chosen, "skipped": skipped, "device": str(i.q.device)}
+    return chosen
+
+
+def last_dispatch() -> Dict[str, Any]:
+    """The last selection: ``{"requested", "engine", "device", "skipped": {name: [reasons]}}``
+    (inside ``torch.compile``, the selection made while tracing)."""
+    return {k: (dict(v) if isinstance(v, dict) else v) for k, v in _LAST.items()}
