@@ -14,8 +14,8 @@ at `--lens` tokens (default 8K, 32K, 128K), H = 16, D = 128, bf16, BLOCK_SIZE 12
    varlen, flex) against compiled `flex_attention` with `create_block_mask`'s BlockMask (the
    Triton kernel). An engine that cannot run the inputs prints "not available: <reason>" (never a
    silent fallback); outputs are checked against the baseline (bf16 tolerance).
-3. The training example (`examples/train_gpt.py --device cuda`, bytes tokenizer, default model) at
-   `--seq-len`: median step with `tessera.torch.attention` (plans and BlockMasks made ahead by
+3. The training example (`examples/train_gpt.py --device cuda --amp bf16`, bytes tokenizer, default
+   model) at `--seq-len`: median step with `tessera.torch.attention` (plans and BlockMasks made ahead by
    `tessera.torch.PlanPrefetcher`) against the same step with `create_block_mask`'s BlockMask
    (built per batch on the GPU), in lockstep on the same batches after `--warmup` steps.
 
@@ -136,7 +136,8 @@ def attention(lens, reps, dev, window, block, heads, dim, dtype, only=None):
 
     grad = dev.type != "cpu"  # FlexAttention has no CPU backward
     cbm = torch.compile(create_block_mask)
-    cflex = torch.compile(flex_attention)
+    # on CPU (the smoke run) FlexAttention's unfused path, as the engine's own CPU path
+    cflex = flex_attention if dev.type == "cpu" else torch.compile(flex_attention)
     rows = []
     for n in lens:
         for name, ids, mask in masks(n, window):
@@ -189,7 +190,7 @@ def attention(lens, reps, dev, window, block, heads, dim, dtype, only=None):
     return rows
 
 
-def example_steps(seq_len, batch_size, steps, warmup):
+def example_steps(seq_len, batch_size, steps, warmup, engines=("auto",), amp="bf16"):
     from torch.nn.attention.flex_attention import create_block_mask
 
     spec = importlib.util.spec_from_file_location("train_gpt", REPO / "examples" / "train_gpt.py")
@@ -197,7 +198,7 @@ def example_steps(seq_len, batch_size, steps, warmup):
     sys.modules["train_gpt"] = tg
     spec.loader.exec_module(tg)
     cfg = tg.Config(tokenizer="bytes", seq_len=seq_len, batch_size=batch_size, device="cuda", telemetry_every=0,
-                    progress=False, out_dir="/tmp/tessera-flex-bench")
+                    progress=False, out_dir="/tmp/tessera-flex-bench", amp=amp)
     data = tg.load_data(cfg)
     cbm = torch.compile(create_block_mask)
 
@@ -216,43 +217,44 @@ def example_steps(seq_len, batch_size, steps, warmup):
             dev = torch.device("cuda", torch.cuda.current_device())
             self.plan._flex.setdefault("bm", {})[str(dev)] = bm
 
+    import dataclasses
+
     runs = {}
-    for name in ("tessera", "create_block_mask"):
+    for name in [f"tessera:{e}" for e in engines] + ["create_block_mask"]:
         model, opt = tg.build(cfg, data)
-        runs[name] = {"model": model, "opt": opt, "times": [], "losses": []}
+        eng = name.split(":")[1] if ":" in name else "flex"
+        runs[name] = {"model": model, "opt": opt, "times": [], "losses": [], "engines": set(),
+                      "cfg": dataclasses.replace(cfg, torch_engine=eng)}
     n = len(data.train)
     order = [data.train[tg.batch_order(n, s // n, cfg.seed)[s % n]] for s in range(warmup + steps)]
     ahead = iter(tessera.torch.PlanPrefetcher(order, lambda b: tg.batch_plan(b.segments), device="cuda"))
     base_engine = tg.Engine
-    engines = []
     for step in range(warmup + steps):
         batch, plan = next(ahead)
         names = list(runs) if step % 2 == 0 else list(runs)[::-1]
         for name in names:
             r = runs[name]
-            tg.Engine = base_engine if name == "tessera" else TorchMaskEngine
+            ours = name != "create_block_mask"
+            tg.Engine = base_engine if ours else TorchMaskEngine
             sync(torch.device("cuda"))
             t = time.perf_counter()
-            loss = tg.train_step(r["model"], r["opt"], batch, cfg, step, "tessera",
-                                 plan=plan if name == "tessera" else None)
+            loss = tg.train_step(r["model"], r["opt"], batch, r["cfg"], step, "tessera", plan=plan if ours else None)
             sync(torch.device("cuda"))
-            if name == "tessera":
-                engines.append(tessera.torch.last_dispatch()["engine"])
+            r["engines"].add(tessera.torch.last_dispatch()["engine"])
             if step >= warmup:
                 r["times"].append(time.perf_counter() - t)
                 r["losses"].append(loss)
     tg.Engine = base_engine
-    out = {"seq_len": seq_len, "batch_size": batch_size, "steps": steps, "warmup": warmup,
-           "tessera_engines": sorted(set(engines))}
+    out = {"seq_len": seq_len, "batch_size": batch_size, "steps": steps, "warmup": warmup}
+    base = runs["create_block_mask"]
+    c = statistics.median(base["times"]) * 1e3
     for name, r in runs.items():
-        out[name] = {"median_step_ms": statistics.median(r["times"]) * 1e3, "losses": r["losses"]}
-        print(f"train step at {seq_len} tokens x {batch_size}: {name:>17} median {out[name]['median_step_ms']:.1f} ms")
-    t, c = out["tessera"]["median_step_ms"], out["create_block_mask"]["median_step_ms"]
-    out["ratio"] = t / c
-    out["max_abs_loss_diff"] = max(abs(a - b) for a, b in zip(runs["tessera"]["losses"],
-                                                              runs["create_block_mask"]["losses"]))
-    print(f"train step ratio tessera / create_block_mask: {t / c:.3f} (engines {out['tessera_engines']}, "
-          f"max |loss diff| {out['max_abs_loss_diff']:.2e})")
+        ms = statistics.median(r["times"]) * 1e3
+        diff = max(abs(a - b) for a, b in zip(r["losses"], base["losses"]))
+        out[name] = {"median_step_ms": ms, "losses": r["losses"], "ratio": ms / c, "max_abs_loss_diff": diff,
+                     "engines_ran": sorted(r["engines"])}
+        print(f"train step at {seq_len} tokens x {batch_size}: {name:>17} median {ms:7.1f} ms  {ms / c:5.3f}x  "
+              f"(engines {sorted(r['engines'])}, max |loss diff| vs create_block_mask {diff:.2e})")
     return out
 
 
@@ -278,6 +280,8 @@ def main() -> int:
     ap.add_argument("--batch-size", type=int, default=1)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--example-engines", default="auto", help="tessera engines of the example's step (comma list)")
+    ap.add_argument("--example-amp", default="bf16", choices=("off", "bf16"), help="the example's forward precision")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--skip", default="", help="comma list of sections to skip: block_masks,attention,example")
     ap.add_argument("--json", default=None)
@@ -308,7 +312,8 @@ def main() -> int:
                                      set(args.attn_masks.split(",")))
         save()
     if "example" not in skip and not cpu:
-        res["example"] = example_steps(args.seq_len, args.batch_size, args.steps, args.warmup)
+        res["example"] = example_steps(args.seq_len, args.batch_size, args.steps, args.warmup,
+                                       tuple(args.example_engines.split(",")), args.example_amp)
         save()
     return 0
 

@@ -105,6 +105,7 @@ class Config:
     progress: bool = True
     device: str = "cpu"             # "cuda": tessera.torch.attention runs FlexAttention
     torch_engine: str = "auto"      # tessera.torch.attention's engine ("flex" forces FlexAttention)
+    amp: str = "off"                # "bf16": the forward under torch.autocast(bfloat16) (GPU runs)
 
     @property
     def head_dim(self) -> int:
@@ -601,7 +602,9 @@ def train_step(model: GPT, opt, batch: Batch, cfg: Config, step: int, kind: str,
     for g in opt.param_groups:
         g["lr"] = lr_at(step, cfg)
     engine = Engine(kind, batch.segments, cfg, telemetry=tel, plan=plan)
-    loss = model(batch, engine)
+    dev_type = torch.device(cfg.device).type
+    with torch.autocast(dev_type, dtype=torch.bfloat16, enabled=cfg.amp == "bf16"):
+        loss = model(batch, engine)
     opt.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
@@ -945,6 +948,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     a("--ckpt-every", type=int, default=d.ckpt_every)
     a("--threads", type=int, default=d.threads, help="torch threads (0 = default)")
     a("--device", default=d.device, help="cpu (Tessera's kernels) or cuda (FlexAttention under tessera.torch.attention)")
+    a("--torch-engine", default=d.torch_engine, help="tessera.torch.attention's engine: auto, flex, flex_flash, varlen, tessera")
+    a("--amp", choices=("off", "bf16"), default=d.amp, help="bf16: the forward under torch.autocast(bfloat16)")
     a("--out-dir", default=d.out_dir)
     a("--resume", nargs="?", const="", default=None, metavar="CKPT",
       help="continue from a checkpoint (default OUT_DIR/ckpt.safetensors)")
@@ -965,7 +970,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         warmup=args.warmup, weight_decay=args.weight_decay, clip=args.clip, seed=args.seed,
         attention=args.attention, telemetry_every=args.telemetry_every, eval_every=args.eval_every,
         ckpt_every=args.ckpt_every, threads=args.threads, out_dir=args.out_dir, progress=not args.no_progress,
-        device=args.device,
+        device=args.device, torch_engine=args.torch_engine, amp=args.amp,
     )
 
 

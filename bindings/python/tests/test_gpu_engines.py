@@ -122,3 +122,35 @@ def test_prefetched_block_masks_on_the_gpu(rng):
         host = tessera.plan((causal() & document(ids)).t, q_len=1024, block=128, cache=False).to_flex_block_mask()
         for t in TABLES:
             assert torch.equal(getattr(bm, t).cpu(), getattr(host, t)), t
+
+
+def test_five_document_plans_through_one_compiled_step_with_auto(rng):
+    """``auto`` inside ``torch.compile(fullgraph=True)``: what selection reads is kept on the plan
+    by ``to_flex_block_mask`` (small values), so five plans of the same shapes and kind share one
+    graph, with the engine auto picks here; gradients equal the eager step's."""
+    from torch._dynamo.utils import counters
+
+    def step(q, k, v, plan):
+        return tt.attention(q, k, v, plan).float().square().mean()
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(step, fullgraph=True)
+    graphs, engines = 0, set()
+    for trial in range(5):
+        ids = contiguous_docs(rng, 1, 1024)
+        plan = tessera.plan(tessera.causal() & tessera.document(ids), q_len=1024, heads=2, block=128)
+        plan.to_flex_block_mask(device="cuda")
+        xs = list(_qkv(1, 2, 2, 1024, 64, seed=trial))
+        before = counters["stats"]["unique_graphs"]
+        compiled(*xs, plan).backward()
+        graphs += counters["stats"]["unique_graphs"] - before
+        engines.add(tt.last_dispatch()["engine"])
+        got = [x.grad.clone() for x in xs]
+        for x in xs:
+            x.grad = None
+        step(*xs, plan).backward()
+        for a, x in zip(got, xs):
+            assert rel(a.float(), x.grad.float()) <= 2e-2
+    print("engines inside the compiled step:", engines)
+    assert graphs == 1, dict(counters["stats"])

@@ -195,11 +195,53 @@ def make_mask_mod(prog: Node, bufs: List[Any]):
 def causal_documents(plan: Any) -> Tuple[Any, str]:
     """``(ids [rows, L], "")`` when the plan's mask is exactly ``causal & document`` over shared,
     contiguous, unpadded documents (each id one run; what ``varlen_attn`` runs without a mask),
-    else ``(None, reason)``. Kept on the plan (``plan._flex["docs"]``)."""
-    kept = plan._flex.get("docs")
-    if kept is None:
-        kept = plan._flex["docs"] = _causal_documents(plan)
-    return kept
+    else ``(None, reason)``. Kept on the plan: the verdict (a string, ``""`` when accepted) as
+    ``plan._flex["docs"]``, what a compiled step's engine selection reads; the ids apart."""
+    if "docs" not in plan._flex:
+        ids, why = _causal_documents(plan)
+        plan._flex["doc_ids"] = ids
+        plan._flex["docs"] = why
+    return plan._flex["doc_ids"], plan._flex["docs"]
+
+
+def _cu_key(device: Any, batch: int) -> str:
+    from .probes import _key
+
+    return f"{_key(device)}|{batch}"
+
+
+def kept_cu_seqlens(plan: Any, batch: int, device: Any) -> bool:
+    """Whether :func:`cu_seqlens` for ``batch`` rows on ``device`` is kept on the plan."""
+    return _cu_key(device, batch) in plan._flex.get("cu", {})
+
+
+def cu_seqlens(plan: Any, batch: int, device: Any) -> Tuple[Any, int]:
+    """``(cu_seqlens int32 [docs + 1] on device, longest document)`` of the plan's documents over
+    ``batch`` rows packed (``None`` when :func:`causal_documents` refuses the plan). Built once per
+    (plan, batch, device), pinned and copied without waiting on a GPU, and kept on the plan
+    (tensor and length apart, so a compiled step reads only the tensor)."""
+    import torch
+
+    key = _cu_key(device, batch)
+    kept = plan._flex.setdefault("cu", {})
+    if key not in kept:
+        ids, _ = causal_documents(plan)
+        if ids is None:
+            return None, 0
+        L = ids.shape[1]
+        starts, longest = [], 0
+        for b in range(batch):
+            row = ids[b if ids.shape[0] > 1 else 0]
+            first = np.flatnonzero(np.r_[True, row[1:] != row[:-1]])
+            longest = max(longest, int(np.diff(np.r_[first, L]).max()))
+            starts.append(first + b * L)
+        cu = torch.from_numpy(np.r_[np.concatenate(starts), batch * L].astype(np.int32))
+        dev = torch.device(device)
+        if dev.type == "cuda":
+            cu = cu.pin_memory()
+        kept[key] = cu.to(dev, non_blocking=True)
+        plan._flex.setdefault("cu_longest", {})[key] = longest
+    return kept[key], plan._flex["cu_longest"][key]
 
 
 def _causal_documents(plan: Any) -> Tuple[Any, str]:

@@ -11,21 +11,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from .probes import _key  # noqa: F401  (the flex engine's device keys too)
+
 if TYPE_CHECKING:  # the type only: Plan's own methods call this module
     from .plans import Plan
-
-
-# -- per (plan, device) state -------------------------------------------------------------------
-
-
-def _key(device: Any) -> str:
-    """``"cuda:0"`` for ``"cuda"`` (the current device) and for ``q.device`` alike."""
-    dev = torch.device(device)
-    if dev.index is None and dev.type not in ("cpu", "meta"):
-        mod = getattr(torch, dev.type, None)
-        if mod is not None and hasattr(mod, "current_device"):
-            dev = torch.device(dev.type, mod.current_device())
-    return str(dev)
 
 
 # -- FlexAttention ------------------------------------------------------------------------------
@@ -189,10 +178,25 @@ def to_flex_block_mask(plan: "Plan", device: Any = "cpu", mask_mod: str = "auto"
     kept = plan._flex.setdefault("bm", {})
     if key in kept:
         return kept[key]
-    bm = block_mask_from_compact(compact(plan, mask_mod), dev)
+    c = compact(plan, mask_mod)
+    if dev.type == "cuda":  # pinned: the copies do not wait for the device (no host sync)
+        bm = block_mask_from_compact(c.pin_memory(), dev, non_blocking=True)
+    else:
+        bm = block_mask_from_compact(c, dev)
     kept[key] = bm
-    if plan._p is not None and plan._p.mask is not None:
-        from .flex_mask import causal_documents
-
-        causal_documents(plan)  # read now, outside any compiled step (engine selection asks)
+    prepare(plan, dev)
     return bm
+
+
+def prepare(plan: "Plan", device: Any) -> None:
+    """What engine selection asks about ``plan`` on ``device``, read now (outside any compiled
+    step): the capability probes, whether the plan is plain causal documents, and then its
+    sequence boundaries on the device (for ``varlen_attn``)."""
+    from . import flex_mask, probes
+
+    dev = torch.device(device)
+    if dev.type == "cpu" or plan._p is None or plan._p.mask is None:
+        return
+    probes.warm(dev)
+    if flex_mask.causal_documents(plan)[0] is not None:
+        flex_mask.cu_seqlens(plan, plan.shape[0], dev)

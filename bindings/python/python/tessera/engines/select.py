@@ -8,87 +8,25 @@ Priority for tensors on a GPU: ``flex_flash`` (FlexAttention's FlashAttention-4 
 ``cu_seqlens``, no mask), then ``flex`` (FlexAttention's Triton kernel). For CPU tensors:
 ``tessera`` (Tessera's CPU kernels). Every engine keeps SPEC §4 exactly or declines.
 
-Capability probes are module functions (:func:`flash_importable`, :func:`varlen_importable`,
-:func:`device_capability`) so tests can fake a device by replacing them.
+Capability probes (``tessera.core.probes``) are called through this module's names
+(:func:`flash_importable`, :func:`varlen_importable`, :func:`device_capability`), so tests fake a
+device by replacing them here. Everything selection reads inside a compiled step is kept eagerly
+first (probes, the plan's document verdict and sequence boundaries: ``plan.to_flex_block_mask``
+does it), and is a small value, so that new plans of the same kind reuse the graph.
 """
 
 from __future__ import annotations
 
-import importlib.util
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List
 
-from ..core.flex_mask import causal_documents
+from ..core.flex_mask import causal_documents, kept_cu_seqlens
+from ..core.probes import device_capability, flash_importable, varlen_importable, warm  # noqa: F401
 
 ENGINES = ("auto", "tessera", "flex", "flex_flash", "varlen")
 GPU_PRIORITY = ("flex_flash", "varlen", "flex")
 CPU_PRIORITY = ("tessera",)
 
 _LAST: Dict[str, Any] = {}
-
-# probe results, per process (read inside compiled steps without probing again)
-_PROBED: Dict[str, Any] = {}
-
-
-# -- capability probes (replaced by tests) --------------------------------------------------------
-
-
-_UNPROBED = "not probed outside a compiled step (run one call eagerly, or call warm(device), first)"
-
-
-def _probe(key: str, fn, default):
-    """``fn()`` once per process; inside a compiled step, before any eager probe, ``default``."""
-    if key not in _PROBED:
-        import torch
-
-        if torch.compiler.is_compiling():
-            return default
-        _PROBED[key] = fn()
-    return _PROBED[key]
-
-
-def _find_flash() -> Tuple[bool, str]:
-    try:
-        ok = importlib.util.find_spec("flash_attn.cute") is not None
-    except (ImportError, ValueError):
-        ok = False
-    return ok, "" if ok else "flash_attn.cute is not importable (pip install flash-attn-4)"
-
-
-def _find_varlen() -> Tuple[bool, str]:
-    try:
-        mod = importlib.import_module("torch.nn.attention.varlen")
-    except ImportError:
-        return False, "this torch has no torch.nn.attention.varlen (torch >= 2.10)"
-    ok = hasattr(mod, "varlen_attn")
-    return ok, "" if ok else "torch.nn.attention.varlen has no varlen_attn"
-
-
-def flash_importable() -> Tuple[bool, str]:
-    """Whether ``flash_attn.cute`` (FlashAttention-4, CuTe DSL) can be imported."""
-    return _probe("flash", _find_flash, (False, _UNPROBED))
-
-
-def varlen_importable() -> Tuple[bool, str]:
-    """Whether this torch has ``torch.nn.attention.varlen.varlen_attn`` (torch 2.10+)."""
-    return _probe("varlen", _find_varlen, (False, _UNPROBED))
-
-
-def device_capability(device: Any) -> Optional[Tuple[int, int]]:
-    """The CUDA compute capability of ``device`` (``None`` for other devices)."""
-    import torch
-
-    if device.type != "cuda":
-        return None
-    return _probe(f"cap:{device}", lambda: tuple(torch.cuda.get_device_capability(device)), None)
-
-
-def warm(device: Any) -> None:
-    """Probes everything selection asks about ``device`` now (outside any compiled step)."""
-    import torch
-
-    flash_importable()
-    varlen_importable()
-    device_capability(torch.device(device))
 
 
 # -- inputs and reasons ---------------------------------------------------------------------------
@@ -176,19 +114,18 @@ def _varlen_reasons(i: Inputs) -> List[str]:
         r.append("query and key lengths differ")
     if i.q.shape[-1] != i.v.shape[-1]:
         r.append("varlen_attn needs equal q/k and v head dims")
-    docs = i.plan._flex.get("docs")
-    from . import varlen
-
-    if torch.compiler.is_compiling() and docs is not None and docs[0] is not None and not varlen.prepared(
-        i.plan, i.q.shape[0], i.q.device
-    ):
+    verdict = i.plan._flex.get("docs")
+    if verdict is None:
+        if torch.compiler.is_compiling():
+            verdict = ("the plan's documents were not read before the compiled step "
+                       "(call plan.to_flex_block_mask(device) first)")
+        else:
+            verdict = causal_documents(i.plan)[1]
+    if verdict:
+        r.append(verdict)
+    elif torch.compiler.is_compiling() and not kept_cu_seqlens(i.plan, i.q.shape[0], i.q.device):
         r.append("the plan's sequence boundaries were not built before the compiled step "
                  "(call plan.to_flex_block_mask(device) first)")
-    if docs is None and torch.compiler.is_compiling():
-        r.append("the plan's documents were not read before the compiled step "
-                 "(call plan.to_flex_block_mask(device) first)")
-    elif (docs or causal_documents(i.plan))[0] is None:
-        r.append((docs or causal_documents(i.plan))[1])
     return r
 
 

@@ -197,11 +197,4 @@ def to_flex_block_mask(plan: Plan, device: Any = "cpu", mask_mod: str = "auto"):
     padded to a power-of-two block count, at least twice the q or kv tile count per (batch,
     head) group, so that plans of the same shapes share one compiled kernel.
     """
-    from ..engines import varlen as _varlen
-
-    bm = flex_tables.to_flex_block_mask(check_plan(plan), device, mask_mod)
-    # what engine selection asks, now: a compiled step then reads it without probing
-    _select.warm(device)
-    if torch.device(device).type != "cpu":
-        _varlen.prepare(plan, plan.shape[0], device)
-    return bm
+    return flex_tables.to_flex_block_mask(check_plan(plan), device, mask_mod)

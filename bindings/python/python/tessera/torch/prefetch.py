@@ -22,10 +22,9 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Tuple
 import torch
 
 from ..core import flex_tables
+from ..core import probes
 from ..core.flex_mask import causal_documents
 from ..core.plans import check_plan
-from ..engines import select as _select
-from ..engines import varlen as _varlen
 
 
 class PlanPrefetcher:
@@ -55,7 +54,7 @@ class PlanPrefetcher:
             raise ValueError(f"mask_mod: expected one of {flex_tables.MASK_MODS}, got {mask_mod!r}")
         self.batches, self.make_plan = batches, make_plan
         self.device, self.depth, self.mask_mod = torch.device(device), depth, mask_mod
-        _select.warm(self.device)
+        probes.warm(self.device)
         self.block_masks = self.device.type != "cpu" if block_masks is None else bool(block_masks)
 
     def _prepare(self, batch: Any) -> Tuple[Any, Any, Any]:
@@ -63,7 +62,7 @@ class PlanPrefetcher:
         if not self.block_masks:
             return batch, plan, None
         if plan._p.mask is not None:
-            causal_documents(plan)  # what engine selection asks, read here
+            causal_documents(plan)  # what engine selection asks, read on this thread
         c = flex_tables.compact(plan, self.mask_mod)
         return batch, plan, c.pin_memory() if self.device.type == "cuda" else c
 
@@ -88,6 +87,5 @@ class PlanPrefetcher:
                     kept = plan._flex.setdefault("bm", {})
                     if key not in kept:
                         kept[key] = flex_tables.block_mask_from_compact(c, self.device, non_blocking=True)
-                    if self.device.type != "cpu":
-                        _varlen.prepare(plan, plan.shape[0], self.device)
+                    flex_tables.prepare(plan, self.device)
                 yield batch, plan
