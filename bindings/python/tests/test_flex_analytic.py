@@ -29,6 +29,7 @@ from conftest import (  # noqa: E402
 )
 from tessera.core import flex_mask, flex_tables  # noqa: E402
 from test_flex import _cases  # noqa: E402
+from test_torch_attention import _cases as attention_cases  # noqa: E402
 
 
 def grid_eval(mask_mod, b, h, lq, lkv):
@@ -85,6 +86,12 @@ def check_plan_mask_mods(m, b, h, lq, lkv, block, expect_analytic=None):
 def test_analytic_mask_mod_equals_the_bit_table_on_the_conformance_cases(m, b, h, lq, lkv, block):
     has_dense = "dense" in str(m.t)
     check_plan_mask_mods(m, b, h, lq, lkv, block, expect_analytic=not has_dense)
+
+
+@pytest.mark.parametrize("m, b, hq, hkv, lq, lkv, dqk, dv, block, kw", attention_cases())
+def test_analytic_mask_mod_on_the_attention_conformance_cases(m, b, hq, hkv, lq, lkv, dqk, dv, block, kw):
+    block = (block, block) if isinstance(block, int) else block
+    check_plan_mask_mods(m, b, hq, lq, lkv, block, expect_analytic="dense" not in str(m.t))
 
 
 @pytest.mark.parametrize("seed", range(6))

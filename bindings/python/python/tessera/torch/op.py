@@ -187,14 +187,12 @@ def attention(
 
 def to_flex_block_mask(plan: Plan, device: Any = "cpu", mask_mod: str = "auto"):
     """``plan`` as a ``torch.nn.attention.flex_attention.BlockMask`` on ``device``, built once per
-    (plan, device) and kept on the plan (the flex engine of :func:`attention` uses the same one).
-
-    The eight block tables come straight from the plan's work lists (int32, contiguous) and equal
-    what ``create_block_mask(mask_mod, B', H', Lq, Lkv, BLOCK_SIZE=plan.block)`` builds (``B'``,
-    ``H'`` = ``plan.groups``: 1 where the mask does not vary). Its ``mask_mod`` is exact for every
-    ``(b, h, q, kv)``: each block's code selects a packed bit block (all clear for empty
-    blocks, all set for full ones, the plan's deduplicated bitmask for partial ones), captured
-    padded to a power-of-two block count, at least twice the q or kv tile count per (batch,
-    head) group, so that plans of the same shapes share one compiled kernel.
+    (plan, device, ``mask_mod``) and kept on the plan (the flex engine of :func:`attention` uses the
+    ``"auto"`` one). The eight tables equal ``create_block_mask``'s and are expanded on ``device``
+    from the plan's non-empty tiles; ``mask_mod`` is ``"analytic"`` (generated from the mask
+    expression), ``"bits"`` (the plan's bit table) or ``"auto"`` (analytic unless a ``dense`` /
+    ``blocks`` leaf needs the bits); see ``tessera.core.flex_tables.to_flex_block_mask``. On a GPU it
+    also reads ahead what engine selection asks (probes, documents, sequence boundaries), so that
+    a compiled step only reads them.
     """
     return flex_tables.to_flex_block_mask(check_plan(plan), device, mask_mod)
