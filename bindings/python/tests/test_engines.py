@@ -29,21 +29,23 @@ def contiguous_docs(rng, rows, L):
 def gpu(monkeypatch):
     """A faked GPU for selection only: meta tensors stand for device tensors, the probes say
     what the test sets (``gpu["cap"]``, ``gpu["flash"]``, ``gpu["varlen"]``)."""
-    state = {"cap": (9, 0), "flash": True, "varlen": True}
+    state = {"cap": (9, 0), "flash": True, "varlen": True,
+             "params": frozenset({"return_aux", "scale", "window_size", "enable_gqa"})}
     monkeypatch.setattr(sel, "device_capability", lambda d: state["cap"] if d.type == "meta" else None)
     monkeypatch.setattr(sel, "flash_importable", lambda: (state["flash"], "" if state["flash"] else "flash_attn.cute is not importable"))
     monkeypatch.setattr(sel, "varlen_importable", lambda: (state["varlen"], "" if state["varlen"] else "no varlen_attn"))
+    monkeypatch.setattr(sel, "varlen_params", lambda: state["params"])
     return state
 
 
 def inputs(plan, dtype=torch.bfloat16, L=None, sinks=None, softcap=None, return_lse=False, logging=False,
-           grad=False, hkv=None):
+           grad=False, hkv=None, scale=None):
     b, h, lq, lkv = plan.shape
     hkv = hkv or h
     q = torch.empty(b, h, lq, 64, dtype=dtype, device="meta", requires_grad=grad)
     k = torch.empty(b, hkv, lkv, 64, dtype=dtype, device="meta")
     v = torch.empty(b, hkv, lkv, 64, dtype=dtype, device="meta")
-    return sel.Inputs(q, k, v, plan, sinks, softcap, return_lse, logging)
+    return sel.Inputs(q, k, v, plan, sinks, softcap, return_lse, logging, scale)
 
 
 def test_auto_priority_on_a_faked_gpu(gpu, rng):
@@ -92,6 +94,16 @@ def test_varlen_declines_what_it_cannot_do_exactly(gpu, rng):
         assert word in " ".join(tt.last_dispatch()["skipped"]["varlen"]), word
     # sinks without gradients are exact from the LSE: accepted
     assert sel.select("auto", inputs(doc, sinks=torch.zeros(2, device="meta"))) == "varlen"
+    assert sel.select("auto", inputs(doc, hkv=1, scale=0.3)) == "varlen"
+    # torch 2.10's varlen_attn (is_causal, return_aux; no scale, no enable_gqa): only what it can do
+    gpu["params"] = frozenset({"is_causal", "return_aux"})
+    assert sel.select("auto", inputs(doc)) == "varlen"
+    for i, word in ((inputs(doc, hkv=1), "enable_gqa"), (inputs(doc, scale=0.3), "no scale")):
+        assert sel.select("auto", i) == "flex", word
+        assert word in " ".join(tt.last_dispatch()["skipped"]["varlen"]), word
+    gpu["params"] = frozenset({"scale"})
+    assert sel.select("auto", inputs(doc)) == "flex"
+    assert "neither window_size nor is_causal" in " ".join(tt.last_dispatch()["skipped"]["varlen"])
     padded = ids.copy()
     padded[:, -20:] = -1  # padding at the tail
     for mask, word in (

@@ -58,6 +58,23 @@ def varlen_importable() -> Tuple[bool, str]:
     return _probe("varlen", _find_varlen, (False, UNPROBED))
 
 
+def _varlen_params() -> frozenset:
+    import inspect
+
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+
+        return frozenset(inspect.signature(varlen_attn).parameters)
+    except (ImportError, TypeError, ValueError):
+        return frozenset()
+
+
+def varlen_params() -> frozenset:
+    """The parameter names of this torch's ``varlen_attn`` (they grew: ``is_causal`` in 2.10, then
+    ``scale`` / ``window_size``, then ``enable_gqa``)."""
+    return _probe("varlen_params", _varlen_params, frozenset())
+
+
 def device_capability(device: Any) -> Optional[Tuple[int, int]]:
     """The CUDA compute capability of ``device`` (``None`` for other devices)."""
     import torch
@@ -73,6 +90,7 @@ def warm(device: Any) -> None:
 
     flash_importable()
     varlen_importable()
+    varlen_params()
     device_capability(torch.device(device))
 
 

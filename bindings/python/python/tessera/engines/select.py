@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any, Dict, List
 
 from ..core.flex_mask import causal_documents, kept_cu_seqlens
-from ..core.probes import device_capability, flash_importable, varlen_importable, warm  # noqa: F401
+from ..core.probes import device_capability, flash_importable, varlen_importable, varlen_params, warm  # noqa: F401
 
 ENGINES = ("auto", "tessera", "flex", "flex_flash", "varlen")
 GPU_PRIORITY = ("flex_flash", "varlen", "flex")
@@ -35,12 +35,15 @@ _LAST: Dict[str, Any] = {}
 class Inputs:
     """What selection looks at: the tensors, the plan and the options of one call."""
 
-    __slots__ = ("q", "k", "v", "plan", "sinks", "softcap", "return_lse", "logging", "grad")
+    __slots__ = ("q", "k", "v", "plan", "sinks", "softcap", "return_lse", "logging", "grad", "scale")
 
-    def __init__(self, q, k, v, plan, sinks, softcap, return_lse, logging):
+    def __init__(self, q, k, v, plan, sinks, softcap, return_lse, logging, scale=None):
+        import math
+
         import torch
 
         self.q, self.k, self.v, self.plan = q, k, v, plan
+        self.scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
         self.sinks, self.softcap, self.return_lse, self.logging = sinks, softcap, return_lse, logging
         ts = [t for t in (q, k, v, sinks) if isinstance(t, torch.Tensor)]
         self.grad = torch.is_grad_enabled() and any(t.requires_grad for t in ts)
@@ -94,6 +97,8 @@ def _flash_reasons(i: Inputs) -> List[str]:
 
 
 def _varlen_reasons(i: Inputs) -> List[str]:
+    import math
+
     import torch
 
     r = []
@@ -114,6 +119,15 @@ def _varlen_reasons(i: Inputs) -> List[str]:
         r.append("query and key lengths differ")
     if i.q.shape[-1] != i.v.shape[-1]:
         r.append("varlen_attn needs equal q/k and v head dims")
+    params = varlen_params()
+    if ok and not ({"window_size", "is_causal"} & params):
+        r.append("this torch's varlen_attn has neither window_size nor is_causal")
+    if ok and "scale" not in params and i.scale != 1.0 / math.sqrt(i.q.shape[-1]):
+        r.append("this torch's varlen_attn has no scale argument (only 1/sqrt(D))")
+    if ok and "enable_gqa" not in params and i.q.shape[1] != i.k.shape[1]:
+        r.append("this torch's varlen_attn has no enable_gqa (GQA needs torch >= 2.12)")
+    if ok and (i.return_lse or i.sinks is not None) and "return_aux" not in params:
+        r.append("this torch's varlen_attn returns no LSE")
     verdict = i.plan._flex.get("docs")
     if verdict is None:
         if torch.compiler.is_compiling():

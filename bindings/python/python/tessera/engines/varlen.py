@@ -18,6 +18,7 @@ import torch
 
 from . import flex as _flex
 from ..core.flex_mask import _cu_key, cu_seqlens
+from ..core.probes import varlen_params
 
 
 def attention(q, k, v, plan, *, scale, sinks, return_lse):
@@ -38,9 +39,15 @@ def attention(q, k, v, plan, *, scale, sinks, return_lse):
         return t.transpose(1, 2).reshape(b * L, t.shape[1], t.shape[3])
 
     need = return_lse or sinks is not None
-    out = varlen_attn(packed(q), packed(k), packed(v), cu, cu, bound, bound,
-                      return_aux=AuxRequest(lse=True) if need else None, scale=scale,
-                      window_size=(-1, 0), enable_gqa=hq != hkv)
+    params = varlen_params()  # this torch's arguments (selection checked what the call needs)
+    kw = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    if "scale" in params:
+        kw["scale"] = scale
+    if hq != hkv:
+        kw["enable_gqa"] = True
+    if need:
+        kw["return_aux"] = AuxRequest(lse=True)
+    out = varlen_attn(packed(q), packed(k), packed(v), cu, cu, bound, bound, **kw)
     o, lse = out if need else (out, None)
     o = o.view(b, L, hq, dv).transpose(1, 2)
     if lse is not None:

@@ -161,7 +161,7 @@ def attention(
         layer = _int_arg("attention", "layer", layer, 0, 2**32)
     scale, softcap = _scale_softcap(q, scale, softcap)
     logging = telemetry is not None and telemetry.should_log()
-    eng = _select.select(engine, _select.Inputs(q, k, v, plan, sinks, softcap, return_lse, logging))
+    eng = _select.select(engine, _select.Inputs(q, k, v, plan, sinks, softcap, return_lse, logging, scale))
     if eng == "varlen":
         from ..engines import varlen as _varlen
 
