@@ -33,6 +33,12 @@ def _probe(key: str, fn, default):
 
 def _find_flash() -> Tuple[bool, str]:
     try:
+        fa = importlib.import_module("torch.nn.attention.flex_attention")
+    except ImportError:
+        return False, "this torch has no FlexAttention"
+    if "BACKEND" not in getattr(getattr(fa, "FlexKernelOptions", None), "__annotations__", {}):
+        return False, "this torch's FlexAttention has no BACKEND kernel option (torch >= 2.11)"
+    try:
         ok = importlib.util.find_spec("flash_attn.cute") is not None
     except (ImportError, ValueError):
         ok = False
