@@ -15,9 +15,11 @@ the batch repeats (every epoch after the first).
     python examples/train_gpt.py --attention flex        # checkpoint's val loss: flex vs tessera
     python examples/train_gpt.py --device cuda           # on a GPU: FlexAttention under the op
 
-`--device cuda` trains the same model on a GPU: `tessera.torch.attention` then runs FlexAttention
-over each plan's BlockMask (SPEC §12), with the same plans, softcap, sinks, telemetry and
-checkpoints; `--device cpu` (default) runs Tessera's CPU kernels.
+`--device cuda` trains the same model on a GPU: `tessera.torch.attention` then runs the fastest
+GPU engine that is exact for the call (FlexAttention's FLASH or Triton kernel over each plan's
+BlockMask, or `varlen_attn`; SPEC §12), with the same plans, softcap, sinks, telemetry and
+checkpoints; `tessera.torch.PlanPrefetcher` plans the next batches and builds their BlockMasks on
+a background thread while a step runs. `--device cpu` (default) runs Tessera's CPU kernels.
 
 `--attention` picks the attention engine of a run:
   tessera  tessera.torch.attention with the plan of `causal & document` (default);
@@ -103,6 +105,7 @@ class Config:
     progress: bool = True
     device: str = "cpu"             # "cuda": tessera.torch.attention runs FlexAttention
     torch_engine: str = "auto"      # tessera.torch.attention's engine ("flex" forces FlexAttention)
+    amp: str = "off"                # "bf16": the forward under torch.autocast(bfloat16) (GPU runs)
 
     @property
     def head_dim(self) -> int:
@@ -280,16 +283,16 @@ def dense_attention(q, k, v, allowed, scale, softcap, sinks):
 class Engine:
     """Attention of one batch: ``engine(q, k, v, sinks, layer)`` with q/k/v ``[B, H, L, D]``."""
 
-    def __init__(self, kind: str, segments: np.ndarray, cfg: Config, telemetry=None):
+    def __init__(self, kind: str, segments: np.ndarray, cfg: Config, telemetry=None, plan=None):
         self.kind, self.cfg, self.telemetry = kind, cfg, telemetry
         dev = torch.device(cfg.device)
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         self.softcap = cfg.softcap if cfg.softcap > 0 else None
         length = segments.shape[1]
         if kind == "tessera":
-            # Built once per batch of segment ids; the plan cache returns it when ids repeat.
-            mask = tessera.causal() & tessera.document(segments)
-            self.plan = tessera.plan(mask, q_len=length, cache=True)
+            # Built once per batch of segment ids (or ahead, by tessera.torch.PlanPrefetcher on a
+            # GPU); the plan cache returns it when ids repeat.
+            self.plan = plan if plan is not None else batch_plan(segments)
         elif kind == "dense":
             self.allowed = doc_causal_mask(segments).to(dev)
         elif kind == "sdpa":
@@ -352,6 +355,12 @@ _flex_compiled: Dict[Any, Callable] = {}
 # (causal(offset=SINK_PAD) & document(ids, [-1]*SINK_PAD + ids)) | prefix(1): exactly the
 # tessera mask on the real keys plus the sink for every row, so Z = exp(σ_h) + Σ_allowed exp(s).
 SINK_PAD = 128
+
+
+def batch_plan(segments: np.ndarray) -> "tessera.Plan":
+    """The plan of one batch of segment ids: causal attention within documents."""
+    mask = tessera.causal() & tessera.document(segments)
+    return tessera.plan(mask, q_len=segments.shape[1], cache=True)
 
 
 def flex_plan(segments: np.ndarray, sinks: bool) -> "tessera.Plan":
@@ -587,12 +596,15 @@ def build(cfg: Config, data: Data):
     return model, make_optimizer(model, cfg)
 
 
-def train_step(model: GPT, opt, batch: Batch, cfg: Config, step: int, kind: str, tel=None) -> float:
-    """One optimizer step: the plan (or mask) of the batch, forward, backward, clip, AdamW."""
+def train_step(model: GPT, opt, batch: Batch, cfg: Config, step: int, kind: str, tel=None, plan=None) -> float:
+    """One optimizer step: the plan (or mask) of the batch (``plan``: made ahead), forward,
+    backward, clip, AdamW."""
     for g in opt.param_groups:
         g["lr"] = lr_at(step, cfg)
-    engine = Engine(kind, batch.segments, cfg, telemetry=tel)
-    loss = model(batch, engine)
+    engine = Engine(kind, batch.segments, cfg, telemetry=tel, plan=plan)
+    dev_type = torch.device(cfg.device).type
+    with torch.autocast(dev_type, dtype=torch.bfloat16, enabled=cfg.amp == "bf16"):
+        loss = model(batch, engine)
     opt.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
@@ -647,11 +659,17 @@ def train(
 
         bar = tqdm(total=cfg.steps, initial=start, unit="step", dynamic_ncols=True, file=sys.stderr)
     wall = time.perf_counter()
-    for step in range(start, cfg.steps if until is None else min(until, cfg.steps)):
-        batch = data.train[batch_order(n, step // n, cfg.seed)[step % n]]
+    stop = cfg.steps if until is None else min(until, cfg.steps)
+    order = ((step, data.train[batch_order(n, step // n, cfg.seed)[step % n]]) for step in range(start, stop))
+    if cfg.device != "cpu" and cfg.attention == "tessera":
+        # On a GPU the next batches' plans and BlockMasks are made while this step runs.
+        steps = iter(tessera.torch.PlanPrefetcher(order, lambda sb: batch_plan(sb[1].segments), device=cfg.device))
+    else:
+        steps = (((step, batch), None) for step, batch in order)
+    for (step, batch), plan in steps:
         logged = tel is not None and tel.should_log()
         t = time.perf_counter()
-        lv = train_step(model, opt, batch, cfg, step, cfg.attention, tel)
+        lv = train_step(model, opt, batch, cfg, step, cfg.attention, tel, plan=plan)
         dt = time.perf_counter() - t
         res.losses.append(lv)
         res.step_seconds.append(dt)
@@ -930,6 +948,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     a("--ckpt-every", type=int, default=d.ckpt_every)
     a("--threads", type=int, default=d.threads, help="torch threads (0 = default)")
     a("--device", default=d.device, help="cpu (Tessera's kernels) or cuda (FlexAttention under tessera.torch.attention)")
+    a("--torch-engine", default=d.torch_engine, help="tessera.torch.attention's engine: auto, flex, flex_flash, varlen, tessera")
+    a("--amp", choices=("off", "bf16"), default=d.amp, help="bf16: the forward under torch.autocast(bfloat16)")
     a("--out-dir", default=d.out_dir)
     a("--resume", nargs="?", const="", default=None, metavar="CKPT",
       help="continue from a checkpoint (default OUT_DIR/ckpt.safetensors)")
@@ -950,7 +970,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         warmup=args.warmup, weight_decay=args.weight_decay, clip=args.clip, seed=args.seed,
         attention=args.attention, telemetry_every=args.telemetry_every, eval_every=args.eval_every,
         ckpt_every=args.ckpt_every, threads=args.threads, out_dir=args.out_dir, progress=not args.no_progress,
-        device=args.device,
+        device=args.device, torch_engine=args.torch_engine, amp=args.amp,
     )
 
 

@@ -8,14 +8,14 @@
 //! features) arrive as int64 numpy arrays `[L]` or `[B, L]`, block selections as int64
 //! `[B, H, Tq, k]` (or `[H, Tq, k]`, `[Tq, k]`); the Python layer converts torch tensors and lists.
 
-use numpy::{PyReadonlyArrayDyn, PyUntypedArrayMethods};
+use numpy::{IntoPyArray, PyArrayMethods, PyReadonlyArrayDyn, PyUntypedArrayMethods};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyDict, PyTuple};
 use std::collections::HashMap;
 use std::sync::Arc;
 use tessera::mask::{parse, Resolver};
-use tessera::mask::{BandFeatures, BlockSelection};
+use tessera::mask::{BandFeatures, BlockSelection, MAX_TREE_DEPTH};
 use tessera::{DenseMask, Mask, Result as TResult, SegmentIds, Segments};
 
 use crate::errors::to_py;
@@ -62,11 +62,71 @@ impl PyMask {
         self.inner.canonical().hash(&mut h);
         h.finish()
     }
+    /// The expression tree as nested tuples, for code generation (the flex engine's analytic
+    /// `mask_mod`): `("full",)`, `("causal", offset)`, `("window", left, right)`,
+    /// `("chunk", size)`, `("prefix", len)`, `("document", q_ids, kv_ids)` and
+    /// `("band", f, g, lo, hi)` with int64 arrays `[rows, L]` (`rows` 1 or B), `("dense",)` and
+    /// `("blocks",)` (their data stays native: the plan's bit table covers them),
+    /// `("and", (..))`, `("or", (..))`, `("not", child)`, `("heads", (..))`. Trees deeper
+    /// than the planner accepts are refused (the walk recurses).
+    fn _tree<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
+        let depth = self.inner.depth();
+        if depth > MAX_TREE_DEPTH {
+            return Err(PyValueError::new_err(format!(
+                "mask: tree depth {depth} exceeds the limit {MAX_TREE_DEPTH}"
+            )));
+        }
+        tree(py, &self.inner)
+    }
     /// Whether query `i` may attend key `j` in batch row `b`, head `h`.
     #[pyo3(signature = (i, j, b=0, h=0))]
     fn allowed(&self, i: usize, j: usize, b: usize, h: usize) -> bool {
         self.inner.allowed(b, h, i, j)
     }
+}
+
+/// `ids` as an int64 numpy array `[rows, L]`.
+fn rows_array<'py>(py: Python<'py>, ids: &SegmentIds) -> PyResult<Bound<'py, PyAny>> {
+    let flat: Vec<i64> = (0..ids.rows())
+        .flat_map(|b| ids.row(b).iter().copied())
+        .collect();
+    let arr = flat.into_pyarray(py);
+    Ok(arr.reshape([ids.rows(), ids.len()])?.into_any())
+}
+
+/// One node of [`PyMask::_tree`]; depth is bounded by the caller's check.
+fn tree<'py>(py: Python<'py>, m: &Mask) -> PyResult<Bound<'py, PyTuple>> {
+    let kids = |v: &[Mask]| -> PyResult<Bound<'py, PyTuple>> {
+        let items = v
+            .iter()
+            .map(|c| tree(py, c))
+            .collect::<PyResult<Vec<_>>>()?;
+        PyTuple::new(py, items)
+    };
+    Ok(match m {
+        Mask::Full => PyTuple::new(py, ["full"])?,
+        Mask::Causal { offset } => ("causal", *offset).into_pyobject(py)?,
+        Mask::Window { left, right } => ("window", *left, *right).into_pyobject(py)?,
+        Mask::Chunk { size } => ("chunk", *size).into_pyobject(py)?,
+        Mask::Prefix { len } => ("prefix", *len).into_pyobject(py)?,
+        Mask::Document(s) => {
+            ("document", rows_array(py, &s.q)?, rows_array(py, &s.kv)?).into_pyobject(py)?
+        }
+        Mask::Band { features, lo, hi } => (
+            "band",
+            rows_array(py, &features.q)?,
+            rows_array(py, &features.kv)?,
+            *lo,
+            *hi,
+        )
+            .into_pyobject(py)?,
+        Mask::Dense(_) => PyTuple::new(py, ["dense"])?,
+        Mask::Blocks(_) => PyTuple::new(py, ["blocks"])?,
+        Mask::And(v) => ("and", kids(v)?).into_pyobject(py)?,
+        Mask::Or(v) => ("or", kids(v)?).into_pyobject(py)?,
+        Mask::Not(c) => ("not", tree(py, c)?).into_pyobject(py)?,
+        Mask::Heads(v) => ("heads", kids(v)?).into_pyobject(py)?,
+    })
 }
 
 /// Segment ids from an int64 array `[L]` or `[B, L]` (-1 = padding).

@@ -441,28 +441,43 @@ impl PyPlan {
         .into_iter()
         .map(|v| v.into_pyarray(py))
         .collect();
-        let row = tq * tk.div_ceil(64);
-        let n = bits.len() / row.max(1);
-        let floor = per_tile
-            .saturating_mul(bg * hg)
-            .saturating_mul(nq.max(nk))
-            .min(max_floor);
-        let capacity = (n + 2).max(floor).next_power_of_two();
-        // The same bits as int64 (torch has no general uint64 support).
-        let mut padded = vec![0i64; capacity * row];
-        padded[row..2 * row].fill(-1);
-        padded[2 * row..]
-            .iter_mut()
-            .zip(&bits)
-            .for_each(|(o, &w)| *o = w as i64);
-        let padded = padded
-            .into_pyarray(py)
-            .reshape([capacity, tq, tk.div_ceil(64)])?
-            .into_any();
+        let padded = padded_bits(py, &bits, (bg * hg, nq, nk, tq, tk), per_tile, max_floor)?;
         Ok((
             tables,
             padded,
             (bg, hg, nq, nk, tq, tk, f.shape[2], f.shape[3]),
+        ))
+    }
+
+    /// The plan's non-empty tiles, O(active tiles), for a device to expand the `BlockMask`
+    /// tables itself: `(cells, codes, bits, dims)` with int32 `cells` (flat index over
+    /// `[B', H', nq, nk]`, ascending), int32 `codes` (1 full, `2 + i` partial block `i`), the
+    /// padded bit blocks as in `_flex_tables` and the same `dims`.
+    #[allow(clippy::type_complexity)]
+    fn _flex_compact<'py>(
+        &self,
+        py: Python<'py>,
+        per_tile: usize,
+        max_floor: usize,
+    ) -> PyResult<(
+        Bound<'py, PyArray1<i32>>,
+        Bound<'py, PyArray1<i32>>,
+        Bound<'py, PyAny>,
+        (usize, usize, usize, usize, usize, usize, usize, usize),
+    )> {
+        let plan = self.inner.clone();
+        let (c, bits) = py
+            .detach(|| tessera::export::flex::export_compact(&plan))
+            .map_err(to_py)?;
+        let (bg, hg) = c.groups;
+        let (nq, nk) = c.blocks;
+        let (tq, tk) = c.block_size;
+        let padded = padded_bits(py, &bits, (bg * hg, nq, nk, tq, tk), per_tile, max_floor)?;
+        Ok((
+            c.cells.into_pyarray(py),
+            c.codes.into_pyarray(py),
+            padded,
+            (bg, hg, nq, nk, tq, tk, c.shape[2], c.shape[3]),
         ))
     }
 
@@ -528,4 +543,34 @@ impl PyPlan {
             .map(|r| Ok((info(r.fwd)?, info(r.dkv)?)))
             .collect()
     }
+}
+
+/// Packed partial-block bits as int64 `[capacity, tq, ceil(tk / 64)]`: code 0 all clear, code 1
+/// all set, then the blocks, zero past them; `capacity` is the next power of two of at least the
+/// codes used and of `min(per_tile * groups * max(nq, nk), max_floor)`.
+fn padded_bits<'py>(
+    py: Python<'py>,
+    bits: &[u64],
+    (groups, nq, nk, tq, tk): (usize, usize, usize, usize, usize),
+    per_tile: usize,
+    max_floor: usize,
+) -> PyResult<Bound<'py, PyAny>> {
+    let row = tq * tk.div_ceil(64);
+    let n = bits.len() / row.max(1);
+    let floor = per_tile
+        .saturating_mul(groups)
+        .saturating_mul(nq.max(nk))
+        .min(max_floor);
+    let capacity = (n + 2).max(floor).next_power_of_two();
+    // The same bits as int64 (torch has no general uint64 support).
+    let mut padded = vec![0i64; capacity * row];
+    padded[row..2 * row].fill(-1);
+    padded[2 * row..]
+        .iter_mut()
+        .zip(bits)
+        .for_each(|(o, &w)| *o = w as i64);
+    Ok(padded
+        .into_pyarray(py)
+        .reshape([capacity, tq, tk.div_ceil(64)])?
+        .into_any())
 }

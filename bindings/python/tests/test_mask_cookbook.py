@@ -21,6 +21,7 @@ flex = pytest.importorskip("torch.nn.attention.flex_attention")
 import mask_cookbook as cb  # noqa: E402  (bench/, on the path from conftest)
 import tessera  # noqa: E402
 from conftest import TABLES, packed_ids  # noqa: E402
+from tessera.core import flex_tables  # noqa: E402
 
 BLOCKS = [(16, 16), (32, 32), (64, 64), (128, 128), (32, 64), (64, 16)]
 LEAF = re.compile(r"\b(full|causal|window|chunk|prefix|document|dense|band)\b")
@@ -51,6 +52,12 @@ def check(r, block):
     got = flex.create_mask(bm.mask_mod, r.batch, r.heads, r.q_len, r.kv_len, device="cpu")
     assert want.any(), r.family  # a case that allows nothing proves little
     assert torch.equal(got, want), (r.family, block)
+    # no dense leaf: the default mask_mod is the one generated from the expression; the bit-table
+    # one agrees too
+    assert flex_tables.compact(plan).kind == "analytic", r.family
+    bits = plan.to_flex_block_mask(mask_mod="bits")
+    got = flex.create_mask(bits.mask_mod, r.batch, r.heads, r.q_len, r.kv_len, device="cpu")
+    assert torch.equal(got, want), (r.family, block, "bits")
     return plan
 
 

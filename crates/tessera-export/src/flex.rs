@@ -89,6 +89,130 @@ pub fn export_packed(plan: &Plan) -> Result<(FlexArrays, Vec<u64>)> {
     export_impl(plan, false)
 }
 
+/// The active tiles of a plan in row-major order over `[B', H', nq, nk]`, O(active tiles): what
+/// a device needs to expand every `BlockMask` table itself (see [`export_compact`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CompactTiles {
+    /// `[B, H, Lq, Lkv]` of the plan.
+    pub shape: [usize; 4],
+    /// `(tile.q, tile.kv)`.
+    pub block_size: (usize, usize),
+    /// `(B', H')`.
+    pub groups: (usize, usize),
+    /// `(nq, nk)`.
+    pub blocks: (usize, usize),
+    /// Flat index `((b·H' + h)·nq + qt)·nk + kt` of each non-empty tile, ascending.
+    pub cells: Vec<i32>,
+    /// Per entry of `cells`: 1 full, `2 + i` partial with packed bit block `i` (as in `FlexAttention`,
+    /// a ragged edge tile is partial).
+    pub codes: Vec<i32>,
+}
+
+/// The plan's non-empty tiles and their deduplicated partial-block bits (packed as in
+/// [`export_packed`]; one all-clear block when there is none). Fails when the `[B', H', nq, nk]`
+/// grid has 2^31 cells or more (int32 indices).
+pub fn export_compact(plan: &Plan) -> Result<(CompactTiles, Vec<u64>)> {
+    crate::check_budget(plan, "flex export")?;
+    let c = Contents::new(plan);
+    let (nq, nk) = (plan.q_tiles, plan.kv_tiles);
+    let (bg, hg) = (plan.batch_groups, plan.head_groups);
+    let cells = (bg * hg).saturating_mul(nq).saturating_mul(nk);
+    if cells > i32::MAX as usize {
+        return Err(Error::invalid(
+            "tile",
+            "fewer than 2^31 blocks over (B', H', nq, nk)",
+            cells,
+        ));
+    }
+    let mut out = CompactTiles {
+        shape: [
+            plan.shape.batch,
+            plan.shape.heads,
+            plan.shape.q_len,
+            plan.shape.kv_len,
+        ],
+        block_size: (plan.tile.q, plan.tile.kv),
+        groups: (bg, hg),
+        blocks: (nq, nk),
+        cells: Vec::new(),
+        codes: Vec::new(),
+    };
+    let mut mask_blocks = Vec::new();
+    let mut packed = Vec::new();
+    let mut row_tiles: Vec<(u32, i32)> = Vec::new();
+    visit_rows(
+        plan,
+        &c,
+        None,
+        &mut mask_blocks,
+        &mut packed,
+        |gi, qt, row| {
+            row_tiles.clear();
+            row_tiles.extend_from_slice(row);
+            row_tiles.sort_unstable_by_key(|&(t, _)| t);
+            for &(t, id) in &row_tiles {
+                out.cells.push(((gi * nq + qt) * nk + t as usize) as i32);
+                out.codes.push(if id < 0 { 1 } else { id + 2 });
+            }
+        },
+    );
+    if packed.is_empty() {
+        packed = vec![0; plan.tile.q * plan.partials.words_per_row];
+    }
+    Ok((out, packed))
+}
+
+/// Walks the kv rows of every (group, q tile): `row(gi, qt, tiles)` gets the row's non-empty
+/// tiles as `(kv tile, partial block id or -1 for full)`, block ids numbered in order of first
+/// appearance; each new partial block's contents are appended to `mask_blocks` (with `Some((tq,
+/// tk))`) or to `packed`. Returns the number of partial blocks.
+fn visit_rows(
+    plan: &Plan,
+    c: &Contents<'_>,
+    bools: Option<(usize, usize)>,
+    mask_blocks: &mut Vec<bool>,
+    packed: &mut Vec<u64>,
+    mut row: impl FnMut(usize, usize, &[(u32, i32)]),
+) -> i32 {
+    let nq = plan.q_tiles;
+    let (bg, hg) = (plan.batch_groups, plan.head_groups);
+    let wpr = plan.partials.words_per_row;
+    let mut block_of = vec![-1i32; c.len()];
+    let mut n_blocks = 0i32;
+    let mut tiles = Vec::new();
+    for b in 0..bg {
+        for h in 0..hg {
+            let gi = b * hg + h;
+            let hp = plan.head_plan(b, h);
+            for qt in 0..nq {
+                tiles.clear();
+                for e in hp.row(qt) {
+                    let id = match c.effective(qt, e.tile as usize, e) {
+                        Eff::Full => -1,
+                        Eff::Partial(cid) => {
+                            let id = &mut block_of[cid as usize];
+                            if *id < 0 {
+                                *id = n_blocks;
+                                n_blocks += 1;
+                                match bools {
+                                    Some((tq, tk)) => {
+                                        append_block(mask_blocks, c.bits(cid), tq, tk, wpr)
+                                    }
+                                    None => packed.extend_from_slice(c.bits(cid)),
+                                }
+                            }
+                            *id
+                        }
+                    };
+                    tiles.push((e.tile, id));
+                }
+                row(gi, qt, &tiles);
+            }
+        }
+    }
+    n_blocks
+}
+
 fn export_impl(plan: &Plan, bools: bool) -> Result<(FlexArrays, Vec<u64>)> {
     crate::check_budget(plan, "flex export")?;
     let c = Contents::new(plan);
@@ -125,54 +249,47 @@ fn export_impl(plan: &Plan, bools: bool) -> Result<(FlexArrays, Vec<u64>)> {
         mask_blocks: Vec::new(),
     };
     let (tq, tk) = (plan.tile.q, plan.tile.kv);
-    let wpr = plan.partials.words_per_row;
-    let mut block_of = vec![-1i32; c.len()];
     let mut packed: Vec<u64> = Vec::new();
-    let mut n_blocks = 0i32;
     let mut mark_k = vec![false; nk];
-    let mut mark_q = vec![false; nq];
     let (mut part, mut full) = (Vec::new(), Vec::new());
+    let mut mask_blocks = Vec::new();
+    let n_blocks = visit_rows(
+        plan,
+        &c,
+        bools.then_some((tq, tk)),
+        &mut mask_blocks,
+        &mut packed,
+        |gi, qt, row| {
+            part.clear();
+            full.clear();
+            for &(tile, id) in row {
+                let cell = (gi * nq + qt) * nk + tile as usize;
+                if id < 0 {
+                    full.push(tile);
+                    a.mask_tile_states[cell] = 2;
+                } else {
+                    part.push(tile);
+                    a.mask_tile_states[cell] = 1;
+                    a.mask_block_ids[cell] = id;
+                }
+            }
+            let r = gi * nq + qt;
+            a.kv_num_blocks[r] = part.len() as i32;
+            a.full_kv_num_blocks[r] = full.len() as i32;
+            ordered_row(&part, &mut mark_k, &mut a.kv_indices[r * nk..(r + 1) * nk]);
+            ordered_row(
+                &full,
+                &mut mark_k,
+                &mut a.full_kv_indices[r * nk..(r + 1) * nk],
+            );
+        },
+    );
+    a.mask_blocks = mask_blocks;
+    let mut mark_q = vec![false; nq];
     for b in 0..bg {
         for h in 0..hg {
             let gi = b * hg + h;
             let hp = plan.head_plan(b, h);
-            for qt in 0..nq {
-                part.clear();
-                full.clear();
-                for e in hp.row(qt) {
-                    let cell = (gi * nq + qt) * nk + e.tile as usize;
-                    match c.effective(qt, e.tile as usize, e) {
-                        Eff::Full => {
-                            full.push(e.tile);
-                            a.mask_tile_states[cell] = 2;
-                        }
-                        Eff::Partial(cid) => {
-                            part.push(e.tile);
-                            a.mask_tile_states[cell] = 1;
-                            let id = &mut block_of[cid as usize];
-                            if *id < 0 {
-                                *id = n_blocks;
-                                n_blocks += 1;
-                                if bools {
-                                    append_block(&mut a.mask_blocks, c.bits(cid), tq, tk, wpr);
-                                } else {
-                                    packed.extend_from_slice(c.bits(cid));
-                                }
-                            }
-                            a.mask_block_ids[cell] = *id;
-                        }
-                    }
-                }
-                let r = gi * nq + qt;
-                a.kv_num_blocks[r] = part.len() as i32;
-                a.full_kv_num_blocks[r] = full.len() as i32;
-                ordered_row(&part, &mut mark_k, &mut a.kv_indices[r * nk..(r + 1) * nk]);
-                ordered_row(
-                    &full,
-                    &mut mark_k,
-                    &mut a.full_kv_indices[r * nk..(r + 1) * nk],
-                );
-            }
             for kt in 0..nk {
                 part.clear();
                 full.clear();
@@ -198,7 +315,7 @@ fn export_impl(plan: &Plan, bools: bool) -> Result<(FlexArrays, Vec<u64>)> {
         if bools {
             a.mask_blocks = vec![false; tq * tk];
         } else {
-            packed = vec![0; tq * wpr];
+            packed = vec![0; tq * plan.partials.words_per_row];
         }
     }
     Ok((a, packed))

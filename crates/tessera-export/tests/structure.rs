@@ -501,3 +501,29 @@ fn shared_document_segments_arc() {
     assert_eq!(splash::export(&pa).unwrap(), splash::export(&pb).unwrap());
     assert_eq!(flex::export(&pa).unwrap(), flex::export(&pb).unwrap());
 }
+
+/// The compact export lists exactly the non-empty tiles of the packed export, with the same
+/// codes (1 full, 2 + block id) and the same bit blocks, in ascending cell order.
+#[test]
+fn compact_export_matches_the_packed_tables() {
+    for seed in 0..120u64 {
+        let case = random_case(seed);
+        let (a, bits) = flex::export_packed(&case.plan).unwrap();
+        let (c, cbits) = flex::export_compact(&case.plan).unwrap();
+        assert_eq!(bits, cbits, "seed {seed}");
+        assert_eq!(
+            (c.groups, c.blocks, c.block_size, c.shape),
+            (a.groups, a.blocks, a.block_size, a.shape)
+        );
+        let mut cells = Vec::new();
+        let mut codes = Vec::new();
+        for (i, (&st, &id)) in a.mask_tile_states.iter().zip(&a.mask_block_ids).enumerate() {
+            if st != 0 {
+                cells.push(i as i32);
+                codes.push(if st == 2 { 1 } else { id + 2 });
+            }
+        }
+        assert_eq!(c.cells, cells, "seed {seed}");
+        assert_eq!(c.codes, codes, "seed {seed}");
+    }
+}

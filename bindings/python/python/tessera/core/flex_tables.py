@@ -11,63 +11,139 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from .probes import _key  # noqa: F401  (the flex engine's device keys too)
+
 if TYPE_CHECKING:  # the type only: Plan's own methods call this module
     from .plans import Plan
 
 
-# -- per (plan, device) state -------------------------------------------------------------------
-
-
-def _key(device: Any) -> str:
-    """``"cuda:0"`` for ``"cuda"`` (the current device) and for ``q.device`` alike."""
-    dev = torch.device(device)
-    if dev.index is None and dev.type not in ("cpu", "meta"):
-        mod = getattr(torch, dev.type, None)
-        if mod is not None and hasattr(mod, "current_device"):
-            dev = torch.device(dev.type, mod.current_device())
-    return str(dev)
-
-
 # -- FlexAttention ------------------------------------------------------------------------------
 
+MASK_MODS = ("auto", "analytic", "bits")
 
-def to_flex_block_mask(plan: "Plan", device: Any = "cpu"):
-    """``plan`` as a ``torch.nn.attention.flex_attention.BlockMask`` on ``device``, built once per
-    (plan, device) and kept on the plan (the flex engine of :func:`attention` uses the same one).
 
-    The eight block tables come straight from the plan's work lists (int32, contiguous) and equal
-    what ``create_block_mask(mask_mod, B', H', Lq, Lkv, BLOCK_SIZE=plan.block)`` builds (``B'``,
-    ``H'`` = ``plan.groups``: 1 where the mask does not vary). Its ``mask_mod`` is exact for every
-    ``(b, h, q, kv)``: each block's code selects a packed bit block (all clear for empty
-    blocks, all set for full ones, the plan's deduplicated bitmask for partial ones), captured
-    padded to a power-of-two block count, at least twice the q or kv tile count per (batch,
-    head) group, so that plans of the same shapes share one compiled kernel.
-    """
-    from torch.nn.attention.flex_attention import BlockMask
+class CompactMask:
+    """A plan's ``BlockMask`` as host arrays of O(active tiles) plus the ``mask_mod``'s data: the
+    flat index and code of each non-empty tile (int32), the analytic ``mask_mod``'s per-token
+    arrays, or the packed bit blocks of the bit-table one. Two flat buffers (int32, int64), so a
+    device gets them in at most two copies; :func:`block_mask_from_compact` expands every table on
+    the device. Picklable; ``pin_memory()`` pins both buffers (a ``DataLoader`` with
+    ``pin_memory=True`` calls it)."""
 
-    dev = torch.device(device)
-    key = _key(dev)
-    kept = plan._flex.setdefault("bm", {})
-    if key in kept:
-        return kept[key]
+    __slots__ = ("dims", "i32", "i64", "parts", "prog", "kind", "reason")
+
+    def __init__(self, dims, i32, i64, parts, prog, kind, reason):
+        self.dims, self.i32, self.i64, self.parts = dims, i32, i64, parts
+        self.prog, self.kind, self.reason = prog, kind, reason
+
+    def __getstate__(self):
+        return {k: getattr(self, k) for k in self.__slots__}
+
+    def __setstate__(self, st):
+        for k, v in st.items():
+            setattr(self, k, v)
+
+    def pin_memory(self) -> "CompactMask":
+        pin = (lambda t: t.pin_memory()) if torch.cuda.is_available() else (lambda t: t)
+        return CompactMask(self.dims, pin(self.i32), pin(self.i64), self.parts, self.prog, self.kind,
+                           self.reason)
+
+
+def compact(plan: "Plan", mask_mod: str = "auto") -> CompactMask:
+    """The plan's :class:`CompactMask`. ``mask_mod``: ``"analytic"`` (generated from the mask
+    tree; ``ValueError`` with the reason when a leaf has none), ``"bits"`` (the plan's bit table)
+    or ``"auto"`` (analytic where possible)."""
+    from . import flex_mask
+
+    if mask_mod not in MASK_MODS:
+        raise ValueError(f"mask_mod: expected one of {MASK_MODS}, got {mask_mod!r}")
+    _, _, lq, lkv = plan.shape
+    prog, bufs, reason = None, [], None
+    if mask_mod != "bits":
+        native_mask = plan._p.mask
+        if native_mask is None:
+            reason = "a rank's local plan of a sharding has no mask expression"
+        else:
+            prog, bufs = flex_mask.program(native_mask, lq, lkv)
+            if isinstance(prog, str):
+                reason, prog, bufs = prog, None, []
+        if reason is not None and mask_mod == "analytic":
+            raise ValueError(f"mask_mod='analytic': no analytic mask_mod for this plan: {reason}")
     # Capacity of the captured bit blocks from the shapes alone for the usual masks (2 per q or
     # kv tile and (batch, head) group, at most 2^14 blocks: 32 MiB at 128-token tiles; then the
     # next power of two), so that plans of the same shapes whose partial counts differ a little
     # share one compiled kernel.
-    arrays, bits, (bg, hg, nq, nk, tq, tk, lq, lkv) = plan._p._flex_tables(2, 1 << 14)
-    shapes = ((bg, hg, nq), (bg, hg, nq, nk)) * 2 + ((bg, hg, nk), (bg, hg, nk, nq)) * 2
-    shapes += ((bg, hg, nq, nk),)
-    if dev.type == "cpu":
-        tables = [torch.from_numpy(a.reshape(s)) for a, s in zip(arrays, shapes)]
-        bits = torch.from_numpy(bits)
-    else:
-        # one copy of the tables to the device, then views
-        flat = torch.from_numpy(np.concatenate(arrays)).to(dev)
-        parts = torch.split(flat, [a.size for a in arrays])
-        tables = [p.view(s) for p, s in zip(parts, shapes)]
-        bits = torch.from_numpy(bits).to(dev)
-    codes = tables.pop()
+    cells, codes, bits, dims = plan._p._flex_compact(2, 1 << 14)
+    i32 = [cells, codes] + [b for b in bufs if b.dtype == np.int32]
+    i64 = ([] if prog is not None else [bits]) + [b for b in bufs if b.dtype == np.int64]
+    parts = []  # (buffer, offset, shape) of cells, codes, the bits (or None), then each buf
+    off = {np.dtype(np.int32): 0, np.dtype(np.int64): 0}
+    for a in [cells, codes, None if prog is not None else bits] + bufs:
+        if a is None:
+            parts.append(None)
+            continue
+        parts.append((32 if a.dtype == np.int32 else 64, off[a.dtype], a.shape))
+        off[a.dtype] += a.size
 
+    def flat(arrs, dt):
+        return torch.from_numpy(np.concatenate([a.ravel() for a in arrs]) if arrs else np.zeros(0, dt))
+
+    kind = "analytic" if prog is not None else "bits"
+    return CompactMask(dims, flat(i32, np.int32), flat(i64, np.int64), parts, prog, kind, reason)
+
+
+def _ordered(m):
+    """``(count, indices)`` of the true entries along the last dim of bool ``m``, as
+    ``argsort(m, descending=True, stable=True)`` orders them (true ascending, then the rest
+    ascending), with a cumulative sum and one scatter: no sort, no host sync."""
+    n = m.shape[-1]
+    c = m.to(torch.int32).cumsum(-1, dtype=torch.int32)
+    num = c[..., -1].contiguous()
+    ar = torch.arange(n, dtype=torch.int32, device=m.device)
+    pos = torch.where(m, c - 1, num.unsqueeze(-1) + ar - c)
+    idx = torch.empty(m.shape, dtype=torch.int32, device=m.device)
+    idx.scatter_(-1, pos.long(), ar.expand(m.shape))
+    return num, idx
+
+
+def block_mask_from_compact(c: CompactMask, device: Any = "cpu", non_blocking: bool = False):
+    """The ``BlockMask`` of ``c`` on ``device``: at most two host-to-device copies (``non_blocking``
+    from pinned memory), then every table expanded by device ops (a scatter of the tile codes
+    into the ``[B', H', nq, nk]`` grid; per table a cumulative sum and a scatter)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    from . import flex_mask
+
+    dev = torch.device(device)
+    bg, hg, nq, nk, tq, tk, lq, lkv = c.dims
+    i32 = c.i32.to(dev, non_blocking=non_blocking)
+    i64 = c.i64.to(dev, non_blocking=non_blocking) if c.i64.numel() else None
+    views = []
+    for p in c.parts:
+        if p is None:
+            views.append(None)
+            continue
+        kind, off, shape = p
+        src = i32 if kind == 32 else i64
+        views.append(src[off:off + int(np.prod(shape))].view(shape))
+    cells, codes, bits, bufs = views[0], views[1], views[2], views[3:]
+    grid = torch.zeros(bg * hg * nq * nk, dtype=torch.int32, device=dev)
+    grid.scatter_(0, cells.long(), codes)
+    grid = grid.view(bg, hg, nq, nk)
+    partial, full = grid >= 2, grid == 1
+    tables = []
+    for m in (partial, full):
+        tables += _ordered(m)
+    for m in (partial, full):
+        tables += _ordered(m.transpose(-1, -2))
+    if c.prog is not None:
+        mask_mod = flex_mask.make_mask_mod(c.prog, bufs)
+    else:
+        mask_mod = _bits_mask_mod(grid, bits, bg, hg, tq, tk)
+    return BlockMask((lq, lkv), *tables, BLOCK_SIZE=(tq, tk), mask_mod=mask_mod)
+
+
+def _bits_mask_mod(codes, bits, bg, hg, tq, tk):
     def mask_mod(b, h, q_idx, kv_idx):
         # The tile's code picks its bit block (0 empty, 1 full, else its partial block); bit
         # kv % 64 of int64 word kv // 64 of row q.
@@ -77,6 +153,50 @@ def to_flex_block_mask(plan: "Plan", device: Any = "cpu"):
         word = bits[codes[bb, hh, q_idx // tq, kv_idx // tk], q_idx % tq, kr // 64]
         return ((word >> (kr % 64)) & 1) == 1
 
-    bm = BlockMask((lq, lkv), *tables, BLOCK_SIZE=(tq, tk), mask_mod=mask_mod)
+    return mask_mod
+
+
+def to_flex_block_mask(plan: "Plan", device: Any = "cpu", mask_mod: str = "auto"):
+    """``plan`` as a ``torch.nn.attention.flex_attention.BlockMask`` on ``device``, built once per
+    (plan, device, ``mask_mod``) and kept on the plan (the flex engine of :func:`attention` uses
+    the ``"auto"`` one).
+
+    The eight block tables equal what ``create_block_mask(mask_mod, B', H', Lq, Lkv,
+    BLOCK_SIZE=plan.block)`` builds (``B'``, ``H'`` = ``plan.groups``: 1 where the mask does not
+    vary); they are expanded on ``device`` from the plan's non-empty tiles (:func:`compact`,
+    :func:`block_mask_from_compact`). Its ``mask_mod`` is exact for every ``(b, h, q, kv)``:
+    ``"analytic"`` is generated from the mask expression (index comparisons, q-indexed document
+    bounds; see ``tessera.core.flex_mask``), ``"bits"`` selects per block a packed bit block (all
+    clear for empty blocks, all set for full ones, the plan's deduplicated bitmask for partial
+    ones), captured padded to a power-of-two block count, at least twice the q or kv tile count
+    per (batch, head) group, so that plans of the same shapes share one compiled kernel;
+    ``"auto"`` is analytic unless a ``dense``/``blocks`` leaf (or a band over features beyond
+    ±2^62) needs the bits.
+    """
+    dev = torch.device(device)
+    key = _key(dev) if mask_mod == "auto" else f"{_key(dev)}|{mask_mod}"
+    kept = plan._flex.setdefault("bm", {})
+    if key in kept:
+        return kept[key]
+    c = compact(plan, mask_mod)
+    if dev.type == "cuda":  # pinned: the copies do not wait for the device (no host sync)
+        bm = block_mask_from_compact(c.pin_memory(), dev, non_blocking=True)
+    else:
+        bm = block_mask_from_compact(c, dev)
     kept[key] = bm
+    prepare(plan, dev)
     return bm
+
+
+def prepare(plan: "Plan", device: Any) -> None:
+    """What engine selection asks about ``plan`` on ``device``, read now (outside any compiled
+    step): the capability probes, whether the plan is plain causal documents, and then its
+    sequence boundaries on the device (for ``varlen_attn``)."""
+    from . import flex_mask, probes
+
+    dev = torch.device(device)
+    if dev.type == "cpu" or plan._p is None or plan._p.mask is None:
+        return
+    probes.warm(dev)
+    if flex_mask.causal_documents(plan)[0] is not None:
+        flex_mask.cu_seqlens(plan, plan.shape[0], dev)

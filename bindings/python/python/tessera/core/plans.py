@@ -134,12 +134,12 @@ class Plan:
         return repr(self._p)
 
     # -- other engines ------------------------------------------------------------------
-    def to_flex_block_mask(self, device: Any = "cpu"):
+    def to_flex_block_mask(self, device: Any = "cpu", mask_mod: str = "auto"):
         """This plan as a ``torch.nn.attention.flex_attention.BlockMask`` (tables equal to what
         ``create_block_mask`` builds for the same mask, with an exact ``mask_mod``)."""
         from .flex_tables import to_flex_block_mask
 
-        return to_flex_block_mask(self, device=device)
+        return to_flex_block_mask(self, device=device, mask_mod=mask_mod)
 
     def to_splash_mask_info(self, **kwargs: Any):
         """This plan as JAX Splash ``MaskInfo`` objects (see :func:`tessera.jax.mask_info`)."""

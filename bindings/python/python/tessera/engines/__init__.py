@@ -3,7 +3,11 @@
 - :mod:`.native_torch`: Tessera's CPU kernels as torch custom ops (forward, backward, logged
   forward), zero-copy on torch's tensors.
 - :mod:`.flex`: PyTorch FlexAttention over the plan's ``BlockMask``, with exact sinks, softcap
-  and telemetry around it.
+  and telemetry around it (its Triton kernel, or its FLASH backend for ``flex_flash``).
+- :mod:`.varlen`: ``torch.nn.attention.varlen.varlen_attn`` for plans of exactly causal,
+  contiguous documents.
+- :mod:`.select`: which engine runs a call (each engine's reasons not to, ``auto``'s priority
+  list, the record ``last_dispatch``).
 - :mod:`.native_xla`: Tessera's CPU kernels as XLA FFI custom calls, and the plan-handle
   registry they read.
 - :mod:`.splash`: JAX Splash (Pallas; Mosaic on TPU) over the plan's ``MaskInfo``.

@@ -49,6 +49,9 @@ _MAX_BETA = float(2**24)
 
 _KERNEL: Optional[Callable[..., Tuple[Tensor, Optional[Tensor], Optional[Tensor]]]] = None
 
+# FlexAttention's kernel backend while the ``flex_flash`` engine runs (``"FLASH"``); None: its default.
+_BACKEND: Optional[str] = None
+
 
 def engine_for(engine: Any, q: Any) -> str:
     """``"tessera"`` or ``"flex"``: ``auto`` picks Tessera's kernels for CPU tensors and
@@ -116,6 +119,8 @@ def _flex_kernel(q, k, v, score_mod, block_mask, scale, *, enable_gqa, lse, max_
         # the GQA group, to a power of two) must divide the BlockMask's q block; past it, torch 2.11
         # finds no kernel config (NoValidChoicesError on an H200). Its main kernel takes any length.
         kw["kernel_options"] = {"BACKEND": "TRITON"}
+    if _BACKEND is not None:
+        kw["kernel_options"] = {"BACKEND": _BACKEND}
     if not torch.is_grad_enabled():  # FlexAttention's CPU path refuses inputs that require grad
         q, k, v = q.detach(), k.detach(), v.detach()
     if torch.compiler.is_compiling() or q.device.type == "cpu":
@@ -298,8 +303,17 @@ def forward(q, k, v, bm, scale, softcap, sinks, need_lse):
     return o, lse, plain
 
 
-def attention(q, k, v, plan, *, scale, softcap, sinks, return_lse, telemetry, layer):
-    """``tessera.torch.attention`` on FlexAttention (arguments already checked)."""
+def attention(q, k, v, plan, *, scale, softcap, sinks, return_lse, telemetry, layer, backend=None):
+    """``tessera.torch.attention`` on FlexAttention (arguments already checked); ``backend``:
+    FlexAttention's ``kernel_options["BACKEND"]`` (``"FLASH"`` for the ``flex_flash`` engine)."""
+    global _BACKEND
+    if backend is not None:
+        old, _BACKEND = _BACKEND, backend
+        try:
+            return attention(q, k, v, plan, scale=scale, softcap=softcap, sinks=sinks,
+                             return_lse=return_lse, telemetry=telemetry, layer=layer)
+        finally:
+            _BACKEND = old
     check_grad(q, k, v)
     bm = block_mask(plan, q.device)
     logging = telemetry is not None and telemetry.should_log()

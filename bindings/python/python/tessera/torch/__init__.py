@@ -25,8 +25,10 @@ same semantics (``tessera.engines.flex``).
 
 from __future__ import annotations
 
+from ..engines.select import last_dispatch
 from .op import attention, to_flex_block_mask
+from .prefetch import PlanPrefetcher
 from .telemetry import Telemetry
 
 
-__all__ = ["attention", "to_flex_block_mask", "Telemetry"]
+__all__ = ["attention", "to_flex_block_mask", "last_dispatch", "PlanPrefetcher", "Telemetry"]

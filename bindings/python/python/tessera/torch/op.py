@@ -14,6 +14,7 @@ from ..core.args import _int_arg
 from ..core import flex_tables
 from ..core.plans import Plan, check_plan
 from ..engines import flex as _flex
+from ..engines import select as _select
 from ..engines.native_torch import _attention_fwd, _attention_fwd_logged, _handle
 from .telemetry import Telemetry
 
@@ -139,20 +140,36 @@ def attention(
     With ``telemetry``, logging steps also record per-head sink mass, entropy, max logit and
     outlier counts for ``layer`` (see :class:`Telemetry`).
 
-    ``engine``: ``"auto"`` runs Tessera's kernels on CPU tensors and FlexAttention (over the
-    plan's BlockMask, see ``tessera.engines.flex``) on any other device; ``"flex"`` forces FlexAttention
-    (on CPU tensors forward only: FlexAttention has no CPU backward); ``"tessera"`` forces
-    Tessera's CPU kernels. On the flex path float16 is accepted too; sink values are not checked
-    (that would read them on the host).
+    ``engine``: ``"auto"`` runs Tessera's kernels on CPU tensors; on a GPU the first engine of
+    ``flex_flash`` (FlexAttention's FlashAttention-4 backend: ``flash_attn.cute`` importable,
+    Hopper or Blackwell, 128x128 plan tiles on Hopper, bf16/fp16, no telemetry step), ``varlen``
+    (``varlen_attn``: the plan is exactly causal documents, contiguous and unpadded; no softcap,
+    no telemetry step; sinks or a differentiable LSE only without gradients) and ``flex``
+    (FlexAttention's Triton kernel over the plan's BlockMask, see ``tessera.engines.flex``) that
+    can run the call exactly. Each name forces that engine: ``"flex"`` on CPU tensors is forward
+    only (FlexAttention has no CPU backward), ``"tessera"`` runs Tessera's CPU kernels, and
+    ``"flex_flash"`` / ``"varlen"`` raise ``RuntimeError`` with the reasons when they cannot run
+    the call. :func:`last_dispatch` says which engine ran and why the others were skipped. On the
+    GPU engines float16 is accepted too; sink values are not checked (that would read them on
+    the host).
     """
-    eng = _flex.engine_for(engine, q)
-    _check(q, k, v, plan, sinks, flex=eng == "flex")
+    if not isinstance(engine, str) or engine not in _select.ENGINES:
+        raise ValueError(f"engine: expected one of {_select.ENGINES}, got {engine!r}")
+    on_cpu = not isinstance(q, Tensor) or q.device.type == "cpu"
+    _check(q, k, v, plan, sinks, flex=engine != "tessera" and (engine != "auto" or not on_cpu))
     if telemetry is not None:
         layer = _int_arg("attention", "layer", layer, 0, 2**32)
     scale, softcap = _scale_softcap(q, scale, softcap)
-    if eng == "flex":
+    logging = telemetry is not None and telemetry.should_log()
+    eng = _select.select(engine, _select.Inputs(q, k, v, plan, sinks, softcap, return_lse, logging, scale))
+    if eng == "varlen":
+        from ..engines import varlen as _varlen
+
+        return _varlen.attention(q, k, v, plan, scale=scale, sinks=sinks, return_lse=return_lse)
+    if eng in ("flex", "flex_flash"):
         return _flex.attention(q, k, v, plan, scale=scale, softcap=softcap, sinks=sinks,
-                               return_lse=return_lse, telemetry=telemetry, layer=layer)
+                               return_lse=return_lse, telemetry=telemetry, layer=layer,
+                               backend="FLASH" if eng == "flex_flash" else None)
     h = _handle(plan)
     if telemetry is not None and telemetry.should_log():
         # A logging step runs the hooked kernel instead of the plain one (same outputs, bit for
@@ -168,16 +185,14 @@ def attention(
     return (o, lse) if return_lse else o
 
 
-def to_flex_block_mask(plan: Plan, device: Any = "cpu"):
+def to_flex_block_mask(plan: Plan, device: Any = "cpu", mask_mod: str = "auto"):
     """``plan`` as a ``torch.nn.attention.flex_attention.BlockMask`` on ``device``, built once per
-    (plan, device) and kept on the plan (the flex engine of :func:`attention` uses the same one).
-
-    The eight block tables come straight from the plan's work lists (int32, contiguous) and equal
-    what ``create_block_mask(mask_mod, B', H', Lq, Lkv, BLOCK_SIZE=plan.block)`` builds (``B'``,
-    ``H'`` = ``plan.groups``: 1 where the mask does not vary). Its ``mask_mod`` is exact for every
-    ``(b, h, q, kv)``: each block's code selects a packed bit block (all clear for empty
-    blocks, all set for full ones, the plan's deduplicated bitmask for partial ones), captured
-    padded to a power-of-two block count, at least twice the q or kv tile count per (batch,
-    head) group, so that plans of the same shapes share one compiled kernel.
+    (plan, device, ``mask_mod``) and kept on the plan (the flex engine of :func:`attention` uses the
+    ``"auto"`` one). The eight tables equal ``create_block_mask``'s and are expanded on ``device``
+    from the plan's non-empty tiles; ``mask_mod`` is ``"analytic"`` (generated from the mask
+    expression), ``"bits"`` (the plan's bit table) or ``"auto"`` (analytic unless a ``dense`` /
+    ``blocks`` leaf needs the bits); see ``tessera.core.flex_tables.to_flex_block_mask``. On a GPU it
+    also reads ahead what engine selection asks (probes, documents, sequence boundaries), so that
+    a compiled step only reads them.
     """
-    return flex_tables.to_flex_block_mask(check_plan(plan), device)
+    return flex_tables.to_flex_block_mask(check_plan(plan), device, mask_mod)
