@@ -776,7 +776,22 @@ fn scattered_leaf(rng: &mut impl Rng, lq: usize, lkv: usize) -> Mask {
         let kv = SegmentIds::new(1, g.len(), g).unwrap();
         Mask::band(BandFeatures::new("f", q, "g", kv), lo, hi)
     };
-    match rng.gen_range(0..6) {
+    match rng.gen_range(0..8) {
+        6 | 7 => {
+            // Bands sharing their query feature (fused into one interval per key), two or three,
+            // with another operand sometimes.
+            let f = scattered_feature(rng, lq);
+            let mut m = Mask::full();
+            for k in 0..rng.gen_range(2..4) {
+                let (lo, hi) = random_bounds(rng, 40);
+                let b = band(f.clone(), scattered_feature(rng, lkv), lo, hi);
+                m = if k == 0 { b } else { m & b };
+            }
+            if rng.gen_bool(0.3) {
+                m = m & Gen { rng, b: 1, h: 1, lq, lkv }.leaf();
+            }
+            m
+        }
         0 | 1 => {
             let (f, g) = (scattered_feature(rng, lq), scattered_feature(rng, lkv));
             let (lo, hi) = if rng.gen_bool(0.6) {

@@ -14,6 +14,7 @@ mod band;
 mod blocks;
 mod dense;
 mod doc;
+mod interval;
 pub(crate) mod simd;
 
 use crate::plan::TileState;
@@ -21,6 +22,7 @@ use band::BandLeaf;
 use blocks::BlocksLeaf;
 use dense::DenseLeaf;
 use doc::DocLeaf;
+use interval::IntervalLeaf;
 use tessera_mask::Mask;
 
 /// Sizes shared by every node of one plan.
@@ -186,6 +188,7 @@ pub(crate) enum Node<'a> {
     Prefix(i64),
     Doc(DocLeaf<'a>),
     Band(Box<BandLeaf<'a>>),
+    Interval(Box<IntervalLeaf<'a>>),
     Dense(DenseLeaf<'a>),
     Blocks(BlocksLeaf<'a>),
     And(Vec<Node<'a>>),
@@ -215,7 +218,7 @@ impl<'a> Node<'a> {
                 sel: s,
                 slice: s.slice_index(b, h),
             }),
-            Mask::And(v) => Node::And(v.iter().map(|m| Node::prepare(m, g, b, h)).collect()),
+            Mask::And(v) => Node::and(v, g, b, h),
             Mask::Or(v) => Node::Or(OrNode::new(
                 v.iter().map(|m| Node::prepare(m, g, b, h)).collect(),
                 g,
@@ -223,6 +226,54 @@ impl<'a> Node<'a> {
             Mask::Not(m) => Node::Not(Box::new(Node::prepare(m, g, b, h))),
             Mask::Heads(v) => Node::prepare(&v[h], g, b, h),
         }
+    }
+
+    /// `&` of `v`: bands over one query feature (two or more) are fused into an interval leaf
+    /// (see [`interval`]), the other operands prepared as they are.
+    fn and(v: &'a [Mask], g: &Geom, b: usize, h: usize) -> Node<'a> {
+        let bands: Vec<(usize, &[i64], &[i64], i64, i64)> = v
+            .iter()
+            .enumerate()
+            .filter_map(|(k, m)| match m {
+                Mask::Band { features, lo, hi } => {
+                    Some((k, features.q.row(b), features.kv.row(b), *lo, *hi))
+                }
+                _ => None,
+            })
+            .collect();
+        // The bands sharing the first shared query feature.
+        let group: Vec<usize> = bands
+            .iter()
+            .find_map(|&(k, q, ..)| {
+                let same: Vec<usize> = bands.iter().filter(|o| o.1 == q).map(|o| o.0).collect();
+                (same.len() > 1 && same[0] == k).then_some(same)
+            })
+            .unwrap_or_default();
+        let fused = (!group.is_empty())
+            .then(|| {
+                let parts: Vec<(&[i64], i64, i64)> = bands
+                    .iter()
+                    .filter(|o| group.contains(&o.0))
+                    .map(|o| (o.2, o.3, o.4))
+                    .collect();
+                let q = bands.iter().find(|o| o.0 == group[0])?.1;
+                IntervalLeaf::new(g, q, &parts)
+            })
+            .flatten();
+        let Some(leaf) = fused else {
+            return Node::And(v.iter().map(|m| Node::prepare(m, g, b, h)).collect());
+        };
+        let mut kids: Vec<Node<'a>> = v
+            .iter()
+            .enumerate()
+            .filter(|(k, _)| !group.contains(k))
+            .map(|(_, m)| Node::prepare(m, g, b, h))
+            .collect();
+        if kids.is_empty() {
+            return Node::Interval(Box::new(leaf));
+        }
+        kids.push(Node::Interval(Box::new(leaf)));
+        Node::And(kids)
     }
 
     /// Stage 1: the kv tiles of q-tile `qt` worth classifying: a superset of those holding an
@@ -245,6 +296,7 @@ impl<'a> Node<'a> {
     fn list(&self, g: &Geom, qt: usize) -> Option<Vec<u32>> {
         match self {
             Node::Blocks(s) => Some(s.candidates(g, qt)),
+            Node::Interval(d) => Some(d.candidates(qt).to_vec()),
             Node::And(v) => {
                 let lists: Vec<Option<Vec<u32>>> = v.iter().map(|n| n.list(g, qt)).collect();
                 let mut acc: Option<Vec<u32>> = None;
@@ -301,6 +353,7 @@ impl<'a> Node<'a> {
             Node::Prefix(n) => g.kv_tiles(0, n - 1),
             Node::Doc(d) => d.q_reach[qt],
             Node::Band(d) => d.q_reach[qt],
+            Node::Interval(d) => d.q_reach[qt],
             Node::Dense(d) => d.q_reach[qt],
             Node::Blocks(s) => s.reach(g, qt),
             Node::And(v) => v.iter().try_fold((0, g.nk - 1), |(a, b), n| {
@@ -343,6 +396,7 @@ impl<'a> Node<'a> {
             Node::Prefix(n) => verdict(j1 < *n, j0 >= *n),
             Node::Doc(d) => d.state(qt, kt),
             Node::Band(d) => d.state(qt, kt),
+            Node::Interval(d) => d.state(qt, kt),
             Node::Dense(d) => d.state(g, qt, kt),
             Node::Blocks(s) => s.state(g, qt, kt),
             Node::And(v) => {
@@ -418,7 +472,7 @@ impl<'a> Node<'a> {
                 d.tile_key(qt, kt, key);
                 true
             }
-            Node::Doc(_) | Node::Dense(_) | Node::Blocks(_) => false,
+            Node::Doc(_) | Node::Dense(_) | Node::Blocks(_) | Node::Interval(_) => false,
             Node::And(v) => v.iter().all(|n| n.tile_key(g, qt, kt, key)),
             Node::Or(o) => {
                 o.kids.len() <= MAX_KEYED_OPERANDS
@@ -503,6 +557,7 @@ impl<'a> Node<'a> {
             Node::Prefix(n) => (0..rows).for_each(|r| set(out, r, 0, n.saturating_sub(j0))),
             Node::Doc(d) => d.write(g, qt, kt, out),
             Node::Band(d) => d.write(g, qt, kt, out),
+            Node::Interval(d) => d.write(g, qt, kt, out),
             Node::Dense(d) => d.write(g, qt, kt, out),
             Node::Blocks(s) => s.write(g, qt, kt, out),
             Node::And(v) => {

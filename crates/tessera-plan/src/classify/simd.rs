@@ -153,6 +153,59 @@ pub(crate) fn tile_in_range32(
     }
 }
 
+/// Per row `(row, f)` of `rows`: bit `c` of tile row `row` set iff `f - l[c]` (wrapping u32)
+/// is at most `w[c]`, that is `l[c] <= f <= l[c] + w[c]` for intervals that do not wrap; whole
+/// words overwritten, other rows untouched.
+pub(crate) fn tile_in_intervals32(
+    level: Level,
+    l: &[u32],
+    w: &[u32],
+    rows: &[(u32, u32)],
+    wpr: usize,
+    out: &mut [u64],
+) {
+    let full = l.len() / 64;
+    match level {
+        // SAFETY: as in `in_range`.
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx512 => unsafe {
+            x86::intervals32_avx512(&l[..full * 64], &w[..full * 64], rows, wpr, out)
+        },
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx2 => unsafe {
+            x86::intervals32_avx2(&l[..full * 64], &w[..full * 64], rows, wpr, out)
+        },
+        _ => {
+            for &(row, f) in rows {
+                let at = row as usize * wpr;
+                let o = &mut out[at..at + full];
+                for (word, (lc, wc)) in o.iter_mut().zip(l.chunks_exact(64).zip(w.chunks_exact(64)))
+                {
+                    *word = lc
+                        .iter()
+                        .zip(wc)
+                        .enumerate()
+                        .fold(0u64, |acc, (c, (&a, &b))| {
+                            acc | ((f.wrapping_sub(a) <= b) as u64) << c
+                        });
+                }
+            }
+        }
+    }
+    if l.len() > full * 64 {
+        for &(row, f) in rows {
+            let word = &mut out[row as usize * wpr + full];
+            *word = l[full * 64..]
+                .iter()
+                .zip(&w[full * 64..])
+                .enumerate()
+                .fold(0u64, |acc, (c, (&a, &b))| {
+                    acc | ((f.wrapping_sub(a) <= b) as u64) << c
+                });
+        }
+    }
+}
+
 /// The whole 64-key words of `keys`, one compare per key.
 fn scalar<T: Copy>(keys: &[T], ok: impl Fn(T) -> bool, out: &mut [u64]) {
     for (word, chunk) in out.iter_mut().zip(keys.chunks_exact(64)) {
@@ -330,6 +383,70 @@ mod x86 {
             super::tail(keys, full, |v| v.wrapping_sub(b.lo) <= b.span, row);
         }
     }
+
+    /// [`super::tile_in_intervals32`]'s whole words (`l.len()` a multiple of 64) in AVX-512.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn intervals32_avx512(
+        l: &[u32],
+        w: &[u32],
+        rows: &[(u32, u32)],
+        wpr: usize,
+        out: &mut [u64],
+    ) {
+        for &(row, f) in rows {
+            let vf = _mm512_set1_epi32(f as i32);
+            let at = row as usize * wpr;
+            for (k, word) in out[at..at + l.len() / 64].iter_mut().enumerate() {
+                let mut acc = 0u64;
+                for h in 0..4 {
+                    let c = 64 * k + 16 * h;
+                    // SAFETY: 16 lanes at `c` lie within `l` and `w` (same length).
+                    let (a, b) = unsafe {
+                        (
+                            _mm512_loadu_si512(l.as_ptr().add(c).cast()),
+                            _mm512_loadu_si512(w.as_ptr().add(c).cast()),
+                        )
+                    };
+                    let m = _mm512_cmple_epu32_mask(_mm512_sub_epi32(vf, a), b);
+                    acc |= (m as u64) << (16 * h);
+                }
+                *word = acc;
+            }
+        }
+    }
+
+    /// [`intervals32_avx512`] in AVX2 (unsigned compare by flipping sign bits).
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn intervals32_avx2(
+        l: &[u32],
+        w: &[u32],
+        rows: &[(u32, u32)],
+        wpr: usize,
+        out: &mut [u64],
+    ) {
+        let sign = _mm256_set1_epi32(i32::MIN);
+        for &(row, f) in rows {
+            let vf = _mm256_set1_epi32(f as i32);
+            let at = row as usize * wpr;
+            for (k, word) in out[at..at + l.len() / 64].iter_mut().enumerate() {
+                let mut over = 0u64;
+                for h in 0..8 {
+                    let c = 64 * k + 8 * h;
+                    // SAFETY: 8 lanes at `c` lie within `l` and `w` (same length).
+                    let (a, b) = unsafe {
+                        (
+                            _mm256_loadu_si256(l.as_ptr().add(c).cast()),
+                            _mm256_loadu_si256(w.as_ptr().add(c).cast()),
+                        )
+                    };
+                    let x = _mm256_xor_si256(_mm256_sub_epi32(vf, a), sign);
+                    let gt = _mm256_cmpgt_epi32(x, _mm256_xor_si256(b, sign));
+                    over |= (_mm256_movemask_ps(_mm256_castsi256_ps(gt)) as u32 as u64) << (8 * h);
+                }
+                *word = !over;
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -428,6 +545,47 @@ mod tests {
                 let mut out = vec![7u64; 6 * wpr];
                 tile_in_range32(level, &small, &b32, wpr, &mut out);
                 prop_assert_eq!(&out, &want32, "{:?} u32", level);
+            }
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig {
+            cases: crate::classify::test_cases(128),
+            ..ProptestConfig::default()
+        })]
+
+        /// Interval compares at every level equal brute force, rows not listed untouched.
+        #[test]
+        fn intervals_equal_brute_force(
+            ivs in proptest::collection::vec((any::<u32>(), prop_oneof![0u32..40, any::<u32>()]), 1..300),
+            rows in proptest::collection::vec((0u32..5, any::<u32>()), 0..5),
+            near in any::<bool>(),
+        ) {
+            let wpr = ivs.len().div_ceil(64);
+            let (l, w): (Vec<u32>, Vec<u32>) = ivs.into_iter().unzip();
+            // Values near the intervals' starts as well as anywhere.
+            let rows: Vec<(u32, u32)> = rows
+                .iter()
+                .enumerate()
+                .filter(|(k, (r, _))| rows[..*k].iter().all(|(s, _)| s != r))
+                .map(|(_, &(r, f))| (r, if near { l[f as usize % l.len()].wrapping_add(f % 3) } else { f }))
+                .collect();
+            let mut want = vec![5u64; 5 * wpr];
+            for &(r, f) in &rows {
+                let at = r as usize * wpr;
+                want[at..at + wpr].iter_mut().for_each(|x| *x = 0);
+                for c in 0..l.len() {
+                    let ok = f as u64 >= l[c] as u64 && f as u64 <= l[c] as u64 + w[c] as u64
+                        || (l[c] as u64 + w[c] as u64 > u32::MAX as u64
+                            && (f as u64) + (1u64 << 32) <= l[c] as u64 + w[c] as u64);
+                    want[at + c / 64] |= (ok as u64) << (c % 64);
+                }
+            }
+            for level in Level::all_supported() {
+                let mut out = vec![5u64; 5 * wpr];
+                tile_in_intervals32(level, &l, &w, &rows, wpr, &mut out);
+                prop_assert_eq!(&out, &want, "{:?}", level);
             }
         }
     }
