@@ -788,7 +788,14 @@ fn scattered_leaf(rng: &mut impl Rng, lq: usize, lkv: usize) -> Mask {
                 m = if k == 0 { b } else { m & b };
             }
             if rng.gen_bool(0.3) {
-                m = m & Gen { rng, b: 1, h: 1, lq, lkv }.leaf();
+                m = m & Gen {
+                    rng,
+                    b: 1,
+                    h: 1,
+                    lq,
+                    lkv,
+                }
+                .leaf();
             }
             m
         }

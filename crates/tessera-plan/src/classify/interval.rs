@@ -54,16 +54,27 @@ impl<'a> IntervalLeaf<'a> {
         if g.nq.checked_mul(g.nk)? > MAX_GRID {
             return None;
         }
-        let (mut l, mut r) = (vec![i64::MIN; g.lkv], vec![i64::MAX; g.lkv]);
+        // In i128 (no wrap), then clamped to i64: an interval wholly above or below the i64
+        // values is empty (clamping its nearer end would make it hold MAX or MIN).
+        let (mut li, mut ri) = (vec![i128::MIN; g.lkv], vec![i128::MAX; g.lkv]);
         for &(feat, lo, hi) in bands {
             for (j, &v) in feat.iter().enumerate() {
-                // Clamped to i64 the interval holds the same (i64) values.
-                let a = (v as i128 + lo as i128).clamp(i64::MIN as i128, i64::MAX as i128);
-                let b = (v as i128 + hi as i128).clamp(i64::MIN as i128, i64::MAX as i128);
-                l[j] = l[j].max(a as i64);
-                r[j] = r[j].min(b as i64);
+                li[j] = li[j].max(v as i128 + lo as i128);
+                ri[j] = ri[j].min(v as i128 + hi as i128);
             }
         }
+        let (min, max) = (i64::MIN as i128, i64::MAX as i128);
+        let (l, r): (Vec<i64>, Vec<i64>) = li
+            .iter()
+            .zip(&ri)
+            .map(|(&a, &b)| {
+                if a > b || a > max || b < min {
+                    (i64::MAX, i64::MIN)
+                } else {
+                    (a.max(min) as i64, b.min(max) as i64)
+                }
+            })
+            .unzip();
         let q_sum: Vec<(i64, i64)> = q
             .chunks(g.tq)
             .map(|c| {

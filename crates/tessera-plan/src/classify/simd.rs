@@ -393,24 +393,24 @@ mod x86 {
         wpr: usize,
         out: &mut [u64],
     ) {
-        for &(row, f) in rows {
-            let vf = _mm512_set1_epi32(f as i32);
-            let at = row as usize * wpr;
-            for (k, word) in out[at..at + l.len() / 64].iter_mut().enumerate() {
+        // Word by word, the word's 64 intervals held in registers across the rows.
+        for k in 0..l.len() / 64 {
+            // SAFETY: 64 lanes at `64 * k` lie within `l` and `w` (same length).
+            let (a, b) = unsafe {
+                let (pl, pw) = (l.as_ptr().add(64 * k), w.as_ptr().add(64 * k));
+                (
+                    [0, 16, 32, 48].map(|h| _mm512_loadu_si512(pl.add(h).cast())),
+                    [0, 16, 32, 48].map(|h| _mm512_loadu_si512(pw.add(h).cast())),
+                )
+            };
+            for &(row, f) in rows {
+                let vf = _mm512_set1_epi32(f as i32);
                 let mut acc = 0u64;
                 for h in 0..4 {
-                    let c = 64 * k + 16 * h;
-                    // SAFETY: 16 lanes at `c` lie within `l` and `w` (same length).
-                    let (a, b) = unsafe {
-                        (
-                            _mm512_loadu_si512(l.as_ptr().add(c).cast()),
-                            _mm512_loadu_si512(w.as_ptr().add(c).cast()),
-                        )
-                    };
-                    let m = _mm512_cmple_epu32_mask(_mm512_sub_epi32(vf, a), b);
+                    let m = _mm512_cmple_epu32_mask(_mm512_sub_epi32(vf, a[h]), b[h]);
                     acc |= (m as u64) << (16 * h);
                 }
-                *word = acc;
+                out[row as usize * wpr + k] = acc;
             }
         }
     }
