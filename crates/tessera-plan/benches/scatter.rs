@@ -1,6 +1,7 @@
 //! Planner speed on scattered features, single thread: the masks whose band features jump
 //! inside tiles, so stage 2 does most of the work. Tree-causal (ancestors in a random tree stored
-//! parent-before-child after a prefix chain, `band(pre, pre, 0, MAX) & band(pre, end, MIN, -1)`)
+//! parent-before-child after a prompt chain, `band(pre, pre, 0, MAX) & band(pre, end, MIN, -1)`:
+//! a tree of 3/4 of the tokens up to 4,096 nodes, and a tree of all but 64 tokens)
 //! and a video temporal head with frames shorter than a tile or not a multiple of it
 //! (`global | band(pos, pos, -(w-1), w-1)`, `pos = (i - p) % F`), at 4K, 16K and 64K tokens.
 //!
@@ -57,8 +58,9 @@ fn band(f: Vec<i64>, g: Vec<i64>, lo: i64, hi: i64) -> Mask {
     Mask::band(BandFeatures::new("f", q, "g", kv), lo, hi)
 }
 
-pub fn tree_causal(n: usize) -> Mask {
-    let (pre, end) = tree_features(n, 64, 5);
+/// Tree-causal over `n` tokens: a tree of `nodes` tokens after a prompt chain of the rest.
+pub fn tree_causal(n: usize, nodes: usize) -> Mask {
+    let (pre, end) = tree_features(n, n - nodes.min(n), 5);
     band(pre.clone(), pre.clone(), 0, i64::MAX) & band(pre, end, i64::MIN, -1)
 }
 
@@ -95,7 +97,11 @@ fn bench(c: &mut Criterion) {
         .unwrap_or_else(|| vec![4096, 16384, 65536]);
     for &n in &sizes {
         let cases = [
-            ("tree_causal".to_string(), tree_causal(n)),
+            (
+                "tree_causal".to_string(),
+                tree_causal(n, (3 * n / 4).min(4096)),
+            ),
+            ("tree_causal_whole".to_string(), tree_causal(n, n - 64)),
             ("temporal_f100".to_string(), temporal(n, 100)),
             ("temporal_f300".to_string(), temporal(n, 300)),
         ];

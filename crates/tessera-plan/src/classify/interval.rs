@@ -45,7 +45,7 @@ pub(crate) struct IntervalLeaf<'a> {
 }
 
 /// Tile grids up to which the list of reached tiles is built (a bitmap of nq x nk bits: 32 MiB).
-pub(super) const MAX_GRID: usize = 1 << 28;
+const MAX_GRID: usize = 1 << 28;
 
 impl<'a> IntervalLeaf<'a> {
     /// The leaf of bands `(g_k, lo_k, hi_k)` over the query feature `q` (`bands` non-empty, every
@@ -113,7 +113,7 @@ impl<'a> IntervalLeaf<'a> {
                 }
             }
         }
-        let (off, list) = reached(g, q, &l, &r);
+        let (off, list) = reached(g, q, &q_sum, &l, &r);
         let q_reach = (0..g.nq)
             .map(|qt| {
                 let row = &list[off[qt] as usize..off[qt + 1] as usize];
@@ -195,10 +195,18 @@ impl<'a> IntervalLeaf<'a> {
 }
 
 /// Per q tile, the sorted kv tiles holding a key whose interval contains one of its values:
-/// CSR offsets and tiles. Each key's matching values are a run of the values sorted once; a
-/// short run marks its rows' tiles one by one, a long one tests each q tile's sorted values
-/// by binary search (so a key cost the smaller of its matches and `nq log tq`).
-fn reached(g: &Geom, q: &[i64], l: &[i64], r: &[i64]) -> (Vec<u32>, Vec<u32>) {
+/// CSR offsets and tiles. Per kv tile its intervals are merged into disjoint segments; the
+/// values a segment holds are a run of the values sorted once: a short run marks its rows'
+/// tiles one by one, a long one tests each q tile by its range, then (only where the range
+/// straddles an end) by binary search in its sorted values. A segment so costs the smaller of
+/// its matches and `nq`, and the nested intervals of a long prompt chain merge into one.
+fn reached(
+    g: &Geom,
+    q: &[i64],
+    q_sum: &[(i64, i64)],
+    l: &[i64],
+    r: &[i64],
+) -> (Vec<u32>, Vec<u32>) {
     let mut by_value: Vec<(i64, u32)> = q
         .iter()
         .enumerate()
@@ -215,21 +223,44 @@ fn reached(g: &Geom, q: &[i64], l: &[i64], r: &[i64]) -> (Vec<u32>, Vec<u32>) {
         marked[at / 64] |= 1 << (at % 64);
     };
     let long = 2 * g.nq;
-    for (j, (&a, &b)) in l.iter().zip(r).enumerate() {
-        if a > b {
-            continue;
-        }
-        let kt = j / g.tk;
-        let s = by_value.partition_point(|&(v, _)| v < a);
-        let e = s + by_value[s..].partition_point(|&(v, _)| v <= b);
-        if e - s <= long {
-            by_value[s..e]
+    let mut segs: Vec<(i64, i64)> = Vec::with_capacity(g.tk);
+    for kt in 0..g.nk {
+        let (j0, j1) = (kt * g.tk, ((kt + 1) * g.tk).min(g.lkv));
+        segs.clear();
+        segs.extend(
+            l[j0..j1]
                 .iter()
-                .for_each(|&(_, qt)| mark(qt as usize, kt));
-        } else {
-            for (qt, c) in tile_sorted.chunks(g.tq).enumerate() {
-                let x = c.partition_point(|&v| v < a);
-                if x < c.len() && c[x] <= b {
+                .zip(&r[j0..j1])
+                .filter(|(a, b)| a <= b)
+                .map(|(&a, &b)| (a, b)),
+        );
+        segs.sort_unstable();
+        let mut merged: Vec<(i64, i64)> = Vec::with_capacity(segs.len());
+        for &(a, b) in segs.iter() {
+            match merged.last_mut() {
+                Some(last) if a <= last.1 => last.1 = last.1.max(b),
+                _ => merged.push((a, b)),
+            }
+        }
+        for (a, b) in merged {
+            let s = by_value.partition_point(|&(v, _)| v < a);
+            let e = s + by_value[s..].partition_point(|&(v, _)| v <= b);
+            if e - s <= long {
+                by_value[s..e]
+                    .iter()
+                    .for_each(|&(_, qt)| mark(qt as usize, kt));
+                continue;
+            }
+            for (qt, &(qa, qb)) in q_sum.iter().enumerate() {
+                if qb < a || qa > b {
+                    continue;
+                }
+                let hit = (a <= qa && qb <= b) || {
+                    let c = &tile_sorted[qt * g.tq..((qt + 1) * g.tq).min(g.lq)];
+                    let x = c.partition_point(|&v| v < a);
+                    x < c.len() && c[x] <= b
+                };
+                if hit {
                     mark(qt, kt);
                 }
             }
