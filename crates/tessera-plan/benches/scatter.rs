@@ -1,7 +1,8 @@
 //! Planner speed on scattered features, single thread: the masks whose band features jump
 //! inside tiles, so stage 2 does most of the work. Tree-causal (ancestors in a random tree stored
 //! parent-before-child after a prompt chain, `band(pre, pre, 0, MAX) & band(pre, end, MIN, -1)`:
-//! a tree of 3/4 of the tokens up to 4,096 nodes, and a tree of all but 64 tokens)
+//! a tree of 3/4 of the tokens up to 4,096 nodes, and a tree of all but 64 tokens), two bands over
+//! different shuffled features (stage 2 compares every pair of every tile, twice)
 //! and a video temporal head with frames shorter than a tile or not a multiple of it
 //! (`global | band(pos, pos, -(w-1), w-1)`, `pos = (i - p) % F`), at 4K, 16K and 64K tokens.
 //!
@@ -87,6 +88,21 @@ fn thread_cpu() -> f64 {
     ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
 }
 
+/// Two bands over different shuffled features (no shared query feature, so not fused, and every
+/// tile's ranges span the whole feature: stage 1 leaves every tile partial): the stage-2 rate of
+/// two-band masks whose features scatter.
+pub fn two_bands_scattered(n: usize) -> Mask {
+    use rand::seq::SliceRandom;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(9);
+    let mut perm = |scale: i64| {
+        let mut v: Vec<i64> = (0..n as i64).map(|i| i * scale).collect();
+        v.shuffle(&mut rng);
+        v
+    };
+    let (f, g) = (perm(1), perm(3));
+    band(f.clone(), f, -600, 600) & band(g.clone(), g, -1500, 1500)
+}
+
 fn bench(c: &mut Criterion) {
     let mut g = c.benchmark_group("scatter");
     g.sample_size(10);
@@ -102,6 +118,7 @@ fn bench(c: &mut Criterion) {
                 tree_causal(n, (3 * n / 4).min(4096)),
             ),
             ("tree_causal_whole".to_string(), tree_causal(n, n - 64)),
+            ("two_bands_scattered".to_string(), two_bands_scattered(n)),
             ("temporal_f100".to_string(), temporal(n, 100)),
             ("temporal_f300".to_string(), temporal(n, 300)),
         ];

@@ -180,6 +180,18 @@ impl<'a> OrNode<'a> {
     }
 }
 
+/// Bands of an `&` searched for a shared query feature.
+const MAX_FUSED: usize = 8;
+
+/// A `band` operand of an `&`: its position, features (one batch row) and bounds.
+struct BandOperand<'a> {
+    at: usize,
+    q: &'a [i64],
+    kv: &'a [i64],
+    lo: i64,
+    hi: i64,
+}
+
 pub(crate) enum Node<'a> {
     Full,
     Causal(i64),
@@ -231,42 +243,39 @@ impl<'a> Node<'a> {
     /// `&` of `v`: bands over one query feature (two or more) are fused into an interval leaf
     /// (see [`interval`]), the other operands prepared as they are.
     fn and(v: &'a [Mask], g: &Geom, b: usize, h: usize) -> Node<'a> {
-        let bands: Vec<(usize, &[i64], &[i64], i64, i64)> = v
+        let bands: Vec<BandOperand<'a>> = v
             .iter()
             .enumerate()
-            .filter_map(|(k, m)| match m {
-                Mask::Band { features, lo, hi } => {
-                    Some((k, features.q.row(b), features.kv.row(b), *lo, *hi))
-                }
+            .filter_map(|(at, m)| match m {
+                Mask::Band { features, lo, hi } => Some(BandOperand {
+                    at,
+                    q: features.q.row(b),
+                    kv: features.kv.row(b),
+                    lo: *lo,
+                    hi: *hi,
+                }),
                 _ => None,
             })
             .collect();
-        // The bands sharing the first shared query feature.
-        let group: Vec<usize> = bands
+        // The bands sharing the first query feature that two of them share (among the first
+        // few bands: the features are compared by content).
+        let group: Vec<&BandOperand> = bands
             .iter()
-            .find_map(|&(k, q, ..)| {
-                let same: Vec<usize> = bands.iter().filter(|o| o.1 == q).map(|o| o.0).collect();
-                (same.len() > 1 && same[0] == k).then_some(same)
-            })
+            .take(MAX_FUSED)
+            .map(|x| bands.iter().filter(|o| o.q == x.q).collect::<Vec<_>>())
+            .find(|same| same.len() > 1)
             .unwrap_or_default();
-        let fused = (!group.is_empty())
-            .then(|| {
-                let parts: Vec<(&[i64], i64, i64)> = bands
-                    .iter()
-                    .filter(|o| group.contains(&o.0))
-                    .map(|o| (o.2, o.3, o.4))
-                    .collect();
-                let q = bands.iter().find(|o| o.0 == group[0])?.1;
-                IntervalLeaf::new(g, q, &parts)
-            })
-            .flatten();
+        let fused = group.first().and_then(|first| {
+            let parts: Vec<(&[i64], i64, i64)> = group.iter().map(|o| (o.kv, o.lo, o.hi)).collect();
+            IntervalLeaf::new(g, first.q, &parts)
+        });
         let Some(leaf) = fused else {
             return Node::And(v.iter().map(|m| Node::prepare(m, g, b, h)).collect());
         };
         let mut kids: Vec<Node<'a>> = v
             .iter()
             .enumerate()
-            .filter(|(k, _)| !group.contains(k))
+            .filter(|(k, _)| group.iter().all(|o| o.at != *k))
             .map(|(_, m)| Node::prepare(m, g, b, h))
             .collect();
         if kids.is_empty() {
