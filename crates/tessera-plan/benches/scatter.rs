@@ -16,42 +16,13 @@
 #![allow(missing_docs)]
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
-use rand::{Rng, SeedableRng};
+use rand::SeedableRng;
 use std::time::Instant;
 use tessera_mask::{BandFeatures, Mask, SegmentIds};
 use tessera_plan::{build_plan, stage1_census, PlanShape, TileShape};
 
-/// Pre-order numbers and subtree ends of `n` tokens: a chain of `prefix` tokens, then a random
-/// tree of `n - prefix` nodes hung below it, each node's parent an earlier node.
-pub fn tree_features(n: usize, prefix: usize, seed: u64) -> (Vec<i64>, Vec<i64>) {
-    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-    let parent: Vec<usize> = (0..n)
-        .map(|i| match i {
-            0 => usize::MAX,
-            _ if i <= prefix => i - 1,
-            _ => rng.gen_range(prefix.saturating_sub(1)..i),
-        })
-        .collect();
-    let mut kids = vec![Vec::new(); n];
-    for i in 1..n {
-        kids[parent[i]].push(i);
-    }
-    let (mut pre, mut end) = (vec![0i64; n], vec![0i64; n]);
-    let mut next = 0i64;
-    // Iterative DFS: (node, entered).
-    let mut stack = vec![(0usize, false)];
-    while let Some((v, entered)) = stack.pop() {
-        if entered {
-            end[v] = next;
-            continue;
-        }
-        pre[v] = next;
-        next += 1;
-        stack.push((v, true));
-        stack.extend(kids[v].iter().rev().map(|&c| (c, false)));
-    }
-    (pre, end)
-}
+#[path = "../tests/common/tree.rs"]
+mod tree;
 
 fn band(f: Vec<i64>, g: Vec<i64>, lo: i64, hi: i64) -> Mask {
     let q = SegmentIds::shared(f).unwrap();
@@ -61,7 +32,8 @@ fn band(f: Vec<i64>, g: Vec<i64>, lo: i64, hi: i64) -> Mask {
 
 /// Tree-causal over `n` tokens: a tree of `nodes` tokens after a prompt chain of the rest.
 pub fn tree_causal(n: usize, nodes: usize) -> Mask {
-    let (pre, end) = tree_features(n, n - nodes.min(n), 5);
+    let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+    let (pre, end) = tree::tree_features(&mut rng, n, n - nodes.min(n));
     band(pre.clone(), pre.clone(), 0, i64::MAX) & band(pre, end, i64::MIN, -1)
 }
 

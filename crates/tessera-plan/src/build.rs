@@ -24,13 +24,7 @@ const ENTRY_BYTES: u128 = std::mem::size_of::<TileEntry>() as u128;
 /// budget ([`tessera_core::budget`]).
 pub fn build_plan(mask: &Mask, shape: PlanShape, tile: TileShape) -> Result<Plan> {
     let start = Instant::now();
-    PlanShape::new(shape.batch, shape.heads, shape.q_len, shape.kv_len)?;
-    TileShape::new(tile.q, tile.kv)?;
-    mask.validate(shape.batch, shape.heads, shape.q_len, shape.kv_len)?;
-    let g = geom(shape, tile)?;
-    let dep = mask.dependence();
-    let bg = if dep.batch { shape.batch } else { 1 };
-    let hg = if dep.heads { shape.heads } else { 1 };
+    let (g, bg, hg) = checked(mask, shape, tile)?;
     let what = || {
         format!(
             "plan for B={} H={} Lq={} Lkv={} tile {tile}",
@@ -150,6 +144,19 @@ pub fn build_plan(mask: &Mask, shape: PlanShape, tile: TileShape) -> Result<Plan
     Ok(plan)
 }
 
+/// `mask`, `shape` and `tile` checked, and the plan's geometry with the batch rows and heads the
+/// mask varies over (1 where it does not).
+fn checked(mask: &Mask, shape: PlanShape, tile: TileShape) -> Result<(Geom, usize, usize)> {
+    PlanShape::new(shape.batch, shape.heads, shape.q_len, shape.kv_len)?;
+    TileShape::new(tile.q, tile.kv)?;
+    mask.validate(shape.batch, shape.heads, shape.q_len, shape.kv_len)?;
+    let g = geom(shape, tile)?;
+    let dep = mask.dependence();
+    let bg = if dep.batch { shape.batch } else { 1 };
+    let hg = if dep.heads { shape.heads } else { 1 };
+    Ok((g, bg, hg))
+}
+
 /// The plan geometry of `shape` in `tile`: refused past 2^31 tiles per side.
 fn geom(shape: PlanShape, tile: TileShape) -> Result<Geom> {
     let g = Geom {
@@ -177,13 +184,7 @@ fn geom(shape: PlanShape, tile: TileShape) -> Result<Geom> {
 /// tiles there are. Not a stable API.
 #[doc(hidden)]
 pub fn stage1_census(mask: &Mask, shape: PlanShape, tile: TileShape) -> Result<[u64; 4]> {
-    PlanShape::new(shape.batch, shape.heads, shape.q_len, shape.kv_len)?;
-    TileShape::new(tile.q, tile.kv)?;
-    mask.validate(shape.batch, shape.heads, shape.q_len, shape.kv_len)?;
-    let g = geom(shape, tile)?;
-    let dep = mask.dependence();
-    let bg = if dep.batch { shape.batch } else { 1 };
-    let hg = if dep.heads { shape.heads } else { 1 };
+    let (g, bg, hg) = checked(mask, shape, tile)?;
     let mut seen = std::collections::HashSet::new();
     let mut out = [0u64; 4];
     for b in 0..bg {

@@ -11,6 +11,9 @@ use tessera_mask::{
 };
 use tessera_plan::{build_plan, Plan, PlanShape, TileShape, TileState};
 
+#[path = "common/tree.rs"]
+mod tree;
+
 /// Proptest cases: `PROPTEST_CASES` when set (e.g. 1500 for a release run), else `default`
 /// (kept small for CI).
 fn cases(default: u32) -> u32 {
@@ -732,40 +735,15 @@ fn scattered_feature(rng: &mut impl Rng, len: usize) -> Vec<i64> {
             let (p, f) = (rng.gen_range(0..40), rng.gen_range(3..150));
             (0..len as i64).map(|i| (i - p).rem_euclid(f)).collect()
         }
-        _ => return tree_features(rng, len).0,
+        _ => {
+            let prefix = rng.gen_range(0..=len.min(20));
+            return tree::tree_features(rng, len, prefix).0;
+        }
     };
     if rng.gen_bool(0.7) {
         v.shuffle(rng);
     }
     v
-}
-
-/// Pre-order numbers and subtree ends of a random tree of `len` nodes stored parent-before-child
-/// (a chain prefix first): node `j` is an ancestor-or-self of `i` iff `pre[j] <= pre[i] < end[j]`.
-fn tree_features(rng: &mut impl Rng, len: usize) -> (Vec<i64>, Vec<i64>) {
-    let prefix = rng.gen_range(0..=len.min(20));
-    let mut kids = vec![Vec::new(); len];
-    for i in 1..len {
-        let p = if i <= prefix {
-            i - 1
-        } else {
-            rng.gen_range(prefix.saturating_sub(1)..i)
-        };
-        kids[p].push(i);
-    }
-    let (mut pre, mut end) = (vec![0i64; len], vec![0i64; len]);
-    let (mut next, mut stack) = (0i64, vec![(0usize, false)]);
-    while let Some((v, done)) = stack.pop() {
-        if done {
-            end[v] = next;
-            continue;
-        }
-        pre[v] = next;
-        next += 1;
-        stack.push((v, true));
-        stack.extend(kids[v].iter().rev().map(|&c| (c, false)));
-    }
-    (pre, end)
 }
 
 /// A leaf whose stage 2 works row by row: a band over scattered features (or a tree-causal
@@ -816,7 +794,8 @@ fn scattered_leaf(rng: &mut impl Rng, lq: usize, lkv: usize) -> Mask {
             band(f, g, lo, hi)
         }
         2 if lq == lkv => {
-            let (pre, end) = tree_features(rng, lq);
+            let prefix = rng.gen_range(0..=lq.min(20));
+            let (pre, end) = tree::tree_features(rng, lq, prefix);
             band(pre.clone(), pre.clone(), 0, i64::MAX) & band(pre, end, i64::MIN, -1)
         }
         2 | 3 => {

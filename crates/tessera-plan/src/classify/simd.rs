@@ -306,83 +306,35 @@ mod x86 {
         }
     }
 
-    /// Every row of `rows`: whole words in AVX-512, the tail word scalar.
-    #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn tile_avx512(
-        keys: &[i64],
-        rows: &[super::RowBounds<i64>],
-        wpr: usize,
-        out: &mut [u64],
-    ) {
-        let full = keys.len() / 64;
-        for b in rows {
-            let row = &mut out[b.row as usize * wpr..(b.row as usize + 1) * wpr];
-            // SAFETY: the caller's CPU has AVX-512F (this function's own requirement).
-            unsafe { in_range_avx512(&keys[..full * 64], b.lo, b.span as u64, row) };
-            super::tail(
-                keys,
-                full,
-                |v| v.wrapping_sub(b.lo) as u64 <= b.span as u64,
-                row,
-            );
-        }
+    /// Whole-tile drivers: every row of `rows` through one row kernel (inlined: the driver
+    /// enables the same features), then the row's tail word scalar. `conv` maps a difference or
+    /// span to the unsigned type the kernel compares in.
+    macro_rules! tile_driver {
+        ($name:ident, $feature:literal, $kernel:ident, $t:ty, $conv:expr) => {
+            #[target_feature(enable = $feature)]
+            pub(super) unsafe fn $name(
+                keys: &[$t],
+                rows: &[super::RowBounds<$t>],
+                wpr: usize,
+                out: &mut [u64],
+            ) {
+                let full = keys.len() / 64;
+                let conv = $conv;
+                for b in rows {
+                    let row = &mut out[b.row as usize * wpr..(b.row as usize + 1) * wpr];
+                    // SAFETY: the CPU has this function's features, the kernel's own.
+                    unsafe { $kernel(&keys[..full * 64], b.lo, conv(b.span), row) };
+                    let ok = |v: $t| conv(v.wrapping_sub(b.lo)) <= conv(b.span);
+                    super::tail(keys, full, ok, row);
+                }
+            }
+        };
     }
-
-    /// [`tile_avx512`] for u32 keys.
-    #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn tile32_avx512(
-        keys: &[u32],
-        rows: &[super::RowBounds<u32>],
-        wpr: usize,
-        out: &mut [u64],
-    ) {
-        let full = keys.len() / 64;
-        for b in rows {
-            let row = &mut out[b.row as usize * wpr..(b.row as usize + 1) * wpr];
-            // SAFETY: as in `tile_avx512`.
-            unsafe { in_range32_avx512(&keys[..full * 64], b.lo, b.span, row) };
-            super::tail(keys, full, |v| v.wrapping_sub(b.lo) <= b.span, row);
-        }
-    }
-
-    /// Every row of `rows` in AVX2.
-    #[target_feature(enable = "avx2")]
-    pub(super) unsafe fn tile_avx2(
-        keys: &[i64],
-        rows: &[super::RowBounds<i64>],
-        wpr: usize,
-        out: &mut [u64],
-    ) {
-        let full = keys.len() / 64;
-        for b in rows {
-            let row = &mut out[b.row as usize * wpr..(b.row as usize + 1) * wpr];
-            // SAFETY: the caller's CPU has AVX2 (this function's own requirement).
-            unsafe { in_range_avx2(&keys[..full * 64], b.lo, b.span as u64, row) };
-            super::tail(
-                keys,
-                full,
-                |v| v.wrapping_sub(b.lo) as u64 <= b.span as u64,
-                row,
-            );
-        }
-    }
-
-    /// [`tile_avx2`] for u32 keys.
-    #[target_feature(enable = "avx2")]
-    pub(super) unsafe fn tile32_avx2(
-        keys: &[u32],
-        rows: &[super::RowBounds<u32>],
-        wpr: usize,
-        out: &mut [u64],
-    ) {
-        let full = keys.len() / 64;
-        for b in rows {
-            let row = &mut out[b.row as usize * wpr..(b.row as usize + 1) * wpr];
-            // SAFETY: as in `tile_avx2`.
-            unsafe { in_range32_avx2(&keys[..full * 64], b.lo, b.span, row) };
-            super::tail(keys, full, |v| v.wrapping_sub(b.lo) <= b.span, row);
-        }
-    }
+    tile_driver!(tile_avx512, "avx512f", in_range_avx512, i64, |s: i64| s
+        as u64);
+    tile_driver!(tile32_avx512, "avx512f", in_range32_avx512, u32, |s: u32| s);
+    tile_driver!(tile_avx2, "avx2", in_range_avx2, i64, |s: i64| s as u64);
+    tile_driver!(tile32_avx2, "avx2", in_range32_avx2, u32, |s: u32| s);
 
     /// [`super::tile_in_intervals32`]'s whole words (`l.len()` a multiple of 64) in AVX-512.
     #[target_feature(enable = "avx512f")]
