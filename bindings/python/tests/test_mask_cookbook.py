@@ -173,6 +173,30 @@ def test_video_heads(rng):
     check(cb.video_heads(int(rng.integers(1, 50)), 6, int(rng.integers(30, 60))), pick(rng, BLOCKS))
 
 
+def test_tree_causal(rng):
+    for _ in range(3):
+        n = int(rng.integers(40, 700))
+        prefix = int(rng.integers(0, n // 4))
+        r = cb.tree_causal(n, prefix, seed=int(rng.integers(0, 1 << 30)))
+        check(r, pick(rng, BLOCKS))
+        # The two bands are the ancestor relation: walk every token's parent links.
+        parent, pre, end = cb.tree_features(n, prefix, seed=int(rng.integers(0, 1 << 30)))
+        want = np.zeros((n, n), dtype=bool)
+        for i in range(n):
+            a = i
+            while a >= 0:
+                want[i, a] = True
+                a = parent[a]
+        got = (pre[None, :] <= pre[:, None]) & (pre[:, None] < end[None, :])
+        assert np.array_equal(got, want)
+
+
+def test_temporal_short_frames(rng):
+    for per in (7, 20, 50, 100):
+        n = int(rng.integers(300, 900))
+        check(cb.temporal_short_frames(n, per, prompt=int(rng.integers(0, 64))), pick(rng, BLOCKS))
+
+
 def test_image_cross_attention(rng):
     for _ in range(3):
         lq, images, per = int(rng.integers(20, 500)), int(rng.integers(1, 9)), int(rng.integers(1, 70))

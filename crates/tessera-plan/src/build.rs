@@ -2,7 +2,7 @@
 //! A mask `blocks & rest` (a block selection intersected with a mask) refines each of the
 //! rest's partial tiles once for every head plan that selects it.
 
-use crate::classify::{hash_words, Candidates, Geom, Node};
+use crate::classify::{hash_words, simd, Candidates, Geom, Node};
 use crate::contract::{contract_key_of_canonical, PLAN_FORMAT_VERSION};
 use crate::plan::{HeadPlan, PartialMasks, Plan, PlanStats, TileEntry, TileState, FULL_TILE};
 use crate::shape::{PlanShape, TileShape};
@@ -24,28 +24,7 @@ const ENTRY_BYTES: u128 = std::mem::size_of::<TileEntry>() as u128;
 /// budget ([`tessera_core::budget`]).
 pub fn build_plan(mask: &Mask, shape: PlanShape, tile: TileShape) -> Result<Plan> {
     let start = Instant::now();
-    PlanShape::new(shape.batch, shape.heads, shape.q_len, shape.kv_len)?;
-    TileShape::new(tile.q, tile.kv)?;
-    mask.validate(shape.batch, shape.heads, shape.q_len, shape.kv_len)?;
-    let g = Geom {
-        lq: shape.q_len,
-        lkv: shape.kv_len,
-        tq: tile.q,
-        tk: tile.kv,
-        nq: shape.q_len.div_ceil(tile.q),
-        nk: shape.kv_len.div_ceil(tile.kv),
-        wpr: tile.kv.div_ceil(64),
-    };
-    if g.nq > u32::MAX as usize / 2 || g.nk > u32::MAX as usize / 2 {
-        return Err(Error::invalid(
-            "tile",
-            "fewer than 2^31 tiles per side",
-            g.nq.max(g.nk),
-        ));
-    }
-    let dep = mask.dependence();
-    let bg = if dep.batch { shape.batch } else { 1 };
-    let hg = if dep.heads { shape.heads } else { 1 };
+    let (g, bg, hg) = checked(mask, shape, tile)?;
     let what = || {
         format!(
             "plan for B={} H={} Lq={} Lkv={} tile {tile}",
@@ -163,6 +142,66 @@ pub fn build_plan(mask: &Mask, shape: PlanShape, tile: TileShape) -> Result<Plan
     plan.stats.build_ms = elapsed.as_secs_f64() * 1e3;
     metrics::record_plan_built(elapsed);
     Ok(plan)
+}
+
+/// `mask`, `shape` and `tile` checked, and the plan's geometry with the batch rows and heads the
+/// mask varies over (1 where it does not).
+fn checked(mask: &Mask, shape: PlanShape, tile: TileShape) -> Result<(Geom, usize, usize)> {
+    PlanShape::new(shape.batch, shape.heads, shape.q_len, shape.kv_len)?;
+    TileShape::new(tile.q, tile.kv)?;
+    mask.validate(shape.batch, shape.heads, shape.q_len, shape.kv_len)?;
+    let g = geom(shape, tile)?;
+    let dep = mask.dependence();
+    let bg = if dep.batch { shape.batch } else { 1 };
+    let hg = if dep.heads { shape.heads } else { 1 };
+    Ok((g, bg, hg))
+}
+
+/// The plan geometry of `shape` in `tile`: refused past 2^31 tiles per side.
+fn geom(shape: PlanShape, tile: TileShape) -> Result<Geom> {
+    let g = Geom {
+        level: simd::Level::detect(),
+        lq: shape.q_len,
+        lkv: shape.kv_len,
+        tq: tile.q,
+        tk: tile.kv,
+        nq: shape.q_len.div_ceil(tile.q),
+        nk: shape.kv_len.div_ceil(tile.kv),
+        wpr: tile.kv.div_ceil(64),
+    };
+    if g.nq > u32::MAX as usize / 2 || g.nk > u32::MAX as usize / 2 {
+        return Err(Error::invalid(
+            "tile",
+            "fewer than 2^31 tiles per side",
+            g.nq.max(g.nk),
+        ));
+    }
+    Ok(g)
+}
+
+/// Stage 1 alone, for measuring it: how many visited tiles of every distinct (batch row, head)
+/// specialization it proves Empty, leaves Partial (for stage 2) and proves Full, and how many
+/// tiles there are. Not a stable API.
+#[doc(hidden)]
+pub fn stage1_census(mask: &Mask, shape: PlanShape, tile: TileShape) -> Result<[u64; 4]> {
+    let (g, bg, hg) = checked(mask, shape, tile)?;
+    let mut seen = std::collections::HashSet::new();
+    let mut out = [0u64; 4];
+    for b in 0..bg {
+        for h in 0..hg {
+            if !seen.insert(mask.specialized_canonical(b, h)) {
+                continue;
+            }
+            let node = Node::prepare(mask, &g, b, h);
+            out[3] += (g.nq * g.nk) as u64;
+            for qt in 0..g.nq {
+                for kt in node.candidates(&g, qt).iter() {
+                    out[node.classify(&g, qt, kt) as usize] += 1;
+                }
+            }
+        }
+    }
+    Ok(out)
 }
 
 /// Content-addressed table of partial bitmasks.

@@ -11,6 +11,18 @@ use tessera_mask::{
 };
 use tessera_plan::{build_plan, Plan, PlanShape, TileShape, TileState};
 
+#[path = "common/tree.rs"]
+mod tree;
+
+/// Proptest cases: `PROPTEST_CASES` when set (e.g. 1500 for a release run), else `default`
+/// (kept small for CI).
+fn cases(default: u32) -> u32 {
+    std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
 /// Random segment ids for `rows` rows: runs of documents, sometimes padding runs (-1, -3), and
 /// sometimes unsorted/reused ids.
 fn random_segments(rng: &mut impl Rng, rows: usize, len: usize) -> Vec<i64> {
@@ -326,7 +338,7 @@ fn check(mask: &Mask, plan: &Plan) -> Result<(), TestCaseError> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 160, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: cases(160), ..ProptestConfig::default() })]
 
     #[test]
     fn plan_matches_brute_force(
@@ -348,7 +360,7 @@ proptest! {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 160, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: cases(160), ..ProptestConfig::default() })]
 
     /// A band leaf in every position: alone, under `&`, `|` and `!` with random trees of the
     /// other leaves, and as one head of `heads(...)`.
@@ -384,7 +396,7 @@ proptest! {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: cases(24), ..ProptestConfig::default() })]
 
     /// Sound and complete on trees near the depth limit; one level more is refused.
     #[test]
@@ -411,7 +423,7 @@ proptest! {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 96, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: cases(96), ..ProptestConfig::default() })]
 
     /// Block selections (duplicates, `-1` padding, rows of `-1` only) alone and intersected
     /// with causal / document / window, with the plan's tile equal to the blocks or not
@@ -458,7 +470,7 @@ proptest! {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: cases(64), ..ProptestConfig::default() })]
 
     /// Unions of many operands (planned through the per-row index of their reaches): narrow
     /// document runs, every other leaf and small trees, alone and under `&`, `!` and `heads`.
@@ -690,4 +702,165 @@ fn invalid_inputs_are_errors() {
     )
     .unwrap_err();
     assert!(e.to_string().contains("2 expressions"), "{e}");
+}
+
+/// A feature that scatters inside tiles (stage 2 compares it key by key, in SIMD): shuffled small
+/// values (narrowed to u32 per tile), shuffled values anywhere in i64 (not narrowed), clusters at
+/// one or both ends of i64, short residues and frames (rows repeat values), or a random tree's
+/// pre-order numbers.
+fn scattered_feature(rng: &mut impl Rng, len: usize) -> Vec<i64> {
+    let mut v: Vec<i64> = match rng.gen_range(0..7) {
+        0 => (0..len).map(|_| rng.gen_range(-20..20)).collect(),
+        1 => (0..len).map(|_| rng.gen()).collect(),
+        2 => {
+            let base = if rng.gen_bool(0.5) {
+                i64::MIN
+            } else {
+                i64::MAX - 60
+            };
+            (0..len).map(|_| base + rng.gen_range(0..=60)).collect()
+        }
+        3 => (0..len)
+            .map(|_| match rng.gen_range(0..3) {
+                0 => i64::MIN + rng.gen_range(0..4),
+                1 => i64::MAX - rng.gen_range(0..4),
+                _ => rng.gen_range(-3..3),
+            })
+            .collect(),
+        4 => {
+            let d = rng.gen_range(2..12);
+            (0..len as i64).map(|i| i % d).collect()
+        }
+        5 => {
+            let (p, f) = (rng.gen_range(0..40), rng.gen_range(3..150));
+            (0..len as i64).map(|i| (i - p).rem_euclid(f)).collect()
+        }
+        _ => {
+            let prefix = rng.gen_range(0..=len.min(20));
+            return tree::tree_features(rng, len, prefix).0;
+        }
+    };
+    if rng.gen_bool(0.7) {
+        v.shuffle(rng);
+    }
+    v
+}
+
+/// A leaf whose stage 2 works row by row: a band over scattered features (or a tree-causal
+/// pair of bands), a document of scattered ids, or dense data.
+fn scattered_leaf(rng: &mut impl Rng, lq: usize, lkv: usize) -> Mask {
+    let band = |f: Vec<i64>, g: Vec<i64>, lo: i64, hi: i64| {
+        let q = SegmentIds::new(1, f.len(), f).unwrap();
+        let kv = SegmentIds::new(1, g.len(), g).unwrap();
+        Mask::band(BandFeatures::new("f", q, "g", kv), lo, hi)
+    };
+    match rng.gen_range(0..8) {
+        6 | 7 => {
+            // Bands sharing their query feature (fused into one interval per key), two or three,
+            // with another operand sometimes.
+            let f = scattered_feature(rng, lq);
+            let mut m = Mask::full();
+            for k in 0..rng.gen_range(2..4) {
+                let (lo, hi) = random_bounds(rng, 40);
+                let b = band(f.clone(), scattered_feature(rng, lkv), lo, hi);
+                m = if k == 0 { b } else { m & b };
+            }
+            if rng.gen_bool(0.3) {
+                m = m & Gen {
+                    rng,
+                    b: 1,
+                    h: 1,
+                    lq,
+                    lkv,
+                }
+                .leaf();
+            }
+            m
+        }
+        0 | 1 => {
+            let (f, g) = (scattered_feature(rng, lq), scattered_feature(rng, lkv));
+            let (lo, hi) = if rng.gen_bool(0.6) {
+                random_bounds(rng, 40)
+            } else {
+                // Bounds near the differences of extreme features.
+                let pick = |rng: &mut _| -> i64 {
+                    let r: &mut rand::rngs::StdRng = rng;
+                    [i64::MIN, i64::MIN + 1, -1, 0, 1, i64::MAX - 1, i64::MAX][r.gen_range(0..7)]
+                };
+                let mut r = rand::rngs::StdRng::seed_from_u64(rng.gen());
+                let (a, b) = (pick(&mut r), pick(&mut r));
+                (a.min(b), a.max(b))
+            };
+            band(f, g, lo, hi)
+        }
+        2 if lq == lkv => {
+            let prefix = rng.gen_range(0..=lq.min(20));
+            let (pre, end) = tree::tree_features(rng, lq, prefix);
+            band(pre.clone(), pre.clone(), 0, i64::MAX) & band(pre, end, i64::MIN, -1)
+        }
+        2 | 3 => {
+            let ids = |rng: &mut _, n: usize| -> Vec<i64> {
+                let r: &mut rand::rngs::StdRng = rng;
+                let k = r.gen_range(1..6);
+                (0..n).map(|_| r.gen_range(-1..k)).collect()
+            };
+            let mut r = rand::rngs::StdRng::seed_from_u64(rng.gen());
+            let q = SegmentIds::new(1, lq, ids(&mut r, lq)).unwrap();
+            let kv = SegmentIds::new(1, lkv, ids(&mut r, lkv)).unwrap();
+            Mask::document(Segments::cross(q, kv).unwrap())
+        }
+        _ => {
+            let p: f64 = [0.05, 0.5, 0.95][rng.gen_range(0..3)];
+            let vals: Vec<bool> = (0..lq * lkv).map(|_| rng.gen_bool(p)).collect();
+            Mask::dense(DenseMask::new(&[lq, lkv], &vals, "rand").unwrap())
+        }
+    }
+}
+
+/// A tree of scattered leaves (and sometimes plain ones) under `&`, `|` and `!`.
+fn scattered_tree(rng: &mut rand::rngs::StdRng, depth: usize, lq: usize, lkv: usize) -> Mask {
+    if depth == 0 || rng.gen_bool(0.25) {
+        return if rng.gen_bool(0.8) {
+            scattered_leaf(rng, lq, lkv)
+        } else {
+            Gen {
+                rng,
+                b: 1,
+                h: 1,
+                lq,
+                lkv,
+            }
+            .leaf()
+        };
+    }
+    match rng.gen_range(0..3) {
+        0 => scattered_tree(rng, depth - 1, lq, lkv) & scattered_tree(rng, depth - 1, lq, lkv),
+        1 => scattered_tree(rng, depth - 1, lq, lkv) | scattered_tree(rng, depth - 1, lq, lkv),
+        _ => !scattered_tree(rng, depth - 1, lq, lkv),
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: cases(64), ..ProptestConfig::default() })]
+
+    /// Stage 2 by rows (SIMD row compares of scattered bands, documents of scattered ids, dense
+    /// rows, features at the ends of i64, tree-causal band pairs) alone and under `&`, `|`, `!`,
+    /// in tiles whose kv side spans one to four 64-bit words and ragged edges: states and
+    /// partial bitmasks equal brute force. `TESSERA_PLAN_SIMD=avx2|scalar` runs the narrower
+    /// paths.
+    #[test]
+    fn scattered_stage2_matches_brute_force(
+        seed in any::<u64>(),
+        lq in 1usize..520,
+        lkv_same in any::<bool>(),
+        lkv in 1usize..520,
+        tq in 4u32..8,
+        tk in 4u32..9,
+        depth in 0usize..3,
+    ) {
+        let lkv = if lkv_same { lq } else { lkv };
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        let mask = scattered_tree(&mut rng, depth, lq, lkv);
+        plan_and_check(&mask, (1, 1, lq, lkv), TileShape::new(1 << tq, 1 << tk).unwrap())?;
+    }
 }
