@@ -443,61 +443,26 @@ mod tests {
     use crate::cpu::simd::{Avx512, Portable};
     use tessera_core::tensor::ViewData;
 
-    /// The AVX-512 block transpose writes exactly what the element-by-element path writes, for
-    /// strided rows, ragged row counts (blocks plus a scalar tail) and offsets into a batch.
-    #[test]
-    fn block_transpose_equals_scalar() {
-        if !(is_x86_feature_detected!("avx512f")) {
-            eprintln!("skipped: no AVX-512F on this CPU");
-            return;
-        }
-        // [B, L, H, D] storage with padded rows, viewed as [B, H, L, D]: rows `sl` apart.
-        let (b, h, l, d) = (2, 3, 70, 64);
-        let sl = h * d + 16;
-        let data: Vec<f32> = (0..b * l * sl)
-            .map(|i| ((i * 7919) % 1000) as f32 * 0.37 - 150.0)
-            .collect();
-        let view = StridedView::new("x", ViewData::F32(&data), [b, h, l, d], [l * sl, d, sl, 1])
-            .expect("a valid strided view");
-        let src = Src::new(&view).expect("f32 source");
-        for (bb, hh, r0, n) in [(0, 0, 0, 64), (1, 2, 3, 67), (1, 1, 50, 20), (0, 2, 0, 15)] {
-            let ld = 96;
-            let mut want = vec![f32::NAN; d * ld];
-            let mut got = vec![f32::NAN; d * ld];
-            let mut tmp = vec![0.0; d];
-            let off = src.row(bb, hh, r0);
-            load_transposed::<Portable>(src, off, n, d, 0.125, &mut tmp, &mut want, ld);
-            // SAFETY of the WIDE copy: AVX-512F was detected above.
-            load_transposed::<Avx512>(src, off, n, d, 0.125, &mut tmp, &mut got, ld);
-            let same = want
-                .iter()
-                .zip(&got)
-                .all(|(a, b)| a.to_bits() == b.to_bits());
-            assert!(same, "b={bb} h={hh} r0={r0} n={n}");
-        }
-    }
-
-    /// The AVX2 block transpose writes exactly what the element-by-element path writes, for
-    /// f32 and bf16 rows at a stride, ragged row counts (blocks plus a scalar tail) and offsets.
-    #[test]
-    fn ymm_block_transpose_equals_scalar() {
-        use crate::cpu::simd::Avx2;
-        if !(is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")) {
-            eprintln!("skipped: no AVX2+FMA on this CPU");
-            return;
-        }
-        let (b, h, l, d) = (2, 3, 70, 24);
+    /// Copy `S`'s `load_transposed` writes exactly what the element-by-element path writes, for
+    /// f32 (and, with `bf16`, bf16) rows at a padded stride (`[B, L, H, D]` storage viewed as
+    /// `[B, H, L, D]`), ragged row counts (blocks plus a scalar tail) and offsets into a batch.
+    fn check_block_transpose<S: crate::cpu::simd::Simd>(d: usize, bf16: bool) {
+        let (b, h, l) = (2, 3, 70);
         let sl = h * d + 8;
         let data: Vec<f32> = (0..b * l * sl)
             .map(|i| ((i * 7919) % 1000) as f32 * 0.37 - 150.0)
             .collect();
         let halves: Vec<half::bf16> = data.iter().map(|&x| half::bf16::from_f32(x)).collect();
-        let shape = [b, h, l, d];
-        let strides = [l * sl, d, sl, 1];
-        let views = [
-            StridedView::new("x", ViewData::F32(&data), shape, strides),
-            StridedView::new("x", ViewData::BF16(&halves), shape, strides),
-        ];
+        let (shape, strides) = ([b, h, l, d], [l * sl, d, sl, 1]);
+        let mut views = vec![StridedView::new("x", ViewData::F32(&data), shape, strides)];
+        if bf16 {
+            views.push(StridedView::new(
+                "x",
+                ViewData::BF16(&halves),
+                shape,
+                strides,
+            ));
+        }
         for view in views {
             let src = Src::new(&view.expect("a valid strided view")).expect("source");
             for (bb, hh, r0, n) in [(0, 0, 0, 64), (1, 2, 3, 67), (1, 1, 50, 20), (0, 2, 0, 7)] {
@@ -507,15 +472,36 @@ mod tests {
                 let mut tmp = vec![0.0; d];
                 let off = src.row(bb, hh, r0);
                 load_transposed::<Portable>(src, off, n, d, 0.125, &mut tmp, &mut want, ld);
-                // AVX2 and FMA were detected above.
-                load_transposed::<Avx2>(src, off, n, d, 0.125, &mut tmp, &mut got, ld);
+                load_transposed::<S>(src, off, n, d, 0.125, &mut tmp, &mut got, ld);
                 let same = want
                     .iter()
                     .zip(&got)
                     .all(|(a, b)| a.to_bits() == b.to_bits());
-                assert!(same, "b={bb} h={hh} r0={r0} n={n}");
+                assert!(same, "b={bb} h={hh} r0={r0} n={n} bf16={bf16}");
             }
         }
+    }
+
+    /// The AVX-512 16 × 16 blocks (f32 rows).
+    #[test]
+    fn block_transpose_equals_scalar() {
+        if !(is_x86_feature_detected!("avx512f")) {
+            eprintln!("skipped: no AVX-512F on this CPU");
+            return;
+        }
+        // AVX-512F was detected above (the WIDE copy's blocks need it).
+        check_block_transpose::<Avx512>(64, false);
+    }
+
+    /// The AVX2 8 × 8 blocks (f32 and bf16 rows).
+    #[test]
+    fn ymm_block_transpose_equals_scalar() {
+        if !(is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")) {
+            eprintln!("skipped: no AVX2+FMA on this CPU");
+            return;
+        }
+        // AVX2 and FMA were detected above (the YMM copy's blocks need them).
+        check_block_transpose::<crate::cpu::simd::Avx2>(24, true);
     }
 
     /// The 32-bit word transpose moves every word (NaN bit patterns included) to its place.

@@ -612,36 +612,26 @@ mod tests {
             return;
         }
         use std::arch::x86_64::*;
-        for c in exp2_inputs().chunks(8) {
-            let mut lanes = [-1f32; 8];
-            lanes[..c.len()].copy_from_slice(c);
-            let mut out = [0f32; 8];
-            // SAFETY: AVX2 and FMA were detected above.
-            unsafe {
-                _mm256_storeu_ps(
-                    out.as_mut_ptr(),
-                    x256::exp2_fine(_mm256_loadu_ps(lanes.as_ptr())),
-                )
-            };
-            for (&d, &y) in lanes.iter().zip(&out) {
-                if d.is_nan() {
-                    assert!(y.is_nan());
-                } else {
-                    assert_eq!(y.to_bits(), exp2_fine::<Avx2>(d).to_bits(), "{d}");
-                }
-            }
-            // SAFETY: AVX2 and FMA were detected above.
-            unsafe {
-                _mm256_storeu_ps(
-                    out.as_mut_ptr(),
-                    x256::exp2_coarse(_mm256_loadu_ps(lanes.as_ptr())),
-                )
-            };
-            for (&d, &y) in lanes.iter().zip(&out) {
-                if d.is_nan() {
-                    assert!(y.is_nan());
-                } else {
-                    assert_eq!(y.to_bits(), exp2_coarse::<Avx2>(d).to_bits(), "{d}");
+        // (vector form, its scalar contract), each with AVX2 and FMA (detected above).
+        let forms: [(unsafe fn(__m256) -> __m256, fn(f32) -> f32); 2] = [
+            (x256::exp2_fine, exp2_fine::<Avx2>),
+            (x256::exp2_coarse, exp2_coarse::<Avx2>),
+        ];
+        for (vector, scalar) in forms {
+            for c in exp2_inputs().chunks(8) {
+                let mut lanes = [-1f32; 8];
+                lanes[..c.len()].copy_from_slice(c);
+                let mut out = [0f32; 8];
+                // SAFETY: AVX2 and FMA were detected above.
+                unsafe {
+                    _mm256_storeu_ps(out.as_mut_ptr(), vector(_mm256_loadu_ps(lanes.as_ptr())))
+                };
+                for (&d, &y) in lanes.iter().zip(&out) {
+                    if d.is_nan() {
+                        assert!(y.is_nan());
+                    } else {
+                        assert_eq!(y.to_bits(), scalar(d).to_bits(), "{d}");
+                    }
                 }
             }
         }
