@@ -613,7 +613,8 @@ mod tests {
         }
         use std::arch::x86_64::*;
         // (vector form, its scalar contract), each with AVX2 and FMA (detected above).
-        let forms: [(unsafe fn(__m256) -> __m256, fn(f32) -> f32); 2] = [
+        type Forms = [(unsafe fn(__m256) -> __m256, fn(f32) -> f32); 2];
+        let forms: Forms = [
             (x256::exp2_fine, exp2_fine::<Avx2>),
             (x256::exp2_coarse, exp2_coarse::<Avx2>),
         ];
