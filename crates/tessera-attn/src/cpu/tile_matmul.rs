@@ -8,6 +8,7 @@
 //! bounds checks (`RB × 16` blocks on copies without 32 vector registers). Written generically so that, inlined into a `#[target_feature]` copy, LLVM keeps
 //! the accumulators in vector registers. [`gemm_skip_zero`] is the exact variant for non-finite
 //! inputs: an A element equal to 0 contributes nothing even when its B row holds NaN or inf.
+//! [`gemm_acc_at_bf16`] takes bf16 B rows on the AVX2 copy, widened in its registers.
 
 use super::simd::Simd;
 
