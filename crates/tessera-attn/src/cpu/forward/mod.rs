@@ -10,7 +10,8 @@
 //! the partial bitmask (partial tiles only), the softcap, the online-softmax update (running max,
 //! the exponent reference and, when it moves, the rescale of the O rows; exponentials, in base 2
 //! on the copies with FMA, the coarse ones for bf16 storage, whose output rounding (2⁻⁹) hides
-//! their 3e-6; column sums), then accumulates `O += P·V` with O rows contiguous over Dv. The item finishes with the sink, the normalisation, LSE and the item's
+//! their 3e-6; column sums), then accumulates `O += P·V` with O rows contiguous over Dv (bf16 V
+//! on the AVX2 copy read in place, widened in the product's registers). The item finishes with the sink, the normalisation, LSE and the item's
 //! pre-softcap max logit.
 
 #[cfg(target_arch = "x86_64")]
