@@ -8,7 +8,6 @@
 //! bounds checks (`RB × 16` blocks on copies without 32 vector registers). Written generically so that, inlined into a `#[target_feature]` copy, LLVM keeps
 //! the accumulators in vector registers. [`gemm_skip_zero`] is the exact variant for non-finite
 //! inputs: an A element equal to 0 contributes nothing even when its B row holds NaN or inf.
-//! [`gemm_acc_at_bf16`] takes bf16 B rows on the AVX2 copy, widened in its registers.
 
 use super::simd::Simd;
 
@@ -29,7 +28,7 @@ fn check<const AT: bool>(
     k: usize,
     a: &[f32],
     lda: usize,
-    b_len: usize,
+    b: &[f32],
     ldb: usize,
     c: &[f32],
     ldc: usize,
@@ -53,7 +52,7 @@ fn check<const AT: bool>(
         );
     }
     assert!(
-        k == 0 || n == 0 || b_len >= (k - 1) * ldb + n,
+        k == 0 || n == 0 || b.len() >= (k - 1) * ldb + n,
         "gemm: B too short"
     );
     assert!(
@@ -113,12 +112,12 @@ fn gemm_impl<S: Simd, const ACC: bool, const AT: bool, const MAX: bool>(
     ldc: usize,
     cm: *mut f32,
 ) {
-    check::<AT>(m, n, k, a, lda, b.len(), ldb, c, ldc);
+    check::<AT>(m, n, k, a, lda, b, ldb, c, ldc);
     let (ap, bp, cp) = (a.as_ptr(), b.as_ptr(), c.as_mut_ptr());
     #[cfg(target_arch = "x86_64")]
     if S::YMM {
         // SAFETY: `check` bounds every access; `S::YMM` copies only run with AVX2 and FMA.
-        unsafe { ymm::gemm::<ACC, AT, MAX, f32>(m, n, k, ap, lda, bp, ldb, cp, ldc, cm) };
+        unsafe { ymm::gemm::<ACC, AT, MAX>(m, n, k, ap, lda, bp, ldb, cp, ldc, cm) };
         return;
     }
     let mut i = 0;
@@ -237,37 +236,6 @@ unsafe fn micro<S: Simd, const ACC: bool, const AT: bool, const MAX: bool, const
 mod ymm {
     use std::arch::x86_64::*;
 
-    /// A B-operand element type the ymm blocks load 8 of at a time as f32.
-    pub(super) trait Elem: Copy {
-        /// Elements `p..p + 8` as f32.
-        ///
-        /// # Safety
-        /// AVX2 must be available; `p..p + 8` readable.
-        unsafe fn load8(p: *const Self) -> __m256;
-    }
-
-    impl Elem for f32 {
-        #[inline]
-        #[target_feature(enable = "avx2,fma")]
-        unsafe fn load8(p: *const f32) -> __m256 {
-            unsafe { _mm256_loadu_ps(p) }
-        }
-    }
-
-    /// bf16 widened in the register (exact: the bits shifted into the high half), so the
-    /// block reads half the bytes of an f32 B.
-    impl Elem for half::bf16 {
-        #[inline]
-        #[target_feature(enable = "avx2,fma")]
-        unsafe fn load8(p: *const half::bf16) -> __m256 {
-            unsafe {
-                _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(
-                    _mm_loadu_si128(p.cast()),
-                )))
-            }
-        }
-    }
-
     /// [`super::gemm_impl`] on the AVX2 copy: 32 columns at a time in row blocks of 3 (four
     /// rows as 2 + 2, else a last 2 or 1), a last 16 columns (`n` is a multiple of 16) in row blocks of 6 (then 4 or 2: `m` is
     /// a multiple of 4). The FMAs per element and their order are those of the generic block,
@@ -278,13 +246,13 @@ mod ymm {
     #[inline]
     #[target_feature(enable = "avx2,fma")]
     #[allow(clippy::too_many_arguments)]
-    pub(super) unsafe fn gemm<const ACC: bool, const AT: bool, const MAX: bool, B: Elem>(
+    pub(super) unsafe fn gemm<const ACC: bool, const AT: bool, const MAX: bool>(
         m: usize,
         n: usize,
         k: usize,
         a: *const f32,
         lda: usize,
-        b: *const B,
+        b: *const f32,
         ldb: usize,
         c: *mut f32,
         ldc: usize,
@@ -301,9 +269,9 @@ mod ymm {
             for j in (0..n32).step_by(32) {
                 let (b0, c0, m0) = (b.add(j), c.add(i * ldc + j), cm.wrapping_add(j));
                 match rows {
-                    3 => micro::<ACC, AT, MAX, 3, 4, B>(k, a0, lda, b0, ldb, c0, ldc, m0),
-                    2 => micro::<ACC, AT, MAX, 2, 4, B>(k, a0, lda, b0, ldb, c0, ldc, m0),
-                    _ => micro::<ACC, AT, MAX, 1, 4, B>(k, a0, lda, b0, ldb, c0, ldc, m0),
+                    3 => micro::<ACC, AT, MAX, 3, 4>(k, a0, lda, b0, ldb, c0, ldc, m0),
+                    2 => micro::<ACC, AT, MAX, 2, 4>(k, a0, lda, b0, ldb, c0, ldc, m0),
+                    _ => micro::<ACC, AT, MAX, 1, 4>(k, a0, lda, b0, ldb, c0, ldc, m0),
                 }
             }
             i += rows;
@@ -315,9 +283,9 @@ mod ymm {
             let a0 = if AT { a.add(i) } else { a.add(i * lda) };
             let (b0, c0, m0) = (b.add(n32), c.add(i * ldc + n32), cm.wrapping_add(n32));
             match rows {
-                6 => micro::<ACC, AT, MAX, 6, 2, B>(k, a0, lda, b0, ldb, c0, ldc, m0),
-                4 => micro::<ACC, AT, MAX, 4, 2, B>(k, a0, lda, b0, ldb, c0, ldc, m0),
-                _ => micro::<ACC, AT, MAX, 2, 2, B>(k, a0, lda, b0, ldb, c0, ldc, m0),
+                6 => micro::<ACC, AT, MAX, 6, 2>(k, a0, lda, b0, ldb, c0, ldc, m0),
+                4 => micro::<ACC, AT, MAX, 4, 2>(k, a0, lda, b0, ldb, c0, ldc, m0),
+                _ => micro::<ACC, AT, MAX, 2, 2>(k, a0, lda, b0, ldb, c0, ldc, m0),
             }
             i += rows;
         }
@@ -333,12 +301,11 @@ mod ymm {
         const MAX: bool,
         const R: usize,
         const V: usize,
-        B: Elem,
     >(
         k: usize,
         a: *const f32,
         lda: usize,
-        b: *const B,
+        b: *const f32,
         ldb: usize,
         c: *mut f32,
         ldc: usize,
@@ -363,7 +330,10 @@ mod ymm {
             for kk in 0..k {
                 if V == 2 {
                     // 6 × 16: both B vectors held, one broadcast at a time (12 + 2 + 1 ymm).
-                    let bv = [B::load8(b.add(kk * ldb)), B::load8(b.add(kk * ldb + 8))];
+                    let bv = [
+                        _mm256_loadu_ps(b.add(kk * ldb)),
+                        _mm256_loadu_ps(b.add(kk * ldb + 8)),
+                    ];
                     for r in 0..R {
                         let av = _mm256_broadcast_ss(&*a_at(kk, r));
                         for x in 0..V {
@@ -378,7 +348,7 @@ mod ymm {
                         av[r] = _mm256_broadcast_ss(&*a_at(kk, r));
                     }
                     for x in 0..V {
-                        let bv = B::load8(b.add(kk * ldb + 8 * x));
+                        let bv = _mm256_loadu_ps(b.add(kk * ldb + 8 * x));
                         for r in 0..R {
                             acc[r][x] = _mm256_fmadd_ps(av[r], bv, acc[r][x]);
                         }
@@ -404,48 +374,6 @@ mod ymm {
     }
 }
 
-/// `C += A·B` with A stored transposed and B bf16 rows widened in the registers, on the AVX2
-/// copy only (`None` elsewhere: the caller converts B and runs [`product`]): the widened bf16
-/// forward's `O += P·V` reads V in place at half the bytes of f32 rows, with no per-tile
-/// conversion pass. Bit-identical to [`gemm`] on the widened rows (widening is exact).
-#[allow(clippy::too_many_arguments)]
-#[inline(always)]
-pub(crate) fn gemm_acc_at_bf16<S: Simd>(
-    m: usize,
-    n: usize,
-    k: usize,
-    a: &[f32],
-    lda: usize,
-    b: &[half::bf16],
-    ldb: usize,
-    c: &mut [f32],
-    ldc: usize,
-) -> Option<()> {
-    #[cfg(target_arch = "x86_64")]
-    if S::YMM {
-        check::<true>(m, n, k, a, lda, b.len(), ldb, c, ldc);
-        let cm = std::ptr::null_mut();
-        // SAFETY: `check` bounds every access; `S::YMM` copies only run with AVX2 and FMA.
-        unsafe {
-            ymm::gemm::<true, true, false, half::bf16>(
-                m,
-                n,
-                k,
-                a.as_ptr(),
-                lda,
-                b.as_ptr(),
-                ldb,
-                c.as_mut_ptr(),
-                ldc,
-                cm,
-            )
-        };
-        return Some(());
-    }
-    let _ = (m, n, k, a, lda, b, ldb, c, ldc);
-    None
-}
-
 /// Exact product for non-finite inputs: like [`gemm`], but an `A` element equal to zero is
 /// skipped, so `0 · NaN` never reaches `C`.
 #[allow(clippy::too_many_arguments)]
@@ -461,7 +389,7 @@ pub(crate) fn gemm_skip_zero<S: Simd, const ACC: bool, const AT: bool>(
     c: &mut [f32],
     ldc: usize,
 ) {
-    check::<AT>(m, n, k, a, lda, b.len(), ldb, c, ldc);
+    check::<AT>(m, n, k, a, lda, b, ldb, c, ldc);
     for i in 0..m {
         let crow = &mut c[i * ldc..i * ldc + n];
         if !ACC {
@@ -721,36 +649,6 @@ mod tests {
             (20, 128, 64),
         ];
         check_sequential_fmas(&cases, &copy_run!(Avx2, "avx2,fma"));
-    }
-
-    /// bf16 B rows widened in the AVX2 block's registers give the f32 block's product on the
-    /// widened rows, bit for bit (every row-block and column-tail shape, a strided A and C).
-    #[cfg(target_arch = "x86_64")]
-    #[test]
-    fn avx2_bf16_b_is_the_widened_f32_product_bit_for_bit() {
-        use super::super::simd::Avx2;
-        use half::bf16;
-        if !(is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")) {
-            println!("skipped: no AVX2+FMA on this CPU");
-            return;
-        }
-        for &(m, n, k) in &[(4, 32, 9), (8, 16, 37), (12, 48, 64), (20, 128, 5)] {
-            let (lda, ldb, ldc) = (m + 3, n + 8, n + 5);
-            let a: Vec<f32> = (0..k * lda)
-                .map(|i| ((i * 7 % 13) as f32) * 0.37 - 2.1)
-                .collect();
-            let b16: Vec<bf16> = (0..k * ldb)
-                .map(|i| bf16::from_f32(((i * 5 % 11) as f32) * 0.61 - 3.3))
-                .collect();
-            let b32: Vec<f32> = b16.iter().map(|x| x.to_f32()).collect();
-            let c0: Vec<f32> = (0..m * ldc).map(|i| (i % 5) as f32 * 0.25).collect();
-            let (mut want, mut got) = (c0.clone(), c0.clone());
-            gemm::<Avx2, true, true>(m, n, k, &a, lda, &b32, ldb, &mut want, ldc);
-            let ran = gemm_acc_at_bf16::<Avx2>(m, n, k, &a, lda, &b16, ldb, &mut got, ldc);
-            assert!(ran.is_some());
-            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-            assert_eq!(bits(&got), bits(&want), "m={m} n={n} k={k}");
-        }
     }
 
     #[cfg(target_arch = "x86_64")]

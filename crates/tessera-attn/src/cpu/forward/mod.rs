@@ -10,8 +10,7 @@
 //! the partial bitmask (partial tiles only), the softcap, the online-softmax update (running max,
 //! the exponent reference and, when it moves, the rescale of the O rows; exponentials, in base 2
 //! on the copies with FMA, the coarse ones for bf16 storage, whose output rounding (2⁻⁹) hides
-//! their 3e-6; column sums), then accumulates `O += P·V` with O rows contiguous over Dv (bf16 V
-//! on the AVX2 copy read in place, widened in the product's registers). The item finishes with the sink, the normalisation, LSE and the item's
+//! their 3e-6; column sums), then accumulates `O += P·V` with O rows contiguous over Dv. The item finishes with the sink, the normalisation, LSE and the item's
 //! pre-softcap max logit.
 
 #[cfg(target_arch = "x86_64")]
@@ -25,7 +24,7 @@ use super::online_softmax::{self, column_max, finish_row};
 use super::prepare::Prep;
 use super::schedule::{f32_pieces, run_items, Geometry, Order};
 use super::simd::{self, Simd};
-use super::tile_matmul::{gemm, gemm_acc_at_bf16, gemm_colmax, product, round_up, RB};
+use super::tile_matmul::{gemm, gemm_colmax, product, round_up, RB};
 use super::workspace::{grown, Rest, WsPool};
 use crate::args::{AttnInputs, ForwardOut};
 use crate::options::AttnOptions;
@@ -337,31 +336,6 @@ fn item<S: Simd>(cx: &FwdCtx<'_>, ws: &mut FwdWs, mut it: FwdItem<'_>) {
     }
 }
 
-/// `O += P·V` over keys `r0..r0 + k` of a tile: `p` holds `Pᵀ` from key row 0 (`tq` apart, `m`
-/// query columns), V rows are `v16` (bf16, in place, widened in the AVX2 product's registers)
-/// or `vb` (f32), `ldv` apart from key 0; `(m, n, k)` the product's extents.
-#[allow(clippy::too_many_arguments)]
-#[inline(always)]
-fn pv_product<S: Simd>(
-    exact: bool,
-    v16: Option<(&[half::bf16], usize)>,
-    vb: &[f32],
-    ldv: usize,
-    (m, n, k): (usize, usize, usize),
-    p: &[f32],
-    tq: usize,
-    r0: usize,
-    o: &mut [f32],
-) {
-    let p = &p[r0 * tq..];
-    if let Some((v, _)) = v16 {
-        if gemm_acc_at_bf16::<S>(m, n, k, p, tq, &v[r0 * ldv..], ldv, o, n).is_some() {
-            return;
-        }
-    }
-    product::<S, true, true>(exact, m, n, k, p, tq, &vb[r0 * ldv..], ldv, o, n);
-}
-
 /// Runs item `it` (`exact`: with the zero-skipping product); returns whether every
 /// accumulated output value was finite (checked only for `!exact`, else `true`).
 #[inline(always)]
@@ -561,32 +535,24 @@ pub(super) fn item_with<S: Simd, T: TileObserver>(
             simd::scale_row(&mut o[i * dvp..i * dvp + dv], alpha[i]);
         }
         obs.on_tile(col, mu, &alpha[..nq]);
-        // bf16 V on the AVX2 copy: read in place, widened in the product's registers (no
-        // conversion pass); else f32 rows (in place or converted into `vbuf`).
-        let v16 = match cx.v.bf16() {
-            Some(x) if S::YMM && !exact && dv.is_multiple_of(16) => Some((&x[v_off..], cx.v.ld())),
-            _ => None,
-        };
-        let (vb, ldv) = match v16 {
-            Some((_, ld)) => (&[][..], ld),
-            None => rows(cx.v, v_off, nk, nk, dv, vbuf),
-        };
+        let (vb, ldv) = rows(cx.v, v_off, nk, nk, dv, vbuf);
         if full {
-            pv_product::<S>(exact, v16, vb, ldv, (mq, dvp, nk), s, tq, 0, o);
+            product::<S, true, true>(exact, mq, dvp, nk, s, tq, vb, ldv, o, dvp);
         } else {
             for i0 in (0..mq).step_by(step) {
                 let (r0, r1) = cx.live.keys_of(e.mask, i0, step);
                 if r0 < r1 {
-                    pv_product::<S>(
+                    product::<S, true, true>(
                         exact,
-                        v16,
-                        vb,
-                        ldv,
-                        ((i0 + step).min(mq) - i0, dvp, r1 - r0),
-                        &s[i0..],
+                        (i0 + step).min(mq) - i0,
+                        dvp,
+                        r1 - r0,
+                        &s[r0 * tq + i0..],
                         tq,
-                        r0,
+                        &vb[r0 * ldv..],
+                        ldv,
                         &mut o[i0 * dvp..],
+                        dvp,
                     );
                 }
             }
