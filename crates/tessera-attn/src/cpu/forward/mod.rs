@@ -9,8 +9,8 @@
 //! every softmax loop runs contiguous over the tile's queries with no per-tile transpose), applies
 //! the partial bitmask (partial tiles only), the softcap, the online-softmax update (running max,
 //! the exponent reference and, when it moves, the rescale of the O rows; exponentials, in base 2
-//! on the copies with FMA, the coarse ones for bf16 storage, whose output rounding (2⁻⁹) hides
-//! their 3e-6; column sums), then accumulates `O += P·V` with O rows contiguous over Dv. The item finishes with the sink, the normalisation, LSE and the item's
+//! on the copies with FMA, the coarse ones for bf16 storage on the AVX2 copy, whose output
+//! rounding (2⁻⁹) hides their 3e-6; column sums), then accumulates `O += P·V` with O rows contiguous over Dv. The item finishes with the sink, the normalisation, LSE and the item's
 //! pre-softcap max logit.
 
 #[cfg(target_arch = "x86_64")]
@@ -367,8 +367,10 @@ pub(super) fn item_with<S: Simd, T: TileObserver>(
         raw_max,
         tmp,
     } = ws;
-    // bf16 storage (widened here): P by the coarse exponentials (`simd::softmax_exp_with`).
-    let coarse = d.dtype == tessera_core::DType::BF16;
+    // bf16 storage widened on the AVX2 copy: P by the coarse exponentials
+    // (`simd::softmax_exp_with`). The AVX-512 copies keep one (fine) instantiation, so their
+    // f32 code stays as it was (bf16 runs on `vdpbf16ps` where they are fastest).
+    let coarse = S::YMM && d.dtype == tessera_core::DType::BF16;
     let q_off = cx.q.row(b, h, q0);
     load_transposed::<S>(cx.q, q_off, nq, dqk, cx.scale, tmp, qt, tq);
     o[..mq * dvp].fill(0.0);
