@@ -145,9 +145,9 @@ trait Lanes: Copy {
     unsafe fn fma(self, b: Self, c: Self) -> Self;
     /// The base of the exponentials' arguments (`simd::exp_base` of the copy).
     const BASE: f32;
-    /// `simd::softmax_exp` of the copy per lane in the lanes of `m` (bit for bit), `+0` in the
-    /// others.
-    unsafe fn exp_in(self, m: Self::Mask) -> Self;
+    /// `simd::softmax_exp_with` of the copy per lane in the lanes of `m` (bit for bit), `+0` in
+    /// the others (`COARSE`: `exp2_coarse`, else `exp2_fine`).
+    unsafe fn exp_in<const COARSE: bool>(self, m: Self::Mask) -> Self;
     /// `max(x, self)` (NaN `x` keeps `self`) in the lanes of `m`, `self` elsewhere.
     unsafe fn max_in(self, m: Self::Mask, x: Self) -> Self;
     /// `self` in the lanes of `m`, `+0` elsewhere.
@@ -188,8 +188,12 @@ impl Lanes for Zmm {
     }
     const BASE: f32 = simd::exp_base::<Avx512>();
     #[inline(always)]
-    unsafe fn exp_in(self, m: __mmask16) -> Self {
-        Zmm(unsafe { exp2_fine_in(m, self.0) })
+    unsafe fn exp_in<const COARSE: bool>(self, m: __mmask16) -> Self {
+        if COARSE {
+            Zmm(unsafe { exp2_coarse_in(m, self.0) })
+        } else {
+            Zmm(unsafe { exp2_fine_in(m, self.0) })
+        }
     }
     #[inline(always)]
     unsafe fn max_in(self, m: __mmask16, x: Self) -> Self {
@@ -243,8 +247,12 @@ impl Lanes for Ymm {
     }
     const BASE: f32 = simd::exp_base::<Avx2>();
     #[inline(always)]
-    unsafe fn exp_in(self, m: __m256) -> Self {
-        Ymm(unsafe { x256::exp2_fine(self.0) }).keep(m)
+    unsafe fn exp_in<const COARSE: bool>(self, m: __m256) -> Self {
+        if COARSE {
+            Ymm(unsafe { x256::exp2_coarse(self.0) }).keep(m)
+        } else {
+            Ymm(unsafe { x256::exp2_fine(self.0) }).keep(m)
+        }
     }
     #[inline(always)]
     unsafe fn max_in(self, m: __m256, x: Self) -> Self {
@@ -329,7 +337,7 @@ unsafe fn column_max_with<L: Lanes>(s: &[f32], tq: usize, live: TileLive<'_>, co
 /// # Safety
 /// As [`column_max`].
 #[inline(always)]
-pub(crate) unsafe fn exp_columns<S: Simd>(
+pub(crate) unsafe fn exp_columns<S: Simd, const COARSE: bool>(
     s: &mut [f32],
     tq: usize,
     live: TileLive<'_>,
@@ -338,21 +346,35 @@ pub(crate) unsafe fn exp_columns<S: Simd>(
     col: &mut [f32],
 ) {
     #[target_feature(enable = "avx512f,avx512dq,fma")]
-    fn zmm(s: &mut [f32], tq: usize, live: TileLive<'_>, u: &[f32], sc: f32, col: &mut [f32]) {
+    fn zmm<const C: bool>(
+        s: &mut [f32],
+        tq: usize,
+        live: TileLive<'_>,
+        u: &[f32],
+        sc: f32,
+        col: &mut [f32],
+    ) {
         // SAFETY: this copy has AVX-512F/DQ and FMA.
-        unsafe { exp_columns_with::<Zmm>(s, tq, live, u, sc, col) }
+        unsafe { exp_columns_with::<Zmm, C>(s, tq, live, u, sc, col) }
     }
     #[target_feature(enable = "avx2,fma")]
-    fn ymm(s: &mut [f32], tq: usize, live: TileLive<'_>, u: &[f32], sc: f32, col: &mut [f32]) {
+    fn ymm<const C: bool>(
+        s: &mut [f32],
+        tq: usize,
+        live: TileLive<'_>,
+        u: &[f32],
+        sc: f32,
+        col: &mut [f32],
+    ) {
         // SAFETY: this copy has AVX2 and FMA.
-        unsafe { exp_columns_with::<Ymm>(s, tq, live, u, sc, col) }
+        unsafe { exp_columns_with::<Ymm, C>(s, tq, live, u, sc, col) }
     }
     // SAFETY: the caller's contract.
     unsafe {
         if S::WIDE {
-            zmm(s, tq, live, u, sc, col)
+            zmm::<COARSE>(s, tq, live, u, sc, col)
         } else {
-            ymm(s, tq, live, u, sc, col)
+            ymm::<COARSE>(s, tq, live, u, sc, col)
         }
     }
 }
@@ -360,7 +382,7 @@ pub(crate) unsafe fn exp_columns<S: Simd>(
 /// # Safety
 /// The CPU must have `L`'s instruction set.
 #[inline(always)]
-unsafe fn exp_columns_with<L: Lanes>(
+unsafe fn exp_columns_with<L: Lanes, const COARSE: bool>(
     s: &mut [f32],
     tq: usize,
     live: TileLive<'_>,
@@ -396,9 +418,9 @@ unsafe fn exp_columns_with<L: Lanes>(
                 exists,
                 i0,
             };
-            let acc = block.run::<false>((r0, d0), L::splat(0.0));
-            let acc = block.run::<true>((d0, d1), acc);
-            let acc = block.run::<false>((d1, r1), acc);
+            let acc = block.run::<false, COARSE>((r0, d0), L::splat(0.0));
+            let acc = block.run::<true, COARSE>((d0, d1), acc);
+            let acc = block.run::<false, COARSE>((d1, r1), acc);
             acc.store(col.as_mut_ptr().add(i0));
         }
     }
@@ -423,22 +445,26 @@ impl<L: Lanes> ExpBlock<'_, L> {
     /// # Safety
     /// As [`Self::key`] for every key of the range.
     #[inline(always)]
-    unsafe fn run<const FULL: bool>(&self, (r0, r1): (usize, usize), mut acc: L) -> L {
+    unsafe fn run<const FULL: bool, const COARSE: bool>(
+        &self,
+        (r0, r1): (usize, usize),
+        mut acc: L,
+    ) -> L {
         // SAFETY (both loops): the caller's contract.
         unsafe {
             let all = L::mask(self.exists);
             // `L::KEYS` keys per step, the sum still in ascending key order.
             let mut j = r0;
             while L::KEYS == 4 && j + 4 <= r1 {
-                let p0 = self.key::<FULL>(j, all);
-                let p1 = self.key::<FULL>(j + 1, all);
-                let p2 = self.key::<FULL>(j + 2, all);
-                let p3 = self.key::<FULL>(j + 3, all);
+                let p0 = self.key::<FULL, COARSE>(j, all);
+                let p1 = self.key::<FULL, COARSE>(j + 1, all);
+                let p2 = self.key::<FULL, COARSE>(j + 2, all);
+                let p3 = self.key::<FULL, COARSE>(j + 3, all);
                 acc = acc.add(p0).add(p1).add(p2).add(p3);
                 j += 4;
             }
             for j in j..r1 {
-                acc = acc.add(self.key::<FULL>(j, all));
+                acc = acc.add(self.key::<FULL, COARSE>(j, all));
             }
             acc
         }
@@ -451,7 +477,7 @@ impl<L: Lanes> ExpBlock<'_, L> {
     /// # Safety
     /// The row must hold 16 lanes; the CPU must have `L`'s instruction set.
     #[inline(always)]
-    unsafe fn key<const FULL: bool>(&self, j: usize, all: L::Mask) -> L {
+    unsafe fn key<const FULL: bool, const COARSE: bool>(&self, j: usize, all: L::Mask) -> L {
         // SAFETY: the caller's contract.
         unsafe {
             let m = if FULL {
@@ -460,7 +486,7 @@ impl<L: Lanes> ExpBlock<'_, L> {
                 L::mask(self.live.live(self.exists, j, self.i0, L::W))
             };
             let x = self.sp.add(j * self.tq);
-            let p = L::load(x).fma(self.scv, self.nu).exp_in(m);
+            let p = L::load(x).fma(self.scv, self.nu).exp_in::<COARSE>(m);
             p.store(x);
             p
         }

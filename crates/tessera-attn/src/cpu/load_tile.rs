@@ -151,12 +151,8 @@ pub(crate) fn rows<'s>(
     buf: &'s mut [f32],
 ) -> (&'s [f32], usize) {
     let sl = src.ld();
-    if let SrcData::F32(x) = src.data {
-        // `dim` a multiple of 16: the products read exactly `dim` columns of each row, so the
-        // rows are used in place at their own stride.
-        if dim.is_multiple_of(16) && sl >= dim && off + (m - 1) * sl + dim <= x.len() {
-            return (&x[off..off + (m - 1) * sl + dim], sl);
-        }
+    if let (true, SrcData::F32(x)) = (in_place(src, off, m, dim), src.data) {
+        return (&x[off..off + (m - 1) * sl + dim], sl);
     }
     let ld = tile_matmul::round_up(dim, 16);
     for r in 0..n {
@@ -164,6 +160,20 @@ pub(crate) fn rows<'s>(
     }
     buf[n * ld..m * ld].fill(0.0);
     (&buf[..m * ld], ld)
+}
+
+/// Whether [`rows`] reads its `m` rows from `off` in place (else it converts them): f32 rows
+/// whose `dim` is a multiple of 16 (the products read exactly `dim` columns of each row), at
+/// their own stride, all inside the storage.
+#[inline(always)]
+pub(crate) fn in_place(src: Src<'_>, off: usize, m: usize, dim: usize) -> bool {
+    let sl = src.ld();
+    match src.data {
+        SrcData::F32(x) => {
+            dim.is_multiple_of(16) && sl >= dim && m > 0 && off + (m - 1) * sl + dim <= x.len()
+        }
+        SrcData::BF16(_) => false,
+    }
 }
 
 /// Writes `n` rows from element `off` of an input (at its row stride), times `scale`, transposed into
@@ -212,6 +222,33 @@ pub(crate) fn load_transposed<S: simd::Simd>(
             done = blocks;
         }
     }
+    #[cfg(target_arch = "x86_64")]
+    if S::YMM {
+        let blocks = n / 8 * 8;
+        let len = match src.data {
+            SrcData::F32(x) => x.len(),
+            SrcData::BF16(x) => x.len(),
+        };
+        if blocks > 0 && dim.is_multiple_of(8) && off + (blocks - 1) * sl + dim <= len {
+            for r in (0..blocks).step_by(8) {
+                for c in (0..dim).step_by(8) {
+                    // SAFETY: the YMM copy runs only where AVX2 and FMA were detected; rows
+                    // r..r + 8 <= n of columns c..c + 8 <= dim are inside the storage (checked
+                    // above) and their transposed places inside `dst` (asserted above).
+                    unsafe {
+                        transpose8(
+                            src,
+                            off + r * sl + c,
+                            scale,
+                            dst.as_mut_ptr().add(c * ld + r),
+                            ld,
+                        )
+                    }
+                }
+            }
+            done = blocks;
+        }
+    }
     for r in done..n {
         src.load(off + r * sl, tmp, scale);
         // A strided iterator: no bounds check per element (an indexed loop reloaded the base
@@ -224,6 +261,65 @@ pub(crate) fn load_transposed<S: simd::Simd>(
     if np > n {
         for x in 0..dim {
             dst[x * ld + n..x * ld + np].fill(0.0);
+        }
+    }
+}
+
+/// `dst[x * ld + r] = src[off + r * sl + x] * scale` for `r, x < 8` (bf16 widened exactly
+/// first, so the values are the scalar path's): the AVX2 copy's 8 × 8 transpose in registers
+/// (unpack pairs, pairs of pairs, then 128-bit halves) instead of 64 strided scalar stores,
+/// which were ~3 % of a forced-AVX2 doc-causal forward (perf).
+///
+/// # Safety
+/// AVX2 must be available; `src` readable at `off + r * sl + x` and `dst` writable at
+/// `x * ld + r` for `r, x < 8`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn transpose8(src: Src<'_>, off: usize, scale: f32, dst: *mut f32, ld: usize) {
+    use std::arch::x86_64::*;
+    let (sl, s) = (src.ld(), _mm256_set1_ps(scale));
+    let rows: [__m256; 8] = std::array::from_fn(|r| {
+        let at = off + r * sl;
+        // SAFETY: the caller's contract.
+        let v = unsafe {
+            match src.data {
+                SrcData::F32(x) => _mm256_loadu_ps(x.as_ptr().add(at)),
+                SrcData::BF16(x) => _mm256_castsi256_ps(_mm256_slli_epi32::<16>(
+                    _mm256_cvtepu16_epi32(_mm_loadu_si128(x.as_ptr().add(at).cast())),
+                )),
+            }
+        };
+        _mm256_mul_ps(v, s)
+    });
+    let t: [__m256; 8] = std::array::from_fn(|k| {
+        let (a, b) = (rows[k & !1], rows[k | 1]);
+        if k % 2 == 0 {
+            _mm256_unpacklo_ps(a, b)
+        } else {
+            _mm256_unpackhi_ps(a, b)
+        }
+    });
+    // u[4h + e]: column e (low half) and e + 4 (high half) of rows 4h..4h + 4.
+    let u: [__m256; 8] = std::array::from_fn(|i| {
+        let (h, e) = (i / 4, i % 4);
+        let (a, b) = (t[4 * h + e / 2], t[4 * h + 2 + e / 2]);
+        if e % 2 == 0 {
+            _mm256_shuffle_ps::<0x44>(a, b)
+        } else {
+            _mm256_shuffle_ps::<0xEE>(a, b)
+        }
+    });
+    for e in 0..4 {
+        // SAFETY: the caller's contract.
+        unsafe {
+            _mm256_storeu_ps(
+                dst.add(e * ld),
+                _mm256_permute2f128_ps::<0x20>(u[e], u[4 + e]),
+            );
+            _mm256_storeu_ps(
+                dst.add((e + 4) * ld),
+                _mm256_permute2f128_ps::<0x31>(u[e], u[4 + e]),
+            );
         }
     }
 }
@@ -347,38 +443,65 @@ mod tests {
     use crate::cpu::simd::{Avx512, Portable};
     use tessera_core::tensor::ViewData;
 
-    /// The AVX-512 block transpose writes exactly what the element-by-element path writes, for
-    /// strided rows, ragged row counts (blocks plus a scalar tail) and offsets into a batch.
+    /// Copy `S`'s `load_transposed` writes exactly what the element-by-element path writes, for
+    /// f32 (and, with `bf16`, bf16) rows at a padded stride (`[B, L, H, D]` storage viewed as
+    /// `[B, H, L, D]`), ragged row counts (blocks plus a scalar tail) and offsets into a batch.
+    fn check_block_transpose<S: crate::cpu::simd::Simd>(d: usize, bf16: bool) {
+        let (b, h, l) = (2, 3, 70);
+        let sl = h * d + 8;
+        let data: Vec<f32> = (0..b * l * sl)
+            .map(|i| ((i * 7919) % 1000) as f32 * 0.37 - 150.0)
+            .collect();
+        let halves: Vec<half::bf16> = data.iter().map(|&x| half::bf16::from_f32(x)).collect();
+        let (shape, strides) = ([b, h, l, d], [l * sl, d, sl, 1]);
+        let mut views = vec![StridedView::new("x", ViewData::F32(&data), shape, strides)];
+        if bf16 {
+            views.push(StridedView::new(
+                "x",
+                ViewData::BF16(&halves),
+                shape,
+                strides,
+            ));
+        }
+        for view in views {
+            let src = Src::new(&view.expect("a valid strided view")).expect("source");
+            for (bb, hh, r0, n) in [(0, 0, 0, 64), (1, 2, 3, 67), (1, 1, 50, 20), (0, 2, 0, 7)] {
+                let ld = 88;
+                let mut want = vec![f32::NAN; d * ld];
+                let mut got = vec![f32::NAN; d * ld];
+                let mut tmp = vec![0.0; d];
+                let off = src.row(bb, hh, r0);
+                load_transposed::<Portable>(src, off, n, d, 0.125, &mut tmp, &mut want, ld);
+                load_transposed::<S>(src, off, n, d, 0.125, &mut tmp, &mut got, ld);
+                let same = want
+                    .iter()
+                    .zip(&got)
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "b={bb} h={hh} r0={r0} n={n} bf16={bf16}");
+            }
+        }
+    }
+
+    /// The AVX-512 16 × 16 blocks (f32 rows).
     #[test]
     fn block_transpose_equals_scalar() {
         if !(is_x86_feature_detected!("avx512f")) {
             eprintln!("skipped: no AVX-512F on this CPU");
             return;
         }
-        // [B, L, H, D] storage with padded rows, viewed as [B, H, L, D]: rows `sl` apart.
-        let (b, h, l, d) = (2, 3, 70, 64);
-        let sl = h * d + 16;
-        let data: Vec<f32> = (0..b * l * sl)
-            .map(|i| ((i * 7919) % 1000) as f32 * 0.37 - 150.0)
-            .collect();
-        let view = StridedView::new("x", ViewData::F32(&data), [b, h, l, d], [l * sl, d, sl, 1])
-            .expect("a valid strided view");
-        let src = Src::new(&view).expect("f32 source");
-        for (bb, hh, r0, n) in [(0, 0, 0, 64), (1, 2, 3, 67), (1, 1, 50, 20), (0, 2, 0, 15)] {
-            let ld = 96;
-            let mut want = vec![f32::NAN; d * ld];
-            let mut got = vec![f32::NAN; d * ld];
-            let mut tmp = vec![0.0; d];
-            let off = src.row(bb, hh, r0);
-            load_transposed::<Portable>(src, off, n, d, 0.125, &mut tmp, &mut want, ld);
-            // SAFETY of the WIDE copy: AVX-512F was detected above.
-            load_transposed::<Avx512>(src, off, n, d, 0.125, &mut tmp, &mut got, ld);
-            let same = want
-                .iter()
-                .zip(&got)
-                .all(|(a, b)| a.to_bits() == b.to_bits());
-            assert!(same, "b={bb} h={hh} r0={r0} n={n}");
+        // AVX-512F was detected above (the WIDE copy's blocks need it).
+        check_block_transpose::<Avx512>(64, false);
+    }
+
+    /// The AVX2 8 × 8 blocks (f32 and bf16 rows).
+    #[test]
+    fn ymm_block_transpose_equals_scalar() {
+        if !(is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")) {
+            eprintln!("skipped: no AVX2+FMA on this CPU");
+            return;
         }
+        // AVX2 and FMA were detected above (the YMM copy's blocks need them).
+        check_block_transpose::<crate::cpu::simd::Avx2>(24, true);
     }
 
     /// The 32-bit word transpose moves every word (NaN bit patterns included) to its place.

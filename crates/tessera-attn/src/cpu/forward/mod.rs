@@ -9,8 +9,8 @@
 //! every softmax loop runs contiguous over the tile's queries with no per-tile transpose), applies
 //! the partial bitmask (partial tiles only), the softcap, the online-softmax update (running max,
 //! the exponent reference and, when it moves, the rescale of the O rows; exponentials, in base 2
-//! on the copies with FMA; column sums), then accumulates `O += P·V` with O rows contiguous over
-//! Dv. The item finishes with the sink, the normalisation, LSE and the item's
+//! on the copies with FMA, the coarse ones for bf16 storage on the AVX2 copy, whose output
+//! rounding (2⁻⁹) hides their 3e-6; column sums), then accumulates `O += P·V` with O rows contiguous over Dv. The item finishes with the sink, the normalisation, LSE and the item's
 //! pre-softcap max logit.
 
 #[cfg(target_arch = "x86_64")]
@@ -18,7 +18,7 @@ use super::column_softmax;
 use super::isa::{isa_entry, Isa};
 use super::live_blocks::{LiveBlocks, SB};
 use super::load_tile::prefetch_rows;
-use super::load_tile::{load_transposed, rows, Src};
+use super::load_tile::{in_place, load_transposed, rows, Src};
 use super::mask_partial_tile::{mask_partial_row, MasksT};
 use super::online_softmax::{self, column_max, finish_row};
 use super::prepare::Prep;
@@ -367,6 +367,10 @@ pub(super) fn item_with<S: Simd, T: TileObserver>(
         raw_max,
         tmp,
     } = ws;
+    // bf16 storage widened on the AVX2 copy: P by the coarse exponentials
+    // (`simd::softmax_exp_with`). The AVX-512 copies keep one (fine) instantiation, so their
+    // f32 code stays as it was (bf16 runs on `vdpbf16ps` where they are fastest).
+    let coarse = S::YMM && d.dtype == tessera_core::DType::BF16;
     let q_off = cx.q.row(b, h, q0);
     load_transposed::<S>(cx.q, q_off, nq, dqk, cx.scale, tmp, qt, tq);
     o[..mq * dvp].fill(0.0);
@@ -374,10 +378,26 @@ pub(super) fn item_with<S: Simd, T: TileObserver>(
     l[..nq].fill(0.0);
     raw_max[..nq].fill(NEG_INF);
 
-    for e in plan.head_plan(b, h).row(it.qt) {
+    let entries = plan.head_plan(b, h).row(it.qt);
+    for (ei, e) in entries.iter().enumerate() {
         let (k0, k1) = plan.kv_range(e.tile as usize);
         let nk = k1 - k0;
         let mk = round_up(nk, RB);
+        // Converted K and V rows (bf16, or f32 that cannot be read in place) are read by
+        // `rows` in one burst, not streamed inside a product: request this tile's V rows and
+        // the next tile's K rows into L2 now, so that those bursts hit (their misses were ~6 %
+        // of a forced-AVX2 widened bf16 causal forward, perf). In-place rows get no hints.
+        let v_off = cx.v.row(b, kvh, k0);
+        if !in_place(cx.v, v_off, nk, dv) {
+            prefetch_rows(cx.v, v_off, nk, dv);
+        }
+        if let Some(next) = entries.get(ei + 1) {
+            let (n0, n1) = plan.kv_range(next.tile as usize);
+            let k_off = cx.k.row(b, kvh, n0);
+            if !in_place(cx.k, k_off, round_up(n1 - n0, RB), dqk) {
+                prefetch_rows(cx.k, k_off, n1 - n0, dqk);
+            }
+        }
         let (ka, lda) = rows(cx.k, cx.k.row(b, kvh, k0), nk, mk, dqk, kbuf);
         let full = e.is_full();
         // Live query-column span of key row `j` (whole tile for full tiles; per 16-key block of
@@ -463,7 +483,13 @@ pub(super) fn item_with<S: Simd, T: TileObserver>(
         #[cfg(target_arch = "x86_64")]
         if by_column {
             // SAFETY: as above.
-            unsafe { column_softmax::exp_columns::<S>(s, tq, tile, m_use, 1.0, col) };
+            unsafe {
+                if coarse {
+                    column_softmax::exp_columns::<S, true>(s, tq, tile, m_use, 1.0, col)
+                } else {
+                    column_softmax::exp_columns::<S, false>(s, tq, tile, m_use, 1.0, col)
+                }
+            };
         }
         let (mu, col) = (&m_use[..nq], &mut col[..nq]);
         if !by_column {
@@ -486,7 +512,7 @@ pub(super) fn item_with<S: Simd, T: TileObserver>(
                     .zip(col[a..b].iter_mut());
                 for (((x, &u), c), e) in lanes.zip(acc.iter_mut()) {
                     let d = *x - u;
-                    let p = simd::softmax_exp::<S>(S::madd(*x, base, -(u * base)));
+                    let p = simd::softmax_exp_with::<S>(S::madd(*x, base, -(u * base)), coarse);
                     *x = p;
                     *c += p;
                     *e += p * if d > -88.0 { d } else { -88.0 };
@@ -497,7 +523,7 @@ pub(super) fn item_with<S: Simd, T: TileObserver>(
                     .zip(&mu[a..b])
                     .zip(col[a..b].iter_mut())
                 {
-                    let p = simd::softmax_exp::<S>(S::madd(*x, base, -(u * base)));
+                    let p = simd::softmax_exp_with::<S>(S::madd(*x, base, -(u * base)), coarse);
                     *x = p;
                     *c += p;
                 }
@@ -511,7 +537,7 @@ pub(super) fn item_with<S: Simd, T: TileObserver>(
             simd::scale_row(&mut o[i * dvp..i * dvp + dv], alpha[i]);
         }
         obs.on_tile(col, mu, &alpha[..nq]);
-        let (vb, ldv) = rows(cx.v, cx.v.row(b, kvh, k0), nk, nk, dv, vbuf);
+        let (vb, ldv) = rows(cx.v, v_off, nk, nk, dv, vbuf);
         if full {
             product::<S, true, true>(exact, mq, dvp, nk, s, tq, vb, ldv, o, dvp);
         } else {
