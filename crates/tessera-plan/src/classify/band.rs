@@ -9,8 +9,8 @@
 //! are copied from a memo, and scattered keys are compared a row at a time in SIMD
 //! ([`super::simd`]), as u32 offsets from the tile's minimum where its range fits.
 
+use super::geom::{hash_iter, set_range, Geom};
 use super::simd;
-use super::{hash_iter, set_range, Geom};
 use crate::plan::TileState;
 use rustc_hash::FxHashMap;
 

@@ -5,7 +5,7 @@
 //! from block coverage; stage 2 ([`BlocksLeaf::write`]) sets the selected blocks' ranges in a
 //! zeroed `out`, one range per selected block and query block.
 
-use super::{set_range, Geom};
+use super::geom::{set_range, Geom};
 use crate::plan::TileState;
 use tessera_mask::BlockSelection;
 

@@ -4,7 +4,7 @@
 //! (computed once: the data is O(Lq·Lkv) by nature); stage 2 ([`DenseLeaf::write`]) copies the
 //! tile's rows as whole 64-bit words (a shift and an OR per word, no per-pair work), exactly.
 
-use super::Geom;
+use super::geom::Geom;
 use crate::plan::TileState;
 use tessera_mask::DenseMask;
 

@@ -6,8 +6,8 @@
 //! (so it serves unions in place). A key tile of few runs of equal ids is written run by run;
 //! one whose ids scatter (many runs) by SIMD row compares against each query run's id.
 
+use super::geom::{set_range, Geom};
 use super::simd;
-use super::{set_range, Geom};
 use crate::plan::TileState;
 use std::collections::HashMap;
 

@@ -13,8 +13,8 @@
 //! key at a time. Everything is exact in i128 or clamped to i64 values, so features near the
 //! ends of i64 do not wrap.
 
+use super::geom::Geom;
 use super::simd;
-use super::Geom;
 use crate::plan::TileState;
 
 /// The fused bands of one batch row.

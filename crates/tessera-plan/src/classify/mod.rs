@@ -14,6 +14,7 @@ mod band;
 mod blocks;
 mod dense;
 mod doc;
+mod geom;
 mod interval;
 pub(crate) mod simd;
 
@@ -22,41 +23,10 @@ use band::BandLeaf;
 use blocks::BlocksLeaf;
 use dense::DenseLeaf;
 use doc::DocLeaf;
+use geom::set_range;
+pub(crate) use geom::{hash_words, Geom};
 use interval::IntervalLeaf;
 use tessera_mask::Mask;
-
-/// Sizes shared by every node of one plan.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Geom {
-    /// The row-compare instructions stage 2 uses.
-    pub level: simd::Level,
-    pub lq: usize,
-    pub lkv: usize,
-    pub tq: usize,
-    pub tk: usize,
-    pub nq: usize,
-    pub nk: usize,
-    pub wpr: usize,
-}
-
-impl Geom {
-    /// Inclusive token range of q-tile `qt`.
-    fn qr(&self, qt: usize) -> (i64, i64) {
-        let s = qt * self.tq;
-        (s as i64, ((s + self.tq).min(self.lq) - 1) as i64)
-    }
-    /// Inclusive token range of kv-tile `kt`.
-    fn kr(&self, kt: usize) -> (i64, i64) {
-        let s = kt * self.tk;
-        (s as i64, ((s + self.tk).min(self.lkv) - 1) as i64)
-    }
-    /// Token range [lo, hi] (inclusive) to kv tiles, clipped; None when empty.
-    fn kv_tiles(&self, lo: i64, hi: i64) -> Option<(usize, usize)> {
-        let lo = lo.max(0);
-        let hi = hi.min(self.lkv as i64 - 1);
-        (lo <= hi).then(|| (lo as usize / self.tk, hi as usize / self.tk))
-    }
-}
 
 /// The kv tiles of one q-tile row that planning visits: a range, or an explicit sorted list.
 pub(crate) enum Candidates {
@@ -632,55 +602,6 @@ impl<'a> Node<'a> {
     }
 }
 
-/// A 64-bit hash of `words` (the length included) for content-addressed tables, whose
-/// collisions are resolved by comparing contents: four independent multiply-rotate lanes, so
-/// hashing a partial bitmask is not one long dependency chain.
-pub(crate) fn hash_words(words: &[u64]) -> u64 {
-    hash_iter(words.len(), words.iter().copied())
-}
-
-/// [`hash_words`] of the `len` words `words` yields, without collecting them.
-pub(crate) fn hash_iter(len: usize, words: impl Iterator<Item = u64>) -> u64 {
-    const P: u64 = 0x0100_0000_01b3;
-    let step = |a: u64, w: u64| (a ^ w).wrapping_mul(P).rotate_left(29);
-    let mut lanes = [
-        0xcbf2_9ce4_8422_2325u64,
-        0x9e37_79b9_7f4a_7c15,
-        0x6c62_272e_07bb_0142,
-        0x2545_f491_4f6c_dd1d,
-    ];
-    for (i, w) in words.enumerate() {
-        lanes[i % 4] = step(lanes[i % 4], w);
-    }
-    lanes.iter().fold(len as u64, |a, &l| step(a, l))
-}
-
 /// Operands up to which a union's tile key is the concatenation of theirs (past it a tile
 /// costs its active operands only, and keying all would cost more than it saves).
 const MAX_KEYED_OPERANDS: usize = 8;
-
-/// Sets bits [lo, hi) of `row`, clipped to [0, ncols).
-fn set_range(row: &mut [u64], lo: i64, hi: i64, ncols: usize) {
-    let lo = lo.max(0) as usize;
-    let hi = hi.clamp(0, ncols as i64) as usize;
-    let mut j = lo;
-    while j < hi {
-        let (w, b) = (j / 64, j % 64);
-        let take = (64 - b).min(hi - j);
-        row[w] |= if take == 64 {
-            u64::MAX
-        } else {
-            ((1u64 << take) - 1) << b
-        };
-        j += take;
-    }
-}
-
-/// Proptest cases: `PROPTEST_CASES` when set (the 1,500-case runs), else `default` (CI).
-#[cfg(test)]
-pub(crate) fn test_cases(default: u32) -> u32 {
-    std::env::var("PROPTEST_CASES")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}

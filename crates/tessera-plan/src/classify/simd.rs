@@ -426,7 +426,7 @@ mod tests {
 
     proptest! {
         #![proptest_config(ProptestConfig {
-            cases: crate::classify::test_cases(256),
+            cases: test_cases(256),
             ..ProptestConfig::default()
         })]
 
@@ -458,7 +458,7 @@ mod tests {
 
     proptest! {
         #![proptest_config(ProptestConfig {
-            cases: crate::classify::test_cases(128),
+            cases: test_cases(128),
             ..ProptestConfig::default()
         })]
 
@@ -503,7 +503,7 @@ mod tests {
 
     proptest! {
         #![proptest_config(ProptestConfig {
-            cases: crate::classify::test_cases(128),
+            cases: test_cases(128),
             ..ProptestConfig::default()
         })]
 
@@ -552,4 +552,13 @@ mod tests {
         }
         assert!(Level::detect() <= Level::supported());
     }
+}
+
+/// Proptest cases: `PROPTEST_CASES` when set (the 1,500-case runs), else `default` (CI).
+#[cfg(test)]
+pub(crate) fn test_cases(default: u32) -> u32 {
+    std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
 }
