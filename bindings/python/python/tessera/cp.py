@@ -22,6 +22,7 @@ and mask the padded labels.
 
 from __future__ import annotations
 
+import functools
 import contextlib
 from typing import Any, Optional
 
@@ -110,25 +111,9 @@ class Sharding(_core.Sharding):
 
 
 
-def shard(
-    plan: Plan,
-    world_size: int,
-    scheme: str = "balanced",
-    *,
-    partial_overhead: float = 0.3,
-    backward: float = 2.5,
-    balance_cap: float = 1.02,
-) -> Sharding:
-    """Shards ``plan``'s row over ``world_size`` ranks with ``scheme`` (``contiguous``,
-    ``zigzag``, ``perdoc_zigzag`` or ``balanced``). ``partial_overhead`` and ``backward`` are the
-    cost model (a partial tile costs ``partial_overhead + (1 - partial_overhead) · allowed
-    fraction`` of a full one; backward ``backward`` times forward). ``balanced`` gives the busiest
-    rank's ``needed``-mode K/V the fewest tiles it can while the busiest rank's cost stays within
-    ``balance_cap`` times the mean (the best balance it finds when nothing is). Needs
-    self-attention with square tiles and ``L`` a multiple of ``world_size · block``
-    (``2 · world_size · block`` for zigzag): a ``ValueError`` says how far to pad otherwise."""
-    sh = _core.shard(plan, world_size, scheme, partial_overhead=partial_overhead, backward=backward,
-                     balance_cap=balance_cap)
+@functools.wraps(_core.shard)
+def shard(plan: Plan, world_size: int, scheme: str = "balanced", **model: Any) -> Sharding:
+    sh = _core.shard(plan, world_size, scheme, **model)
     return Sharding(sh._s, sh.plan)
 
 

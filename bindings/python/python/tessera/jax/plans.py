@@ -4,6 +4,7 @@ neither retraces nor recompiles; with the Splash route it also carries stable-sh
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import Any, NamedTuple, Optional, Tuple
 
@@ -135,24 +136,6 @@ def _as_ref(plan: Any) -> PlanRef:
     raise TypeError(f"plan: expected a tessera.Plan (or the PlanRef it becomes under jit), got {type(plan).__name__}")
 
 
-def mask_info(
-    plan: Plan,
-    *,
-    batch_row: int = 0,
-    head_shards: int = 1,
-    q_seq_shards: int = 1,
-    shrink_grid: bool = True,
-    shrink_grid_dkv: bool = True,
-    downcast_smem_data: bool = True,
-    as_numpy: bool = False,
-) -> Tuple[Any, Any]:
-    """The forward (and dQ) and the dKV Splash ``MaskInfo`` of ``plan`` for one batch row, equal
-    to ``process_mask(MultiHeadMask(...), plan.block, ...)`` and ``process_mask_dkv(...)`` with
-    the same options (``shrink_grid_dkv=False`` for the fused backward kernel). Splash has no
-    batch dimension: a plan whose mask differs per batch row gives each row's infos with
-    ``batch_row=``. Arrays are jax arrays (numpy with ``as_numpy=True``)."""
-    return splash_tables.mask_info(
-        check_plan(plan), batch_row=batch_row, head_shards=head_shards, q_seq_shards=q_seq_shards,
-        shrink_grid=shrink_grid, shrink_grid_dkv=shrink_grid_dkv,
-        downcast_smem_data=downcast_smem_data, as_numpy=as_numpy,
-    )
+@functools.wraps(splash_tables.mask_info)
+def mask_info(plan: Plan, **options: Any) -> Tuple[Any, Any]:
+    return splash_tables.mask_info(check_plan(plan), **options)

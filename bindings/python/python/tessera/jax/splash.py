@@ -21,13 +21,8 @@ from ..engines.splash import _MISSING, _Cfg, _block_sizes, _check, backward, for
 __all__ = ["SplashInfo", "splash_info", "splash_attention"]
 
 
+@functools.wraps(splash_tables.splash_info)
 def splash_info(plan: Plan, *, max_partial_blocks: Optional[int] = None) -> SplashInfo:
-    """The :class:`SplashInfo` of ``plan`` (cached on the plan per ``max_partial_blocks``).
-
-    ``max_partial_blocks`` bounds the unique partial mask blocks of any batch row (the padded
-    length of ``partial_mask_blocks``); by default the next power of two at or above the plan's
-    count, so that most batches of one shape share a compiled step. A ValueError names it when
-    the plan needs more."""
     return splash_tables.splash_info(check_plan(plan), max_partial_blocks=max_partial_blocks)
 
 
