@@ -7,7 +7,8 @@ for TPU; the same step lowered for CPU still runs Tessera's FFI kernels.
 The contract of an exported step is its ``in_avals``: the step's arrays, then the plan's leaves
 (``int32 [2]`` handle words and the Splash ``MaskInfo`` arrays of ``plan_ref(plan, splash=True)``:
 ``data_next``, ``mask_next``, ``block_mask`` ``[G, H', Tq, Tk]`` and ``partial_mask_blocks``
-``[G, bound, tq, tk]`` for the forward and the dKV pass, then ``row_valid`` ``[G, H', Lq]``)."""
+``[G, bound, tq, tk]`` for the forward and the dKV pass, then ``row_valid`` ``[G, H', Lq]`` and the
+keys' positions in their documents ``int32 [B' or 1, Lkv]``, where telemetry finds the sink keys)."""
 
 from __future__ import annotations
 
@@ -91,7 +92,8 @@ def test_five_plans_of_equal_shapes_serialize_to_identical_bytes():
     assert len(blobs) == 1
     # and the serialization round-trips (Tessera's pytrees are registered for jax.export)
     back = jax.export.deserialize(bytearray(blobs.pop()))
-    assert back.platforms == ("tpu",) and len(back.in_avals) == 5 + 9
+    # the step's 4 arrays, then the handle, 8 MaskInfo arrays, row_valid, the keys' positions
+    assert back.platforms == ("tpu",) and len(back.in_avals) == 4 + 11
 
 
 def test_the_same_step_lowered_for_cpu_runs_the_ffi_kernels_and_equals_the_plain_call():
