@@ -404,6 +404,14 @@ mod x86 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Proptest cases: `PROPTEST_CASES` when set (the 1,500-case runs), else `default` (CI).
+    fn test_cases(default: u32) -> u32 {
+        std::env::var("PROPTEST_CASES")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(default)
+    }
     use proptest::prelude::*;
 
     /// The definition: `v - lo`, wrapped to u64, at most `span`.
@@ -552,13 +560,4 @@ mod tests {
         }
         assert!(Level::detect() <= Level::supported());
     }
-}
-
-/// Proptest cases: `PROPTEST_CASES` when set (the 1,500-case runs), else `default` (CI).
-#[cfg(test)]
-pub(crate) fn test_cases(default: u32) -> u32 {
-    std::env::var("PROPTEST_CASES")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
 }
