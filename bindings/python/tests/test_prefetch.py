@@ -17,6 +17,11 @@ from tessera.core.flex_mask import causal_documents  # noqa: E402
 L = 256
 
 
+# Workers are spawned, not forked: the suite's process has JAX's threads running by then, and a
+# fork of a multithreaded process can deadlock.
+SPAWN = "spawn"
+
+
 class Docs(torch.utils.data.Dataset):
     """Packed segment ids ``[L]`` per item (documents, padding at the tail)."""
 
@@ -35,7 +40,7 @@ def make_plan(batch):
 
 
 def test_prefetched_plans_and_block_masks_equal_direct_planning():
-    loader = torch.utils.data.DataLoader(Docs(12, 1), batch_size=2, num_workers=2)
+    loader = torch.utils.data.DataLoader(Docs(12, 1), batch_size=2, num_workers=2, multiprocessing_context=SPAWN)
     got = list(tt.PlanPrefetcher(loader, make_plan, device="cpu", depth=3, block_masks=True))
     assert len(got) == 6
     for (batch, plan), want in zip(got, loader):
@@ -65,7 +70,7 @@ def test_five_prefetched_plans_run_one_compiled_step():
     torch._dynamo.reset()
     counters.clear()
     compiled = torch.compile(step, fullgraph=True)
-    loader = torch.utils.data.DataLoader(Docs(10, 2), batch_size=2, num_workers=2)
+    loader = torch.utils.data.DataLoader(Docs(10, 2), batch_size=2, num_workers=2, multiprocessing_context=SPAWN)
     g = torch.Generator().manual_seed(0)
     n = 0
     for batch, plan in tt.PlanPrefetcher(loader, make_plan, device="cpu", block_masks=True):
