@@ -1,7 +1,11 @@
-"""Per-call time (microseconds, median of 200 after 20 warm-up calls) of tessera.torch.attention and tessera.jax.attention (small shapes: the Python
-layer's share is largest), for whichever tessera package is on sys.path: run it alternately
+"""Per-call time (microseconds, median of 200 after 20 warm-up calls) of tessera.torch.attention,
+a jitted tessera.jax.attention and a plan-cache hit (small shapes: the Python layer's share is
+largest), for whichever tessera package is on sys.path: run it alternately
 under two packages (PYTHONPATH=...) to compare their Python layers. Prints one JSON line."""
-import sys, time, statistics, json
+import json
+import statistics
+import time
+
 import numpy as np, torch, tessera, tessera.torch as tt
 import jax, jax.numpy as jnp, tessera.jax as tj
 torch.set_num_threads(1)
