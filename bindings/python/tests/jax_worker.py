@@ -57,10 +57,28 @@ def _records_err(a: dict, b: dict) -> float:
     return worst
 
 
+def _inputs(rng, b: int, h: int, hkv: int, length: int):
+    """Fresh float32 ``q [B, H, L, 32]``, ``k``/``v`` (``[B, Hkv, L, 32]``/``[.., 16]``, GQA and
+    Dqk != Dv), sink logits ``[H]`` and the loss weights of O and the LSE."""
+    import jax.numpy as jnp
+
+    def draw(*shape):
+        return jnp.asarray(rng.standard_normal(shape), jnp.float32)
+
+    return (draw(b, h, length, 32), draw(b, hkv, length, 32), draw(b, hkv, length, 16), draw(h),
+            draw(b, h, length, 16), draw(b, h, length))
+
+
+def _loss_of(o, lse, w_o, w_l):
+    """A loss over O and the LSE; the LSE of fully masked rows is -inf: only finite ones count."""
+    import jax.numpy as jnp
+
+    return jnp.sum(o * w_o) + jnp.sum(jnp.where(jnp.isfinite(lse), lse * w_l, 0.0))
+
+
 def cp(world: int, out: str) -> None:
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={world}"
     import jax
-    import jax.numpy as jnp
     import numpy as np
     from jax.sharding import Mesh
     from jax.sharding import PartitionSpec as P
@@ -75,17 +93,11 @@ def cp(world: int, out: str) -> None:
     ids[100:130] = -1  # padding inside the row: fully masked query rows
     ids[-20:] = -1
     plan = tessera.plan(tessera.causal() & tessera.document(ids), q_len=L, heads=H, block=block)
-    q = jnp.asarray(rng.standard_normal((B, H, L, 32)), jnp.float32)
-    k = jnp.asarray(rng.standard_normal((B, HKV, L, 32)), jnp.float32)
-    v = jnp.asarray(rng.standard_normal((B, HKV, L, 16)), jnp.float32)
-    sinks = jnp.asarray(rng.standard_normal(H), jnp.float32)
-    w_o = jnp.asarray(rng.standard_normal((B, H, L, 16)), jnp.float32)
-    w_l = jnp.asarray(rng.standard_normal((B, H, L)), jnp.float32)
+    q, k, v, sinks, w_o, w_l = _inputs(rng, B, H, HKV, L)
     opts = dict(softcap=20.0, return_lse=True)
 
     def loss_of(o, lse):
-        # LSE of fully masked rows is -inf: weight only the finite ones.
-        return jnp.sum(o * w_o) + jnp.sum(jnp.where(jnp.isfinite(lse), lse * w_l, 0.0))
+        return _loss_of(o, lse, w_o, w_l)
 
     def single(q, k, v, s):
         o, lse = tj.attention(q, k, v, plan, sinks=s, **opts)
@@ -108,7 +120,7 @@ def cp(world: int, out: str) -> None:
 
             def body(q, k, v, s, cpp, t, w_o, w_l):
                 o, lse, summary = tj.cp_attention(q, k, v, cpp, "cp", mode=mode, sinks=s, telemetry=t, **opts)
-                part = jnp.sum(o * w_o) + jnp.sum(jnp.where(jnp.isfinite(lse), lse * w_l, 0.0))
+                part = _loss_of(o, lse, w_o, w_l)
                 return jax.lax.psum(part, "cp"), (o, lse, summary)
 
             f = jax.shard_map(
@@ -144,7 +156,6 @@ def cp_splash(world: int, out: str) -> None:
     five plans of other documents (allgather, one partial-block bound). Writes JSON to OUT."""
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={world}"
     import jax
-    import jax.numpy as jnp
     import numpy as np
     from jax.sharding import Mesh
     from jax.sharding import PartitionSpec as P
@@ -163,16 +174,10 @@ def cp_splash(world: int, out: str) -> None:
         ids[L // 2 - 40: L // 2 - 10] = -1  # padding inside the row: fully masked query rows
         return ids
 
-    q = jnp.asarray(rng.standard_normal((B, H, L, 32)), jnp.float32)
-    k = jnp.asarray(rng.standard_normal((B, HKV, L, 32)), jnp.float32)
-    v = jnp.asarray(rng.standard_normal((B, HKV, L, 16)), jnp.float32)
-    sinks = jnp.asarray(rng.standard_normal(H), jnp.float32)
-    w_o = jnp.asarray(rng.standard_normal((B, H, L, 16)), jnp.float32)
-    w_l = jnp.asarray(rng.standard_normal((B, H, L)), jnp.float32)
+    q, k, v, sinks, w_o, w_l = _inputs(rng, B, H, HKV, L)
     opts = dict(softcap=20.0, return_lse=True)
 
-    def loss_of(o, lse, w_o, w_l):
-        return jnp.sum(o * w_o) + jnp.sum(jnp.where(jnp.isfinite(lse), lse * w_l, 0.0))
+    loss_of = _loss_of
 
     mesh = Mesh(np.array(jax.devices()[:world]), ("cp",))
     spec = P(None, None, "cp")

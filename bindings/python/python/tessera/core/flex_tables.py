@@ -53,22 +53,7 @@ def compact(plan: "Plan", mask_mod: str = "auto") -> CompactMask:
     """The plan's :class:`CompactMask`. ``mask_mod``: ``"analytic"`` (generated from the mask
     tree; ``ValueError`` with the reason when a leaf has none), ``"bits"`` (the plan's bit table)
     or ``"auto"`` (analytic where possible)."""
-    from . import flex_mask
-
-    if mask_mod not in MASK_MODS:
-        raise ValueError(f"mask_mod: expected one of {MASK_MODS}, got {mask_mod!r}")
-    _, _, lq, lkv = plan.shape
-    prog, bufs, reason = None, [], None
-    if mask_mod != "bits":
-        native_mask = plan._p.mask
-        if native_mask is None:
-            reason = "a rank's local plan of a sharding has no mask expression"
-        else:
-            prog, bufs = flex_mask.program(native_mask, lq, lkv)
-            if isinstance(prog, str):
-                reason, prog, bufs = prog, None, []
-        if reason is not None and mask_mod == "analytic":
-            raise ValueError(f"mask_mod='analytic': no analytic mask_mod for this plan: {reason}")
+    prog, bufs, reason = _analytic(plan, mask_mod)
     # Capacity of the captured bit blocks from the shapes alone for the usual masks (2 per q or
     # kv tile and (batch, head) group, at most 2^14 blocks: 32 MiB at 128-token tiles; then the
     # next power of two), so that plans of the same shapes whose partial counts differ a little
@@ -90,6 +75,30 @@ def compact(plan: "Plan", mask_mod: str = "auto") -> CompactMask:
 
     kind = "analytic" if prog is not None else "bits"
     return CompactMask(dims, flat(i32, np.int32), flat(i64, np.int64), parts, prog, kind, reason)
+
+
+def _analytic(plan: "Plan", mask_mod: str):
+    """``(program, per-token arrays, reason)`` of the analytic ``mask_mod`` for ``mask_mod``:
+    ``(None, [], reason or None)`` where the bit table serves (``"bits"``, or ``"auto"`` without
+    an analytic form); ``"analytic"`` without one raises ``ValueError`` with the reason."""
+    from . import flex_mask
+
+    if mask_mod not in MASK_MODS:
+        raise ValueError(f"mask_mod: expected one of {MASK_MODS}, got {mask_mod!r}")
+    if mask_mod == "bits":
+        return None, [], None
+    _, _, lq, lkv = plan.shape
+    prog, bufs, reason = None, [], None
+    native_mask = plan._p.mask
+    if native_mask is None:
+        reason = "a rank's local plan of a sharding has no mask expression"
+    else:
+        prog, bufs = flex_mask.program(native_mask, lq, lkv)
+        if isinstance(prog, str):
+            reason, prog, bufs = prog, None, []
+    if reason is not None and mask_mod == "analytic":
+        raise ValueError(f"mask_mod='analytic': no analytic mask_mod for this plan: {reason}")
+    return prog, bufs, reason
 
 
 def _ordered(m):
@@ -149,25 +158,26 @@ def _views(c: CompactMask, dev: Any, non_blocking: bool = False):
     return views[0], views[1], views[2], views[3:]
 
 
-def host_block_mask(plan: "Plan", c: CompactMask):
+def host_block_mask(plan: "Plan", mask_mod: str):
     """The ``BlockMask`` on the host: the eight tables straight from the plan's work lists (the
-    native export's arrays, wrapped without a copy), the ``mask_mod`` of ``c``. On the CPU this
-    beats expanding the compact arrays with tensor ops, whose per-op dispatch costs more than the
-    whole export at these sizes (4K causal: 0.03 ms against 0.35 ms)."""
+    native export's arrays, wrapped without a copy) and the ``mask_mod`` asked for. On the CPU
+    this beats expanding the compact arrays with tensor ops, whose per-op dispatch costs more than
+    the whole export at these sizes (4K causal: 0.03 ms against 0.35 ms)."""
     from torch.nn.attention.flex_attention import BlockMask
 
     from . import flex_mask
 
+    prog, bufs, _ = _analytic(plan, mask_mod)
     arrays, bits, (bg, hg, nq, nk, tq, tk, lq, lkv) = plan._p._flex_tables(2, 1 << 14)
     shapes = ((bg, hg, nq), (bg, hg, nq, nk)) * 2 + ((bg, hg, nk), (bg, hg, nk, nq)) * 2
     shapes += ((bg, hg, nq, nk),)
     tables = [torch.from_numpy(a.reshape(s)) for a, s in zip(arrays, shapes)]
     codes = tables.pop()
-    if c.prog is not None:
-        mask_mod = flex_mask.make_mask_mod(c.prog, _views(c, torch.device("cpu"))[3])
+    if prog is not None:
+        fn = flex_mask.make_mask_mod(prog, [torch.from_numpy(b) for b in bufs])
     else:
-        mask_mod = _bits_mask_mod(codes, torch.from_numpy(bits), bg, hg, tq, tk)
-    return BlockMask((lq, lkv), *tables, BLOCK_SIZE=(tq, tk), mask_mod=mask_mod)
+        fn = _bits_mask_mod(codes, torch.from_numpy(bits), bg, hg, tq, tk)
+    return BlockMask((lq, lkv), *tables, BLOCK_SIZE=(tq, tk), mask_mod=fn)
 
 
 def _bits_mask_mod(codes, bits, bg, hg, tq, tk):
@@ -207,15 +217,14 @@ def to_flex_block_mask(plan: "Plan", device: Any = "cpu", mask_mod: str = "auto"
     kept = plan._flex.setdefault("bm", {})
     if key in kept:
         return kept[key]
-    # On the CPU "auto" is the bit table: building the analytic mask_mod's per-token data costs
-    # 0.15-0.45 ms more per plan at 4K tokens (measured), more than its evaluation saves there.
-    c = compact(plan, "bits" if mask_mod == "auto" and dev.type == "cpu" else mask_mod)
-    if dev.type == "cuda":  # pinned: the copies do not wait for the device (no host sync)
-        bm = block_mask_from_compact(c.pin_memory(), dev, non_blocking=True)
-    elif dev.type == "cpu":
-        bm = host_block_mask(plan, c)
+    if dev.type == "cpu":
+        # "auto" is the bit table here: building the analytic mask_mod's per-token data costs
+        # 0.15-0.45 ms more per plan at 4K tokens (measured), more than its evaluation saves.
+        bm = host_block_mask(plan, "bits" if mask_mod == "auto" else mask_mod)
+    elif dev.type == "cuda":  # pinned: the copies do not wait for the device (no host sync)
+        bm = block_mask_from_compact(compact(plan, mask_mod).pin_memory(), dev, non_blocking=True)
     else:
-        bm = block_mask_from_compact(c, dev)
+        bm = block_mask_from_compact(compact(plan, mask_mod), dev)
     kept[key] = bm
     prepare(plan, dev)
     return bm

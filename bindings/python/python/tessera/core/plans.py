@@ -45,6 +45,17 @@ def _kv_positions(runs: tuple) -> np.ndarray:
     return pos.reshape(rows, length).astype(np.int32)
 
 
+
+def sink_positions(plan: "Plan") -> np.ndarray:
+    """``int32 [B' or 1, Lkv]``: each key's position in its document (``-1`` for padding keys), or
+    in the row when the mask has no ``document`` leaf: the sink keys are those below
+    ``sink_tokens`` (SPEC §6)."""
+    kv = plan.kv_segments()
+    if kv is None:
+        return np.arange(plan.shape[3], dtype=np.int32)[None]
+    return _kv_positions(_runs(kv))
+
+
 _handles = itertools.count(1)
 
 

@@ -32,7 +32,6 @@ import math
 import sys
 from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -207,17 +206,14 @@ def _sink_positions(plan: Any, device: Any) -> Tensor:
 
 def _build_positions(plan: Any, device: Any) -> Tensor:
     _wrap_builders()
-    from ..core.plans import _kv_positions, _runs
+    from ..core.plans import sink_positions
 
     if plan._p is None or plan._p.mask is None:
         raise ValueError(
             "telemetry: the FlexAttention engine cannot tell the sink keys of a plan without a "
             "mask (a rank's local plan of a sharding)"
         )
-    kv = plan.kv_segments()
-    lkv = plan.shape[3]
-    arr = np.arange(lkv, dtype=np.int32)[None] if kv is None else _kv_positions(_runs(kv))
-    pos = torch.from_numpy(arr).to(device)
+    pos = torch.from_numpy(sink_positions(plan)).to(device)
     plan._flex.setdefault("pos", {})[_key(device)] = pos
     return pos
 

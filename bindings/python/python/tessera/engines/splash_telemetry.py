@@ -20,21 +20,10 @@ from typing import Any, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from .. import _tessera
 
 
-def sink_positions(plan: Any) -> np.ndarray:
-    """``int32 [B' or 1, Lkv]``: each key's position in its document (``-1`` for padding keys), or
-    in the row when the mask has no ``document`` leaf: the sink keys are those below
-    ``sink_tokens`` (SPEC §6)."""
-    from ..core.plans import _kv_positions, _runs
-
-    kv = plan.kv_segments()
-    if kv is None:
-        return np.arange(plan.shape[3], dtype=np.int32)[None]
-    return _kv_positions(_runs(kv))
 
 
 def summary(
@@ -46,7 +35,7 @@ def summary(
 
     ``q [B, Hq, Lq, D]`` unscaled, ``k [B, Hkv, Lkv, D]``, ``o`` and ``lse`` the route's results
     (``lse`` with the sink), ``arrays`` the SplashInfo leaves with their group axis (``[G, ...]``;
-    ``batched``: G is B), ``kv_pos`` ``[B' or 1, Lkv]`` (:func:`sink_positions`)."""
+    ``batched``: G is B), ``kv_pos`` ``[B' or 1, Lkv]`` (``tessera.core.plans.sink_positions``)."""
     f32 = jnp.float32
     b, hq, lq, d = q.shape
     hkv, lkv = k.shape[1], k.shape[2]

@@ -157,7 +157,7 @@ def _stacked_splash_infos(local: List[Plan], bound: Optional[int]) -> Any:
 def _local_sink_positions(glob: Plan, layouts: List[np.ndarray]) -> np.ndarray:
     """Each rank's local keys' positions in their documents (``-1`` for padding keys and for the
     padded slots of the needed layout), from the global row's: ``[R, B' or 1, Lkv_local]``."""
-    from ..engines.splash_telemetry import sink_positions
+    from ..core.plans import sink_positions
 
     pos = sink_positions(glob)
     out = []

@@ -23,26 +23,36 @@ LAYOUTS = ("bhld", "blhd")
 BACKENDS = ("auto", "ffi", "splash")
 
 
-def _coverage(q, cfg: _Cfg) -> np.ndarray:
+def _coverage(q, layout: str) -> np.ndarray:
     """A logging step's two coverage columns per head, as (hi, lo) pairs: the query rows
     summarised (``B·Lq`` of this call) and the devices reduced (1)."""
-    b, hq, lq = (q.shape[0], q.shape[1], q.shape[2]) if cfg.layout == "bhld" else (q.shape[0], q.shape[2], q.shape[1])
+    b, hq, lq = (q.shape[0], q.shape[1], q.shape[2]) if layout == "bhld" else (q.shape[0], q.shape[2], q.shape[1])
     rows = b * lq
     hi = float(np.float32(rows))  # exact below 2**24; the lo word carries any remainder
     return np.broadcast_to(np.array([[hi, rows - hi], [1.0, 0.0]], np.float32), (hq, 2, 2))
 
 
+def _on_logging_steps(every: int, step: Any, logged, plain, args):
+    """``logged(args)`` on the steps that log (``step % every == 0``), else ``plain(args)``: a
+    ``lax.cond`` on the traced step, so one compilation serves both and a quiet step runs only
+    ``plain``; ``every == 0`` never logs. Both routes' telemetry goes through here."""
+    import jax
+    import jax.numpy as jnp
+
+    if every == 0:
+        return plain(args)
+    is_logging = (jnp.asarray(step, jnp.int32) % every) == 0
+    return jax.lax.cond(is_logging, logged, plain, args)
+
+
 def _core_impl(q, k, v, handle, sinks, step, cfg: _Cfg):
     """O, LSE and the telemetry summary (``[0]`` without telemetry) of one call."""
-    import jax
     import jax.numpy as jnp
 
     if cfg.tel is None:
         o, lse, _ = _forward_call(q, k, v, handle, sinks, cfg, False)
         return o, lse, jnp.zeros((0,), np.float32)
-    every = max(cfg.tel.every, 1)
-
-    cov = _coverage(q, cfg)
+    cov = _coverage(q, cfg.layout)
 
     def logged(args):
         o, lse, _, stats = _forward_call(*args, cfg, True)
@@ -54,10 +64,7 @@ def _core_impl(q, k, v, handle, sinks, step, cfg: _Cfg):
         (zeros,) = _varying([jnp.zeros((cov.shape[0], SUMMARY_COLUMNS, 2), np.float32)], args)
         return o, lse, zeros
 
-    if cfg.tel.every == 0:
-        return plain((q, k, v, handle, sinks))
-    is_logging = (jnp.asarray(step, jnp.int32) % every) == 0
-    return jax.lax.cond(is_logging, logged, plain, (q, k, v, handle, sinks))
+    return _on_logging_steps(cfg.tel.every, step, logged, plain, (q, k, v, handle, sinks))
 
 
 @functools.lru_cache(maxsize=None)
@@ -270,7 +277,7 @@ def _splash_attention(q, k, v, ref, scale, softcap, sinks, return_lse, telemetry
             raise ValueError(
                 "telemetry: the Splash route finds the sink keys from the plan's documents; pass "
                 "tessera.jax.plan_ref(plan, splash=True) to the jitted function")
-        from ..engines.splash_telemetry import sink_positions
+        from ..core.plans import sink_positions
 
         pos = sink_positions(ref.plan)
     if layout == "blhd":
@@ -297,10 +304,7 @@ def _splash_summary(q, k, o, lse, sinks, info, pos, scale, softcap, telemetry):
     from ..engines.splash_telemetry import summary
 
     cfg = telemetry.config
-    b, hq, lq, _ = q.shape
-    rows = b * lq
-    hi = float(np.float32(rows))  # as the FFI route: (hi, lo) pairs, exact counts
-    cov = np.broadcast_to(np.array([[hi, rows - hi], [1.0, 0.0]], np.float32), (hq, 2, 2))
+    cov = _coverage(q, "bhld")
     sg = jax.lax.stop_gradient
     args = (sg(q), sg(k), sg(o), sg(lse), None if sinks is None else sg(jnp.asarray(sinks)))
     arrays = info.tree_flatten()[0]
@@ -313,10 +317,7 @@ def _splash_summary(q, k, o, lse, sinks, info, pos, scale, softcap, telemetry):
         return jnp.concatenate([stats, c], axis=1)
 
     def plain(args):
-        (zeros,) = _varying([jnp.zeros((hq, SUMMARY_COLUMNS, 2), np.float32)], args[:4])
+        (zeros,) = _varying([jnp.zeros((cov.shape[0], SUMMARY_COLUMNS, 2), np.float32)], args[:4])
         return zeros
 
-    if cfg.every == 0:
-        return plain(args)
-    is_logging = (jnp.asarray(telemetry.step, jnp.int32) % max(cfg.every, 1)) == 0
-    return jax.lax.cond(is_logging, logged, plain, args)
+    return _on_logging_steps(cfg.every, telemetry.step, logged, plain, args)

@@ -122,7 +122,7 @@ def plan_ref(plan: Plan, *, splash: Optional[bool] = None, max_partial_blocks: O
         check_tiles(*plan.block)  # Splash (and so a TPU lowering) runs kv tiles of 128·n only
         info = splash_info(plan, max_partial_blocks=max_partial_blocks)
         if plan._p.mask is not None:
-            from ..engines.splash_telemetry import sink_positions
+            from ..core.plans import sink_positions
 
             pos = sink_positions(plan)
     return PlanRef(_handle_of(plan), _meta(plan), info, plan, pos)
