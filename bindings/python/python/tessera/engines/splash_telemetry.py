@@ -41,8 +41,7 @@ def summary(
     hkv, lkv = k.shape[1], k.shape[2]
     tq, tk = block
     nq, nk = -(-lq // tq), -(-lkv // tk)
-    _, _, bmask, pblocks = arrays[:4]
-    mnext = arrays[1]
+    _, mnext, bmask, pblocks = arrays[:4]  # the forward MaskInfo
     valid = _by_batch_head(arrays[8][..., :lq], b, hq, batched)  # [B, Hq, Lq]
     lse_v = jnp.where(valid, lse, 0.0)
     # the tile pass: the max logit always, the sink stream's sums when it is on
