@@ -873,17 +873,12 @@ def _wait_released(handles, timeout=10.0):
 
 def _stale_handle_setup():
     plan = tessera.plan(tessera.causal(), q_len=64, heads=2, block=32, cache=False)
-    gc.collect()  # plans left for the collector by earlier tests go first
-    before = _tessera.ffi_registry_size()
     ref = tj.plan_ref(plan)
-    assert _tessera.ffi_registry_size() == before + 1
     words, meta = np.array(ref.handle), ref.meta
     h = _handle_int(words)
     assert _tessera.ffi_registered(h)
-    size = _tessera.ffi_registry_size()
     del ref, plan
     assert _wait_released([h])  # released with the Plan
-    assert _tessera.ffi_registry_size() < size
     return words, meta
 
 
@@ -934,15 +929,15 @@ def test_plans_leave_the_registry_when_collected():
                           block=16) for i in range(3)]
     g = np.random.default_rng(1)
     f = jax.jit(lambda q, p: tj.attention(q, q, q, p))
-    gc.collect()  # plans left for the collector by earlier tests go first
-    before = _tessera.ffi_registry_size()
     for p in plans:
         f(g.standard_normal((1, 1, p.shape[2], 8)).astype(np.float32), p).block_until_ready()
-    assert _tessera.ffi_registry_size() == before + 3
-    refs = [tj.plan_ref(p) for p in plans]  # one handle per plan, however often it is used
-    assert _tessera.ffi_registry_size() == before + 3
+    # One handle per plan, however often it is used (earlier tests' plans may still be leaving
+    # the registry meanwhile, so the handles are compared, not the registry's size).
+    refs = [tj.plan_ref(p) for p in plans]
     handles = [_handle_int(r.handle) for r in refs]
-    assert len(set(handles)) == 3 and all(_tessera.ffi_registered(h) for h in handles)
+    again = [_handle_int(tj.plan_ref(p).handle) for p in plans]
+    assert handles == again and len(set(handles)) == 3
+    assert all(_tessera.ffi_registered(h) for h in handles)
     del refs, p
     size = _tessera.ffi_registry_size()
     plans.pop()
@@ -951,7 +946,6 @@ def test_plans_leave_the_registry_when_collected():
     assert _tessera.ffi_registry_size() < size
     del plans
     assert _wait_released(handles)
-    assert _tessera.ffi_registry_size() <= before
 
 
 _INLINE_PLAN_SCRIPT = r"""

@@ -481,6 +481,33 @@ def test_backward_works_when_the_plan_object_is_gone():
         assert torch.equal(a.grad, b.grad)
 
 
+def test_a_plan_is_freed_with_its_last_reference():
+    # No reference cycle between a Plan and its handle tensor: a dropped plan (and its tables)
+    # is freed at once, not at the next garbage collection; one kept alive by an autograd graph
+    # is freed with the graph.
+    import weakref
+
+    gc.disable()
+    try:
+        plan = tessera.plan(tessera.causal(), q_len=64, block=16, cache=False)
+        plan.to_flex_block_mask()
+        assert plan._handle_tensor is not None
+        ref, native = weakref.ref(plan), weakref.ref(plan._native)
+        del plan
+        assert ref() is None and native() is None
+        q, k, v = (torch.randn(1, 1, 64, 16, requires_grad=True) for _ in range(3))
+        plan = tessera.plan(tessera.causal(), q_len=64, block=16, cache=False)
+        native = weakref.ref(plan._native)
+        o = tt.attention(q, k, v, plan)
+        del plan
+        assert native() is not None  # the graph keeps the native plan for the backward
+        o.sum().backward()
+        del o
+        assert native() is None
+    finally:
+        gc.enable()
+
+
 # -- bad inputs ----------------------------------------------------------------------------------
 
 

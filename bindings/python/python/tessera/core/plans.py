@@ -59,7 +59,19 @@ def sink_positions(plan: "Plan") -> np.ndarray:
 _handles = itertools.count(1)
 
 
-_registry: "weakref.WeakValueDictionary[int, Plan]" = weakref.WeakValueDictionary()
+class _Native:
+    """What a plan's handle names: the native plan alone. The handle tensor holds it, and the
+    :class:`Plan` holds the tensor, so nothing refers back to the ``Plan`` and a plan is freed
+    as soon as its last reference goes (a cycle would leave every plan to the garbage
+    collector, with its tables, until the next collection)."""
+
+    __slots__ = ("_p", "__weakref__")
+
+    def __init__(self, native: "_tessera.Plan") -> None:
+        self._p = native
+
+
+_registry: "weakref.WeakValueDictionary[int, _Native]" = weakref.WeakValueDictionary()
 
 
 _registry_lock = threading.Lock()
@@ -69,16 +81,17 @@ class Plan:
     """A plan: which tiles of ``[B, H, Lq, Lkv]`` are empty, full or partial, with the work
     lists the kernels walk. Made by :func:`plan`; reused across layers and steps."""
 
-    __slots__ = ("_p", "_handle", "_handle_tensor", "_traced", "_flex", "__weakref__")
+    __slots__ = ("_p", "_native", "_handle", "_handle_tensor", "_traced", "_flex", "__weakref__")
 
     def __init__(self, native: "_tessera.Plan") -> None:
         self._p = native
         # Set only on the stand-in JAX rebuilds inside a traced function (a `tessera.jax.PlanRef`
         # holding the traced handle); see tessera.jax.
         self._traced = None
+        self._native = _Native(native)
         with _registry_lock:
             self._handle = next(_handles)
-            _registry[self._handle] = self
+            _registry[self._handle] = self._native
         # The op passes the plan as a 0-d int64 tensor (a tensor, so compiled graphs are not
         # specialized on it); made now when torch is loaded, else on first use.
         torch = sys.modules.get("torch")
@@ -165,11 +178,11 @@ class Plan:
 
 
 def _handle_tensor(torch: Any, plan: "Plan") -> Any:
-    """The plan's 0-d int64 handle tensor. It holds the plan as an attribute, so an autograd graph
-    (which saves the handle) keeps the plan alive until its backward ran, even when the caller
-    dropped it (``attention(q, k, v, tessera.plan(...))``)."""
+    """The plan's 0-d int64 handle tensor. It holds the native plan as an attribute, so an
+    autograd graph (which saves the handle) keeps what the backward needs alive until it ran,
+    even when the caller dropped the plan (``attention(q, k, v, tessera.plan(...))``)."""
     h = torch.tensor(plan._handle, dtype=torch.int64)
-    h._tessera_plan = plan
+    h._tessera_plan = plan._native
     return h
 
 
@@ -180,11 +193,12 @@ def check_plan(plan: Any, name: str = "plan") -> "Plan":
     return plan
 
 
-def _plan_of(handle: int) -> Plan:
+def _native_of(handle: int) -> "_tessera.Plan":
+    """The native plan a handle names, while its :class:`Plan` or handle tensor lives."""
     p = _registry.get(int(handle))
     if p is None:
         raise ValueError("plan: this plan no longer exists (keep the Plan object alive while using it)")
-    return p
+    return p._p
 
 
 def plan(

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from .. import _tessera
-from ..core.plans import Plan, _handle_tensor, _plan_of
+from ..core.plans import Plan, _handle_tensor, _native_of
 
 
 # -- zero-copy numpy views ----------------------------------------------------------------------
@@ -54,7 +54,7 @@ def _attention_fwd(
     softcap: Optional[float],
     sinks: Optional[Tensor],
 ) -> Tuple[Tensor, Tensor, Tensor]:
-    plan = _plan_of(int(handle))
+    plan = _native_of(int(handle))
     b, hq, lq, _ = q.shape
     dv = v.shape[-1]
     o = torch.empty((b, hq, lq, dv), dtype=q.dtype)
@@ -62,7 +62,7 @@ def _attention_fwd(
     max_logit = torch.empty((b, hq), dtype=torch.float32)
     q, k, v = _in_layout(q), _in_layout(k), _in_layout(v)
     _tessera.attention_forward(
-        plan._p,
+        plan,
         _np(q),
         _np(k),
         _np(v),
@@ -98,7 +98,7 @@ def _attention_bwd(
     softcap: Optional[float],
     sinks: Optional[Tensor],
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    plan = _plan_of(int(handle))
+    plan = _native_of(int(handle))
     dq = torch.empty(q.shape, dtype=q.dtype)
     dk = torch.empty(k.shape, dtype=q.dtype)
     dv = torch.empty(v.shape, dtype=q.dtype)
@@ -106,7 +106,7 @@ def _attention_bwd(
     dsinks = torch.empty((hq if sinks is not None else 0,), dtype=torch.float32)
     q, k, v, o, d_o = (_in_layout(x) for x in (q, k, v, o, d_o))
     _tessera.attention_backward(
-        plan._p,
+        plan,
         _np(q),
         _np(k),
         _np(v),
@@ -151,7 +151,7 @@ def _attention_fwd_logged(
     outlier_stream: bool,
     sink_flags: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    plan = _plan_of(int(handle))
+    plan = _native_of(int(handle))
     b, hq, lq, _ = q.shape
     o = torch.empty((b, hq, lq, v.shape[-1]), dtype=q.dtype)
     lse = torch.empty((b, hq, lq), dtype=torch.float32)
@@ -159,7 +159,7 @@ def _attention_fwd_logged(
     stats = torch.empty((hq, _tessera.TELEMETRY_COLUMNS), dtype=torch.float64)
     q, k, v = _in_layout(q), _in_layout(k), _in_layout(v)
     _tessera.attention_forward_logged(
-        plan._p,
+        plan,
         _np(q),
         _np(k),
         _np(v),

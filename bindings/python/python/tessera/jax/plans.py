@@ -72,6 +72,7 @@ def _unflatten_plan(meta: _Meta, children) -> Plan:
     tree round trips and ahead-of-time compiled steps see the same pytree."""
     p = Plan.__new__(Plan)
     p._p = None
+    p._native = None
     p._handle = None
     p._handle_tensor = None
     p._flex = {}
