@@ -411,12 +411,20 @@ impl PyPlan {
         (usize, usize, usize, usize, usize, usize, usize, usize),
     )> {
         let plan = self.inner.clone();
+        // The two constant blocks first, then the plan's blocks behind them: copied once.
+        let (tq, tk) = (plan.tile.q, plan.tile.kv);
+        let row = tq * tk.div_ceil(64);
+        let groups = plan.batch_groups * plan.head_groups;
+        let floor = bits_floor(groups, plan.q_tiles, plan.kv_tiles, per_tile, max_floor);
+        let expect = (plan.partials.len() + 2).max(floor).next_power_of_two();
+        let mut lead = Vec::with_capacity(expect * row);
+        lead.resize(row, 0);
+        lead.resize(2 * row, u64::MAX);
         let (f, bits) = py
-            .detach(|| tessera::export::flex::export_packed(&plan))
+            .detach(|| tessera::export::flex::export_packed_after(&plan, lead))
             .map_err(to_py)?;
         let (bg, hg) = f.groups;
         let (nq, nk) = f.blocks;
-        let (tq, tk) = f.block_size;
         let codes: Vec<i32> = f
             .mask_tile_states
             .iter()
@@ -441,7 +449,12 @@ impl PyPlan {
         .into_iter()
         .map(|v| v.into_pyarray(py))
         .collect();
-        let padded = padded_bits(py, &bits, (bg * hg, nq, nk, tq, tk), per_tile, max_floor)?;
+        let mut bits = bits;
+        if bits.len() == 2 * row {
+            // No partial block: one all-clear block stands in (as in the compact export).
+            bits.resize(3 * row, 0);
+        }
+        let padded = led_bits(py, bits, (tq, tk), floor)?;
         Ok((
             tables,
             padded,
@@ -545,9 +558,18 @@ impl PyPlan {
     }
 }
 
+/// The least block capacity of a bit table: `min(per_tile * groups * max(nq, nk), max_floor)`
+/// (so that plans of the same shapes share one compiled kernel).
+fn bits_floor(groups: usize, nq: usize, nk: usize, per_tile: usize, max_floor: usize) -> usize {
+    per_tile
+        .saturating_mul(groups)
+        .saturating_mul(nq.max(nk))
+        .min(max_floor)
+}
+
 /// Packed partial-block bits as int64 `[capacity, tq, ceil(tk / 64)]`: code 0 all clear, code 1
 /// all set, then the blocks, zero past them; `capacity` is the next power of two of at least the
-/// codes used and of `min(per_tile * groups * max(nq, nk), max_floor)`.
+/// codes used and of `floor` ([`bits_floor`]).
 fn padded_bits<'py>(
     py: Python<'py>,
     bits: &[u64],
@@ -556,19 +578,27 @@ fn padded_bits<'py>(
     max_floor: usize,
 ) -> PyResult<Bound<'py, PyAny>> {
     let row = tq * tk.div_ceil(64);
-    let n = bits.len() / row.max(1);
-    let floor = per_tile
-        .saturating_mul(groups)
-        .saturating_mul(nq.max(nk))
-        .min(max_floor);
-    let capacity = (n + 2).max(floor).next_power_of_two();
-    // The same bits as int64 (torch has no general uint64 support).
-    let mut padded = vec![0i64; capacity * row];
-    padded[row..2 * row].fill(-1);
-    padded[2 * row..]
-        .iter_mut()
-        .zip(bits)
-        .for_each(|(o, &w)| *o = w as i64);
+    let mut led = Vec::with_capacity(bits.len() + 2 * row);
+    led.resize(row, 0);
+    led.resize(2 * row, u64::MAX);
+    led.extend_from_slice(bits);
+    let floor = bits_floor(groups, nq, nk, per_tile, max_floor);
+    led_bits(py, led, (tq, tk), floor)
+}
+
+/// [`padded_bits`] of words already led by the two constant blocks, padded in place and
+/// reinterpreted as int64 (torch has no general uint64 support) without a copy.
+fn led_bits<'py>(
+    py: Python<'py>,
+    mut led: Vec<u64>,
+    (tq, tk): (usize, usize),
+    floor: usize,
+) -> PyResult<Bound<'py, PyAny>> {
+    let row = tq * tk.div_ceil(64);
+    let capacity = (led.len() / row.max(1)).max(floor).next_power_of_two();
+    led.resize(capacity * row, 0);
+    // Same size and alignment: collected in place.
+    let padded: Vec<i64> = led.into_iter().map(|w| w as i64).collect();
     Ok(padded
         .into_pyarray(py)
         .reshape([capacity, tq, tk.div_ceil(64)])?

@@ -78,7 +78,7 @@ fn ordered_row(active: &[u32], mark: &mut [bool], out: &mut [i32]) {
 
 /// FlexAttention `BlockMask` tensors of `plan`.
 pub fn export(plan: &Plan) -> Result<FlexArrays> {
-    Ok(export_impl(plan, true)?.0)
+    Ok(export_impl(plan, None)?.0)
 }
 
 /// [`export`] with the partial-block contents as packed bit rows instead of `mask_blocks`
@@ -86,7 +86,19 @@ pub fn export(plan: &Plan) -> Result<FlexArrays> {
 /// when (query `r`, key `c`) of the block is allowed. A `mask_mod` can read these directly (no
 /// `n·tile.q·tile.kv` bool array is built; the live export path of the Python bindings).
 pub fn export_packed(plan: &Plan) -> Result<(FlexArrays, Vec<u64>)> {
-    export_impl(plan, false)
+    let (a, mut packed) = export_impl(plan, Some(Vec::new()))?;
+    if packed.is_empty() {
+        packed = vec![0; plan.tile.q * plan.partials.words_per_row];
+    }
+    Ok((a, packed))
+}
+
+/// [`export_packed`] appending the blocks to `lead` (words the caller keeps in front of them,
+/// such as its own constant blocks; the block ids in the arrays count from the first appended
+/// block), so that a caller laying the blocks out behind a header copies them once. Nothing is
+/// appended when no block is partial.
+pub fn export_packed_after(plan: &Plan, lead: Vec<u64>) -> Result<(FlexArrays, Vec<u64>)> {
+    export_impl(plan, Some(lead))
 }
 
 /// The active tiles of a plan in row-major order over `[B', H', nq, nk]`, O(active tiles): what
@@ -213,7 +225,9 @@ fn visit_rows(
     n_blocks
 }
 
-fn export_impl(plan: &Plan, bools: bool) -> Result<(FlexArrays, Vec<u64>)> {
+/// The arrays, with the partial blocks as `mask_blocks` (`packed` None) or appended to `packed`.
+fn export_impl(plan: &Plan, packed: Option<Vec<u64>>) -> Result<(FlexArrays, Vec<u64>)> {
+    let bools = packed.is_none();
     crate::check_budget(plan, "flex export")?;
     let c = Contents::new(plan);
     let (nq, nk) = (plan.q_tiles, plan.kv_tiles);
@@ -249,7 +263,7 @@ fn export_impl(plan: &Plan, bools: bool) -> Result<(FlexArrays, Vec<u64>)> {
         mask_blocks: Vec::new(),
     };
     let (tq, tk) = (plan.tile.q, plan.tile.kv);
-    let mut packed: Vec<u64> = Vec::new();
+    let mut packed: Vec<u64> = packed.unwrap_or_default();
     let mut mark_k = vec![false; nk];
     let (mut part, mut full) = (Vec::new(), Vec::new());
     let mut mask_blocks = Vec::new();
@@ -311,12 +325,8 @@ fn export_impl(plan: &Plan, bools: bool) -> Result<(FlexArrays, Vec<u64>)> {
             }
         }
     }
-    if n_blocks == 0 {
-        if bools {
-            a.mask_blocks = vec![false; tq * tk];
-        } else {
-            packed = vec![0; tq * plan.partials.words_per_row];
-        }
+    if n_blocks == 0 && bools {
+        a.mask_blocks = vec![false; tq * tk];
     }
     Ok((a, packed))
 }

@@ -21,6 +21,11 @@ use std::time::Instant;
 use tessera_mask::{BandFeatures, Mask, SegmentIds};
 use tessera_plan::{build_plan, stage1_census, PlanShape, TileShape};
 
+// The allocator the Python package uses (glibc's malloc re-faults a plan's freed pages on every
+// build, which made these times vary by half between runs).
+#[global_allocator]
+static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[path = "../tests/common/tree.rs"]
 mod tree;
 

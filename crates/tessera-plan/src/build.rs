@@ -330,7 +330,7 @@ impl Refine<'_> {
                 }
                 // Stage 2: exact refinement at token level.
                 node.eval(g, qt, kt, &mut self.bits, &mut self.pool);
-                let n: u64 = self.bits.iter().map(|w| w.count_ones() as u64).sum();
+                let n = simd::count_ones(&self.bits);
                 let t = if n == 0 {
                     None
                 } else if n == rows * cols {

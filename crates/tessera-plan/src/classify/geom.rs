@@ -38,26 +38,44 @@ impl Geom {
 }
 
 /// A 64-bit hash of `words` (the length included) for content-addressed tables, whose
-/// collisions are resolved by comparing contents: four independent multiply-rotate lanes, so
-/// hashing a partial bitmask is not one long dependency chain.
+/// collisions are resolved by comparing contents: four independent multiply-rotate lanes (word
+/// `i` into lane `i % 4`, held in registers), so hashing a partial bitmask is not one long
+/// dependency chain.
 pub(crate) fn hash_words(words: &[u64]) -> u64 {
-    hash_iter(words.len(), words.iter().copied())
+    let mut lanes = LANES;
+    let mut quads = words.chunks_exact(4);
+    for q in &mut quads {
+        lanes = [
+            step(lanes[0], q[0]),
+            step(lanes[1], q[1]),
+            step(lanes[2], q[2]),
+            step(lanes[3], q[3]),
+        ];
+    }
+    for (lane, &w) in lanes.iter_mut().zip(quads.remainder()) {
+        *lane = step(*lane, w);
+    }
+    lanes.iter().fold(words.len() as u64, |a, &l| step(a, l))
 }
 
 /// [`hash_words`] of the `len` words `words` yields, without collecting them.
 pub(crate) fn hash_iter(len: usize, words: impl Iterator<Item = u64>) -> u64 {
-    const P: u64 = 0x0100_0000_01b3;
-    let step = |a: u64, w: u64| (a ^ w).wrapping_mul(P).rotate_left(29);
-    let mut lanes = [
-        0xcbf2_9ce4_8422_2325u64,
-        0x9e37_79b9_7f4a_7c15,
-        0x6c62_272e_07bb_0142,
-        0x2545_f491_4f6c_dd1d,
-    ];
+    let mut lanes = LANES;
     for (i, w) in words.enumerate() {
         lanes[i % 4] = step(lanes[i % 4], w);
     }
     lanes.iter().fold(len as u64, |a, &l| step(a, l))
+}
+
+const LANES: [u64; 4] = [
+    0xcbf2_9ce4_8422_2325,
+    0x9e37_79b9_7f4a_7c15,
+    0x6c62_272e_07bb_0142,
+    0x2545_f491_4f6c_dd1d,
+];
+
+fn step(a: u64, w: u64) -> u64 {
+    (a ^ w).wrapping_mul(0x0100_0000_01b3).rotate_left(29)
 }
 
 /// Sets bits [lo, hi) of `row`, clipped to [0, ncols).

@@ -3,15 +3,17 @@
 //! hi_k)`). A tree-causal mask (`pre[j] <= pre[i] < end[j]`) is such a pair, and so is every
 //! band intersected with another over the same query feature.
 //!
-//! Contract: the leaf allows exactly the pairs all its bands allow. Stage 1 lists, per q tile,
-//! the kv tiles holding a key whose interval contains one of the tile's query values, found
-//! from the keys' side over the query values sorted once (O(L log L), then per key the matching
-//! query tiles), so tiles no interval reaches are never visited even when the features scatter
-//! (the per-band ranges alone leave them partial); Full is proved from per-tile interval
-//! bounds. Stage 2 compares each row's value against the tile's intervals in SIMD
-//! ([`super::simd::tile_in_intervals32`]) as u32 offsets where the tile's span fits, else one
-//! key at a time. Everything is exact in i128 or clamped to i64 values, so features near the
-//! ends of i64 do not wrap.
+//! Contract: the leaf allows exactly the pairs all its bands allow. The query rows are ranked
+//! once by value ([`Ranked`]: a counting sort where the values span a few times the row count,
+//! else a sort), so each key's interval is a *run* of consecutive ranks: the rows it allows.
+//! Stage 1 lists, per q tile, the kv tiles whose merged runs reach one of its rows (tiles no
+//! interval reaches are never visited, however the features scatter); Full is proved from
+//! per-tile interval bounds. Stage 2 takes, per kv-tile column, the cheaper of two exact
+//! paths: walking the runs of the column's keys (work proportional to the pairs they allow:
+//! the sparse tiles of a tree), recorded per partial tile as bit positions; or comparing each
+//! row's value against the tile's intervals in SIMD ([`super::simd::tile_in_intervals32`]) as
+//! u32 offsets where the tile's span fits, else one key at a time. Everything is exact in i128
+//! or clamped to i64 values, so features near the ends of i64 do not wrap.
 
 use super::geom::Geom;
 use super::simd;
@@ -39,6 +41,12 @@ pub(crate) struct IntervalLeaf<'a> {
     /// at `list[off[qt]..off[qt + 1]]`.
     off: Vec<u32>,
     list: Vec<u32>,
+    /// Per kv tile, whether its column's partial tiles were refined by run walks; then per
+    /// entry of `list` in such a column that is not Full, its allowed pairs as bit positions
+    /// in the tile (`row * 64 * wpr + column`) at `bitpos[a..b]`, `(a, b) = walked[entry]`.
+    walked: Vec<(u32, u32)>,
+    by_runs: Vec<bool>,
+    bitpos: Vec<u32>,
     pub(super) q_reach: Vec<Option<(usize, usize)>>,
     /// Stage 2's rows to compare: (row, value - base).
     scratch: std::cell::RefCell<Vec<(u32, u32)>>,
@@ -47,34 +55,146 @@ pub(crate) struct IntervalLeaf<'a> {
 /// Tile grids up to which the list of reached tiles is built (a bitmap of nq x nk bits: 32 MiB).
 const MAX_GRID: usize = 1 << 28;
 
+/// How many 16-key SIMD compares one step of a run walk costs (measured on Zen 4: a walk step
+/// loads a rank's row, looks its tile up and sets one bit, about a quarter of a nanosecond per
+/// compared 16 keys of a row; see BENCHMARKS.md, session 15).
+const RUN_STEP_COST: u64 = 4;
+
+/// Which stage-2 path the leaf takes per kv-tile column (tests force each one).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Stage2 {
+    /// The cheaper one per column.
+    Cheaper,
+    /// Run walks wherever a column has partial tiles.
+    #[cfg(test)]
+    Runs,
+    /// Row compares everywhere.
+    #[cfg(test)]
+    Rows,
+}
+
+/// The query values ranked: `order` lists the rows by value (ties by row), and [`Ranked::lt`]
+/// counts the values below a bound.
+struct Ranked {
+    order: Vec<u32>,
+    min: i64,
+    max: i64,
+    below: Below,
+}
+
+enum Below {
+    /// `counts[x]` = how many values are below `min + x`, for x in `0..=max - min + 1`.
+    Dense(Vec<u32>),
+    /// The values, sorted.
+    Sorted(Vec<i64>),
+}
+
+impl Ranked {
+    /// Counting sort when the values span at most a few times their number, else a sort.
+    fn new(q: &[i64]) -> Ranked {
+        let (min, max) = q
+            .iter()
+            .fold((i64::MAX, i64::MIN), |(a, b), &v| (a.min(v), b.max(v)));
+        let span = max as i128 - min as i128;
+        if q.is_empty() {
+            return Ranked {
+                order: Vec::new(),
+                min,
+                max,
+                below: Below::Sorted(Vec::new()),
+            };
+        }
+        if span <= 4 * q.len() as i128 + 64 {
+            let span = span as usize;
+            let mut counts = vec![0u32; span + 2];
+            for &v in q {
+                counts[v.wrapping_sub(min) as u64 as usize + 1] += 1;
+            }
+            for x in 1..counts.len() {
+                counts[x] += counts[x - 1];
+            }
+            let mut next = counts[..span + 1].to_vec();
+            let mut order = vec![0u32; q.len()];
+            for (i, &v) in q.iter().enumerate() {
+                let b = v.wrapping_sub(min) as u64 as usize;
+                order[next[b] as usize] = i as u32;
+                next[b] += 1;
+            }
+            return Ranked {
+                order,
+                min,
+                max,
+                below: Below::Dense(counts),
+            };
+        }
+        let (order, values): (Vec<u32>, Vec<i64>) = if span < 1 << 32 {
+            // One u64 per row (offset above min, then row): a single-word sort.
+            let mut keys: Vec<u64> = q
+                .iter()
+                .enumerate()
+                .map(|(i, &v)| (v.wrapping_sub(min) as u64) << 32 | i as u64)
+                .collect();
+            keys.sort_unstable();
+            keys.iter()
+                .map(|&k| (k as u32, min.wrapping_add((k >> 32) as i64)))
+                .unzip()
+        } else {
+            let mut pairs: Vec<(i64, u32)> =
+                q.iter().enumerate().map(|(i, &v)| (v, i as u32)).collect();
+            pairs.sort_unstable();
+            pairs.iter().map(|&(v, i)| (i, v)).unzip()
+        };
+        Ranked {
+            order,
+            min,
+            max,
+            below: Below::Sorted(values),
+        }
+    }
+
+    /// How many values are below `x`.
+    fn lt(&self, x: i64) -> u32 {
+        if x <= self.min {
+            return 0;
+        }
+        if x > self.max {
+            return self.order.len() as u32;
+        }
+        match &self.below {
+            // min < x <= max, so x - min is within the span.
+            Below::Dense(c) => c[x.wrapping_sub(self.min) as u64 as usize],
+            Below::Sorted(v) => v.partition_point(|&y| y < x) as u32,
+        }
+    }
+
+    /// The ranks of the values in `[a, b]` (a <= b).
+    fn run(&self, a: i64, b: i64) -> (u32, u32) {
+        let end = if b == i64::MAX {
+            self.order.len() as u32
+        } else {
+            self.lt(b + 1)
+        };
+        (self.lt(a), end)
+    }
+}
+
 impl<'a> IntervalLeaf<'a> {
     /// The leaf of bands `(g_k, lo_k, hi_k)` over the query feature `q` (`bands` non-empty, every
     /// `g_k` as long as the kv side). `None` when the tile grid is too large for its lists.
     pub(super) fn new(g: &Geom, q: &'a [i64], bands: &[(&[i64], i64, i64)]) -> Option<Self> {
+        Self::with_stage2(g, q, bands, Stage2::Cheaper)
+    }
+
+    pub(super) fn with_stage2(
+        g: &Geom,
+        q: &'a [i64],
+        bands: &[(&[i64], i64, i64)],
+        how: Stage2,
+    ) -> Option<Self> {
         if g.nq.checked_mul(g.nk)? > MAX_GRID {
             return None;
         }
-        // In i128 (no wrap), then clamped to i64: an interval wholly above or below the i64
-        // values is empty (clamping its nearer end would make it hold MAX or MIN).
-        let (mut li, mut ri) = (vec![i128::MIN; g.lkv], vec![i128::MAX; g.lkv]);
-        for &(feat, lo, hi) in bands {
-            for (j, &v) in feat.iter().enumerate() {
-                li[j] = li[j].max(v as i128 + lo as i128);
-                ri[j] = ri[j].min(v as i128 + hi as i128);
-            }
-        }
-        let (min, max) = (i64::MIN as i128, i64::MAX as i128);
-        let (l, r): (Vec<i64>, Vec<i64>) = li
-            .iter()
-            .zip(&ri)
-            .map(|(&a, &b)| {
-                if a > b || a > max || b < min {
-                    (i64::MAX, i64::MIN)
-                } else {
-                    (a.max(min) as i64, b.min(max) as i64)
-                }
-            })
-            .unzip();
+        let (l, r) = intervals(g.lkv, bands);
         let q_sum: Vec<(i64, i64)> = q
             .chunks(g.tq)
             .map(|c| {
@@ -88,18 +208,20 @@ impl<'a> IntervalLeaf<'a> {
         for kt in 0..g.nk {
             let (j0, j1) = (kt * g.tk, ((kt + 1) * g.tk).min(g.lkv));
             let (ls, rs) = (&l[j0..j1], &r[j0..j1]);
-            let all = ls.iter().zip(rs).all(|(a, b)| a <= b);
-            let maxl = ls.iter().copied().max().unwrap_or(i64::MAX);
-            let minr = rs.iter().copied().min().unwrap_or(i64::MIN);
-            kv_full.push((all, maxl, minr));
+            let (mut all, mut maxl, mut minr) = (true, i64::MIN, i64::MAX);
             // The span of the non-empty intervals: narrowed when it is below u32::MAX.
-            let (lo, hi) = ls
-                .iter()
-                .zip(rs)
-                .filter(|(a, b)| a <= b)
-                .fold((i64::MAX, i64::MIN), |(x, y), (&a, &b)| {
-                    (x.min(a), y.max(b))
-                });
+            let (mut lo, mut hi) = (i64::MAX, i64::MIN);
+            for (&a, &b) in ls.iter().zip(rs) {
+                maxl = maxl.max(a);
+                minr = minr.min(b);
+                if a <= b {
+                    lo = lo.min(a);
+                    hi = hi.max(b);
+                } else {
+                    all = false;
+                }
+            }
+            kv_full.push((all, maxl, minr));
             let ok = lo > hi || (hi as i128 - lo as i128) < u32::MAX as i128;
             narrow.push((lo, hi, ok));
             if ok {
@@ -113,14 +235,13 @@ impl<'a> IntervalLeaf<'a> {
                 }
             }
         }
-        let (off, list) = reached(g, q, &q_sum, &l, &r);
-        let q_reach = (0..g.nq)
-            .map(|qt| {
-                let row = &list[off[qt] as usize..off[qt + 1] as usize];
-                Some((*row.first()? as usize, *row.last()? as usize))
-            })
+        let ranked = Ranked::new(q);
+        let runs: Vec<(u32, u32)> = l
+            .iter()
+            .zip(&r)
+            .map(|(&a, &b)| if a <= b { ranked.run(a, b) } else { (0, 0) })
             .collect();
-        Some(IntervalLeaf {
+        let mut leaf = IntervalLeaf {
             q,
             l,
             r,
@@ -129,16 +250,38 @@ impl<'a> IntervalLeaf<'a> {
             narrow,
             l32,
             w32,
-            off,
-            list,
-            q_reach,
+            off: Vec::new(),
+            list: Vec::new(),
+            walked: Vec::new(),
+            by_runs: vec![false; g.nk],
+            bitpos: Vec::new(),
+            q_reach: Vec::new(),
             scratch: Default::default(),
-        })
+        };
+        let walk = Walk::new(g, &ranked.order);
+        let (off, list) = reached(g, &walk, &runs);
+        leaf.q_reach = (0..g.nq)
+            .map(|qt| {
+                let row = &list[off[qt] as usize..off[qt + 1] as usize];
+                Some((*row.first()? as usize, *row.last()? as usize))
+            })
+            .collect();
+        leaf.off = off;
+        leaf.list = list;
+        leaf.walk_runs(g, &walk, &runs, how);
+        Some(leaf)
     }
 
     /// The kv tiles q-tile `qt` reaches (sorted).
     pub(super) fn candidates(&self, qt: usize) -> &[u32] {
         &self.list[self.off[qt] as usize..self.off[qt + 1] as usize]
+    }
+
+    /// Full when every interval of kv tile `kt` holds the whole value range of q tile `qt`.
+    fn full(&self, qt: usize, kt: usize) -> bool {
+        let (qa, qb) = self.q_sum[qt];
+        let (all, maxl, minr) = self.kv_full[kt];
+        all && maxl <= qa && qb <= minr
     }
 
     /// Stage 1 of tile (`qt`, `kt`): Empty off the list, Full when every interval of the kv
@@ -147,17 +290,119 @@ impl<'a> IntervalLeaf<'a> {
         if self.candidates(qt).binary_search(&(kt as u32)).is_err() {
             return TileState::Empty;
         }
-        let (qa, qb) = self.q_sum[qt];
-        let (all, maxl, minr) = self.kv_full[kt];
-        if all && maxl <= qa && qb <= minr {
+        if self.full(qt, kt) {
             TileState::Full
         } else {
             TileState::Partial
         }
     }
 
+    /// Stage 2's run walks: for every kv-tile column whose partial tiles cost fewer walk steps
+    /// (the pairs its keys allow, partial tiles or not) than row compares (or every column,
+    /// forced), the partial tiles' allowed pairs as bit positions, bucketed per tile.
+    fn walk_runs(&mut self, g: &Geom, walk: &Walk, runs: &[(u32, u32)], how: Stage2) {
+        // The partial entries of `list` by column (counting sort: q order within a column).
+        let mut col_off = vec![0u32; g.nk + 1];
+        let mut partial = Vec::new();
+        for qt in 0..g.nq {
+            for p in self.off[qt] as usize..self.off[qt + 1] as usize {
+                let kt = self.list[p] as usize;
+                if !self.full(qt, kt) {
+                    col_off[kt + 1] += 1;
+                    partial.push((qt as u32, p as u32));
+                }
+            }
+        }
+        for k in 0..g.nk {
+            col_off[k + 1] += col_off[k];
+        }
+        let mut by_col = vec![(0u32, 0u32); partial.len()];
+        let mut fill = col_off.clone();
+        for &(qt, p) in &partial {
+            let kt = self.list[p as usize] as usize;
+            by_col[fill[kt] as usize] = (qt, p);
+            fill[kt] += 1;
+        }
+        self.walked = vec![(0, 0); self.list.len()];
+        // Per q tile, this column's entry of it (u32::MAX: not partial here).
+        let mut slot = vec![u32::MAX; g.nq];
+        let mut count = Vec::new();
+        let compare_cost = (g.tq * g.tk.div_ceil(16)) as u64;
+        for kt in 0..g.nk {
+            let tiles = &by_col[col_off[kt] as usize..col_off[kt + 1] as usize];
+            if tiles.is_empty() {
+                continue;
+            }
+            let (j0, j1) = (kt * g.tk, ((kt + 1) * g.tk).min(g.lkv));
+            let steps: u64 = runs[j0..j1].iter().map(|&(s, e)| (e - s) as u64).sum();
+            let take = match how {
+                Stage2::Cheaper => {
+                    steps.saturating_mul(RUN_STEP_COST) < tiles.len() as u64 * compare_cost
+                }
+                #[cfg(test)]
+                Stage2::Runs => true,
+                #[cfg(test)]
+                Stage2::Rows => false,
+            };
+            if !take {
+                continue;
+            }
+            self.by_runs[kt] = true;
+            for (n, &(qt, _)) in tiles.iter().enumerate() {
+                slot[qt as usize] = n as u32;
+            }
+            // Two walks: count the pairs per tile, then place them.
+            count.clear();
+            count.resize(tiles.len() + 1, 0u32);
+            for &(s, e) in &runs[j0..j1] {
+                for k in s as usize..e as usize {
+                    let n = slot[walk.tile[k] as usize];
+                    if n != u32::MAX {
+                        count[n as usize + 1] += 1;
+                    }
+                }
+            }
+            let base = self.bitpos.len() as u32;
+            for n in 0..tiles.len() {
+                count[n + 1] += count[n];
+            }
+            for (n, &(_, p)) in tiles.iter().enumerate() {
+                self.walked[p as usize] = (base + count[n], base + count[n + 1]);
+            }
+            self.bitpos
+                .resize(base as usize + count[tiles.len()] as usize, 0);
+            let row_bits = 64 * g.wpr as u32;
+            for (c, &(s, e)) in runs[j0..j1].iter().enumerate() {
+                for k in s as usize..e as usize {
+                    let n = slot[walk.tile[k] as usize];
+                    if n != u32::MAX {
+                        let at = &mut count[n as usize];
+                        self.bitpos[(base + *at) as usize] = walk.row[k] * row_bits + c as u32;
+                        *at += 1;
+                    }
+                }
+            }
+            for &(qt, _) in tiles {
+                slot[qt as usize] = u32::MAX;
+            }
+        }
+    }
+
     /// Stage 2: writes the tile's allowed pairs into a zeroed `out`.
     pub(super) fn write(&self, g: &Geom, qt: usize, kt: usize, out: &mut [u64]) {
+        if self.by_runs[kt] {
+            // A partial tile of a walked column has its pairs listed; any other tile of it
+            // (Full, or off the list) is compared below.
+            if let Ok(at) = self.candidates(qt).binary_search(&(kt as u32)) {
+                if !self.full(qt, kt) {
+                    let (a, b) = self.walked[self.off[qt] as usize + at];
+                    for &p in &self.bitpos[a as usize..b as usize] {
+                        out[p as usize / 64] |= 1 << (p % 64);
+                    }
+                    return;
+                }
+            }
+        }
         let (i0, i1) = g.qr(qt);
         let (j0, j1) = g.kr(kt);
         let (c0, c1) = (j0 as usize, j1 as usize + 1);
@@ -194,90 +439,287 @@ impl<'a> IntervalLeaf<'a> {
     }
 }
 
-/// Per q tile, the sorted kv tiles holding a key whose interval contains one of its values:
-/// CSR offsets and tiles. Per kv tile its intervals are merged into disjoint segments; the
-/// values a segment holds are a run of the values sorted once: a short run marks its rows'
-/// tiles one by one, a long one tests each q tile by its range, then (only where the range
-/// straddles an end) by binary search in its sorted values. A segment so costs the smaller of
-/// its matches and `nq`, and the nested intervals of a long prompt chain merge into one.
-fn reached(
-    g: &Geom,
-    q: &[i64],
-    q_sum: &[(i64, i64)],
-    l: &[i64],
-    r: &[i64],
-) -> (Vec<u32>, Vec<u32>) {
-    let mut by_value: Vec<(i64, u32)> = q
-        .iter()
-        .enumerate()
-        .map(|(i, &v)| (v, (i / g.tq) as u32))
-        .collect();
-    by_value.sort_unstable();
-    let mut tile_sorted: Vec<i64> = q.to_vec();
-    for c in tile_sorted.chunks_mut(g.tq) {
-        c.sort_unstable();
+/// Per key, the fused interval `[max(g_k + lo_k), min(g_k + hi_k)]` clamped to i64 (computed in
+/// i128: no wrap), `(i64::MAX, i64::MIN)` when empty (an interval wholly above or below the i64
+/// values is empty: clamping its nearer end would make it hold MAX or MIN).
+fn intervals(lkv: usize, bands: &[(&[i64], i64, i64)]) -> (Vec<i64>, Vec<i64>) {
+    let (min, max) = (i64::MIN as i128, i64::MAX as i128);
+    (0..lkv)
+        .map(|j| {
+            let (mut a, mut b) = (i128::MIN, i128::MAX);
+            for &(feat, lo, hi) in bands {
+                let v = feat[j] as i128;
+                a = a.max(v + lo as i128);
+                b = b.min(v + hi as i128);
+            }
+            if a > b || a > max || b < min {
+                (i64::MAX, i64::MIN)
+            } else {
+                (a.max(min) as i64, b.min(max) as i64)
+            }
+        })
+        .unzip()
+}
+
+/// The ranked rows as a run walk reads them: per rank, the row's q tile and its row in the
+/// tile; per q tile, the ranks of its rows (ascending) and their least and greatest.
+struct Walk {
+    tile: Vec<u32>,
+    row: Vec<u32>,
+    tile_ranks: Vec<u32>,
+    tile_span: Vec<(u32, u32)>,
+}
+
+impl Walk {
+    fn new(g: &Geom, order: &[u32]) -> Walk {
+        let (mut tile, mut row) = (
+            Vec::with_capacity(order.len()),
+            Vec::with_capacity(order.len()),
+        );
+        let mut tile_ranks = vec![0u32; order.len()];
+        let mut fill: Vec<u32> = (0..g.nq).map(|qt| (qt * g.tq) as u32).collect();
+        for (k, &i) in order.iter().enumerate() {
+            let (qt, r) = (i as usize / g.tq, i as usize % g.tq);
+            tile.push(qt as u32);
+            row.push(r as u32);
+            tile_ranks[fill[qt] as usize] = k as u32;
+            fill[qt] += 1;
+        }
+        let tile_span = (0..g.nq)
+            .map(|qt| {
+                let s = &tile_ranks[qt * g.tq..((qt + 1) * g.tq).min(order.len())];
+                (s[0], s[s.len() - 1])
+            })
+            .collect();
+        Walk {
+            tile,
+            row,
+            tile_ranks,
+            tile_span,
+        }
     }
+}
+
+/// Per q tile, the sorted kv tiles holding a key whose interval contains one of its values:
+/// CSR offsets and tiles. Per kv tile its keys' runs of ranks are merged into disjoint
+/// segments; a short segment marks its rows' tiles one by one, a long one tests each q tile by
+/// its least and greatest rank, then (only where they straddle an end) by binary search in its
+/// ranks. A segment so costs the smaller of its length and `nq`, and the nested intervals of a
+/// long prompt chain merge into one.
+fn reached(g: &Geom, walk: &Walk, runs: &[(u32, u32)]) -> (Vec<u32>, Vec<u32>) {
     let mut marked = vec![0u64; (g.nq * g.nk).div_ceil(64)];
     let mut mark = |qt: usize, kt: usize| {
         let at = qt * g.nk + kt;
         marked[at / 64] |= 1 << (at % 64);
     };
     let long = 2 * g.nq;
-    let mut segs: Vec<(i64, i64)> = Vec::with_capacity(g.tk);
+    let mut segs: Vec<u64> = Vec::with_capacity(g.tk);
     for kt in 0..g.nk {
         let (j0, j1) = (kt * g.tk, ((kt + 1) * g.tk).min(g.lkv));
         segs.clear();
         segs.extend(
-            l[j0..j1]
+            runs[j0..j1]
                 .iter()
-                .zip(&r[j0..j1])
-                .filter(|(a, b)| a <= b)
-                .map(|(&a, &b)| (a, b)),
+                .filter(|(s, e)| s < e)
+                .map(|&(s, e)| (s as u64) << 32 | e as u64),
         );
         segs.sort_unstable();
-        let mut merged: Vec<(i64, i64)> = Vec::with_capacity(segs.len());
-        for &(a, b) in segs.iter() {
-            match merged.last_mut() {
-                Some(last) if a <= last.1 => last.1 = last.1.max(b),
-                _ => merged.push((a, b)),
-            }
-        }
-        for (a, b) in merged {
-            let s = by_value.partition_point(|&(v, _)| v < a);
-            let e = s + by_value[s..].partition_point(|&(v, _)| v <= b);
+        let mut merged: Option<(usize, usize)> = None;
+        let mut cover = |(s, e): (usize, usize)| {
             if e - s <= long {
-                by_value[s..e]
-                    .iter()
-                    .for_each(|&(_, qt)| mark(qt as usize, kt));
-                continue;
+                walk.tile[s..e].iter().for_each(|&qt| mark(qt as usize, kt));
+                return;
             }
-            for (qt, &(qa, qb)) in q_sum.iter().enumerate() {
-                if qb < a || qa > b {
+            for (qt, &(a, b)) in walk.tile_span.iter().enumerate() {
+                let (a, b) = (a as usize, b as usize);
+                if b < s || a >= e {
                     continue;
                 }
-                let hit = (a <= qa && qb <= b) || {
-                    let c = &tile_sorted[qt * g.tq..((qt + 1) * g.tq).min(g.lq)];
-                    let x = c.partition_point(|&v| v < a);
-                    x < c.len() && c[x] <= b
+                let hit = (s <= a && b < e) || {
+                    let c = &walk.tile_ranks[qt * g.tq..((qt + 1) * g.tq).min(g.lq)];
+                    let x = c.partition_point(|&k| (k as usize) < s);
+                    x < c.len() && (c[x] as usize) < e
                 };
                 if hit {
                     mark(qt, kt);
                 }
             }
+        };
+        for &k in segs.iter() {
+            let (s, e) = ((k >> 32) as usize, k as u32 as usize);
+            merged = match merged {
+                Some((a, b)) if s <= b => Some((a, b.max(e))),
+                Some(m) => {
+                    cover(m);
+                    Some((s, e))
+                }
+                None => Some((s, e)),
+            };
+        }
+        if let Some(m) = merged {
+            cover(m);
         }
     }
     let mut off = Vec::with_capacity(g.nq + 1);
     let mut list = Vec::new();
     for qt in 0..g.nq {
         off.push(list.len() as u32);
-        let base = qt * g.nk;
-        for kt in 0..g.nk {
-            let at = base + kt;
-            if marked[at / 64] >> (at % 64) & 1 == 1 {
-                list.push(kt as u32);
+        // The row's bits, a word at a time.
+        let (start, end) = (qt * g.nk, (qt + 1) * g.nk);
+        let mut at = start;
+        while at < end {
+            let (w, b) = (at / 64, at % 64);
+            let take = (64 - b).min(end - at);
+            let mut bits = marked[w] >> b;
+            if take < 64 {
+                bits &= (1u64 << take) - 1;
             }
+            while bits != 0 {
+                list.push((at - start) as u32 + bits.trailing_zeros());
+                bits &= bits - 1;
+            }
+            at += take;
         }
     }
     off.push(list.len() as u32);
     (off, list)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// The leaf's bitmask of every tile, both stage-2 paths, equals brute force, and so do its
+    /// states' claims (Empty: no pair; Full: every pair).
+    fn check(
+        lq: usize,
+        lkv: usize,
+        tq: usize,
+        tk: usize,
+        q: &[i64],
+        bands: &[(Vec<i64>, i64, i64)],
+    ) {
+        let g = Geom {
+            level: simd::Level::detect(),
+            lq,
+            lkv,
+            tq,
+            tk,
+            nq: lq.div_ceil(tq),
+            nk: lkv.div_ceil(tk),
+            wpr: tk.div_ceil(64),
+        };
+        let parts: Vec<(&[i64], i64, i64)> =
+            bands.iter().map(|(f, lo, hi)| (&f[..], *lo, *hi)).collect();
+        let allowed = |i: usize, j: usize| {
+            bands.iter().all(|(f, lo, hi)| {
+                let d = q[i] as i128 - f[j] as i128;
+                *lo as i128 <= d && d <= *hi as i128
+            })
+        };
+        for how in [Stage2::Cheaper, Stage2::Runs, Stage2::Rows] {
+            let leaf = IntervalLeaf::with_stage2(&g, q, &parts, how).unwrap();
+            for qt in 0..g.nq {
+                for kt in 0..g.nk {
+                    let mut out = vec![0u64; tq * g.wpr];
+                    leaf.write(&g, qt, kt, &mut out);
+                    let state = leaf.state(qt, kt);
+                    let (mut any, mut all) = (false, true);
+                    for r in 0..tq {
+                        for c in 0..g.wpr * 64 {
+                            let (i, j) = (qt * tq + r, kt * tk + c);
+                            let want = r < tq && c < tk && i < lq && j < lkv && allowed(i, j);
+                            let got = out[r * g.wpr + c / 64] >> (c % 64) & 1 == 1;
+                            assert_eq!(got, want, "{how:?} tile ({qt}, {kt}) row {r} col {c}");
+                            if i < lq && j < lkv && c < tk {
+                                any |= want;
+                                all &= want;
+                            }
+                        }
+                    }
+                    match state {
+                        TileState::Empty => assert!(!any, "{how:?} ({qt}, {kt}) not empty"),
+                        TileState::Full => assert!(all, "{how:?} ({qt}, {kt}) not full"),
+                        TileState::Partial => {}
+                    }
+                }
+            }
+        }
+    }
+
+    fn feature(kind: u8, vals: Vec<i64>) -> Vec<i64> {
+        match kind {
+            0 => vals.iter().map(|v| v.rem_euclid(50)).collect(),
+            1 => vals
+                .iter()
+                .map(|v| v.wrapping_mul(0x9E37_79B9_7F4A_7C15u64 as i64))
+                .collect(),
+            2 => vals.iter().map(|v| i64::MAX - v.rem_euclid(8)).collect(),
+            3 => vals.iter().map(|v| i64::MIN + v.rem_euclid(8)).collect(),
+            _ => vals.iter().map(|v| v.rem_euclid(3000) - 1500).collect(),
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig {
+            cases: std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(64),
+            ..ProptestConfig::default()
+        })]
+
+        /// Random fused bands (values dense, scattered, near either end of i64) at ragged
+        /// tiles: both stage-2 paths and the automatic choice equal brute force.
+        #[test]
+        fn both_paths_equal_brute_force(
+            lq in 1usize..150,
+            lkv in 1usize..150,
+            (tq, tk) in prop_oneof![Just((16usize, 16usize)), Just((32, 64)), Just((8, 128))],
+            kinds in proptest::collection::vec(0u8..5, 3),
+            seed in proptest::collection::vec(any::<i64>(), 300),
+            bounds in proptest::collection::vec(
+                prop_oneof![(-60i64..60).prop_map(|x| x), Just(i64::MIN), Just(i64::MAX)], 4),
+        ) {
+            let q = feature(kinds[0], seed[..lq].to_vec());
+            let bands: Vec<(Vec<i64>, i64, i64)> = (0..2)
+                .map(|k| {
+                    let f = feature(kinds[k + 1], seed[150..150 + lkv].iter().map(|v| v.rotate_left(k as u32 * 7)).collect());
+                    let (a, b) = (bounds[2 * k], bounds[2 * k + 1]);
+                    (f, a.min(b), a.max(b))
+                })
+                .collect();
+            check(lq, lkv, tq, tk, &q, &bands);
+        }
+    }
+
+    /// Tree-causal over a random tree after a prompt chain: the sparse tiles the run walks are
+    /// for, at lengths not a multiple of the tile.
+    #[test]
+    fn tree_causal_equals_brute_force() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+        for (n, prefix) in [(200usize, 40usize), (333, 0), (257, 256)] {
+            let mut parent = vec![0usize; n];
+            for (i, p) in parent.iter_mut().enumerate().skip(1) {
+                *p = if i <= prefix {
+                    i - 1
+                } else {
+                    rng.gen_range(prefix.saturating_sub(1)..i)
+                };
+            }
+            let mut size = vec![1i64; n];
+            for i in (1..n).rev() {
+                size[parent[i]] += size[i];
+            }
+            let (mut pre, mut next) = (vec![0i64; n], vec![1i64; n]);
+            for i in 1..n {
+                let p = parent[i];
+                pre[i] = pre[p] + next[p];
+                next[p] += size[i];
+            }
+            let end: Vec<i64> = pre.iter().zip(&size).map(|(a, b)| a + b).collect();
+            let bands = vec![(pre.clone(), 0, i64::MAX), (end, i64::MIN, -1)];
+            check(n, n, 32, 32, &pre, &bands);
+            check(n, n, 16, 64, &pre, &bands);
+        }
+    }
 }

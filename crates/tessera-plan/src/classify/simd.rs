@@ -206,6 +206,20 @@ pub(crate) fn tile_in_intervals32(
     }
 }
 
+/// How many bits of `words` are set: the `popcnt` instruction where the CPU has it (the
+/// baseline x86-64 build counts bits with a dozen instructions per word).
+pub(crate) fn count_ones(words: &[u64]) -> u64 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static POPCNT: OnceLock<bool> = OnceLock::new();
+        if *POPCNT.get_or_init(|| is_x86_feature_detected!("popcnt")) {
+            // SAFETY: the CPU has popcnt.
+            return unsafe { x86::count_ones_popcnt(words) };
+        }
+    }
+    words.iter().map(|w| w.count_ones() as u64).sum()
+}
+
 /// The whole 64-key words of `keys`, one compare per key.
 fn scalar<T: Copy>(keys: &[T], ok: impl Fn(T) -> bool, out: &mut [u64]) {
     for (word, chunk) in out.iter_mut().zip(keys.chunks_exact(64)) {
@@ -230,6 +244,11 @@ fn tail<T: Copy>(keys: &[T], full: usize, ok: impl Fn(T) -> bool, out: &mut [u64
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::*;
+
+    #[target_feature(enable = "popcnt")]
+    pub(super) unsafe fn count_ones_popcnt(words: &[u64]) -> u64 {
+        words.iter().map(|w| w.count_ones() as u64).sum()
+    }
 
     /// `keys.len()` a multiple of 64.
     #[target_feature(enable = "avx512f")]
@@ -547,6 +566,17 @@ mod tests {
                 tile_in_intervals32(level, &l, &w, &rows, wpr, &mut out);
                 prop_assert_eq!(&out, &want, "{:?}", level);
             }
+        }
+    }
+
+    #[test]
+    fn count_ones_counts_every_word() {
+        for n in [0usize, 1, 3, 4, 5, 256, 259] {
+            let w: Vec<u64> = (0..n as u64)
+                .map(|i| i.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (i << 7))
+                .collect();
+            let want: u64 = w.iter().map(|x| x.count_ones() as u64).sum();
+            assert_eq!(count_ones(&w), want, "{n} words");
         }
     }
 
