@@ -12,6 +12,9 @@ use std::time::Instant;
 use tessera_core::{budget, metrics, Error, Result};
 use tessera_mask::Mask;
 
+/// How many tiles' masks the partial-mask table reserves room for up front (2 MiB at 128 x 128).
+const RESERVE_TILES: usize = 1024;
+
 /// Bytes of one work-list entry (forward or backward).
 const ENTRY_BYTES: u128 = std::mem::size_of::<TileEntry>() as u128;
 
@@ -80,6 +83,13 @@ pub fn build_plan(mask: &Mask, shape: PlanShape, tile: TileShape) -> Result<Plan
                     let reach: u128 = visit.iter().map(|c| c.len() as u128).sum();
                     lists_bytes += offsets_bytes + 2 * ENTRY_BYTES * reach;
                     budget::check(what, lists_bytes)?;
+                    if cx.table.data.is_empty() {
+                        // Room for the partial masks the visited tiles may add (at most
+                        // RESERVE_TILES): growing the table by doubling copied it once more.
+                        // Untouched room costs address space only.
+                        let tiles = (reach as usize).min(RESERVE_TILES);
+                        cx.table.data.reserve(tiles * g.tq * g.wpr);
+                    }
                     let share = rest.map(|id| (&mut shared, id));
                     let hp = plan_head(&node, &visit, &mut cx, share)?;
                     head_plans.push(hp);

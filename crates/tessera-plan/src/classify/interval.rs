@@ -443,22 +443,43 @@ impl<'a> IntervalLeaf<'a> {
 /// i128: no wrap), `(i64::MAX, i64::MIN)` when empty (an interval wholly above or below the i64
 /// values is empty: clamping its nearer end would make it hold MAX or MIN).
 fn intervals(lkv: usize, bands: &[(&[i64], i64, i64)]) -> (Vec<i64>, Vec<i64>) {
+    let (mut l, mut r) = (vec![i64::MIN; lkv], vec![i64::MAX; lkv]);
+    // In i64 while no sum overflows (the common case, vectorized); a key whose sum does is
+    // recomputed in i128.
+    let mut wrapped = false;
+    for &(feat, lo, hi) in bands {
+        for ((a, b), &v) in l.iter_mut().zip(r.iter_mut()).zip(feat) {
+            let (x, o1) = v.overflowing_add(lo);
+            let (y, o2) = v.overflowing_add(hi);
+            wrapped |= o1 | o2;
+            *a = (*a).max(x);
+            *b = (*b).min(y);
+        }
+    }
+    for (j, (a, b)) in l.iter_mut().zip(r.iter_mut()).enumerate() {
+        if wrapped {
+            (*a, *b) = interval_wide(j, bands);
+        } else if *a > *b {
+            (*a, *b) = (i64::MAX, i64::MIN);
+        }
+    }
+    (l, r)
+}
+
+/// Key `j`'s interval computed in i128, clamped (see [`intervals`]).
+fn interval_wide(j: usize, bands: &[(&[i64], i64, i64)]) -> (i64, i64) {
     let (min, max) = (i64::MIN as i128, i64::MAX as i128);
-    (0..lkv)
-        .map(|j| {
-            let (mut a, mut b) = (i128::MIN, i128::MAX);
-            for &(feat, lo, hi) in bands {
-                let v = feat[j] as i128;
-                a = a.max(v + lo as i128);
-                b = b.min(v + hi as i128);
-            }
-            if a > b || a > max || b < min {
-                (i64::MAX, i64::MIN)
-            } else {
-                (a.max(min) as i64, b.min(max) as i64)
-            }
-        })
-        .unzip()
+    let (mut a, mut b) = (i128::MIN, i128::MAX);
+    for &(feat, lo, hi) in bands {
+        let v = feat[j] as i128;
+        a = a.max(v + lo as i128);
+        b = b.min(v + hi as i128);
+    }
+    if a > b || a > max || b < min {
+        (i64::MAX, i64::MIN)
+    } else {
+        (a.max(min) as i64, b.min(max) as i64)
+    }
 }
 
 /// The ranked rows as a run walk reads them: per rank, the row's q tile and its row in the
@@ -478,12 +499,17 @@ impl Walk {
         );
         let mut tile_ranks = vec![0u32; order.len()];
         let mut fill: Vec<u32> = (0..g.nq).map(|qt| (qt * g.tq) as u32).collect();
+        // Each row's tile and place in it, by counting (no division per rank).
+        let at: Vec<(u32, u32)> = (0..g.nq)
+            .flat_map(|qt| (0..g.tq).map(move |r| (qt as u32, r as u32)))
+            .take(order.len())
+            .collect();
         for (k, &i) in order.iter().enumerate() {
-            let (qt, r) = (i as usize / g.tq, i as usize % g.tq);
-            tile.push(qt as u32);
-            row.push(r as u32);
-            tile_ranks[fill[qt] as usize] = k as u32;
-            fill[qt] += 1;
+            let (qt, r) = at[i as usize];
+            tile.push(qt);
+            row.push(r);
+            tile_ranks[fill[qt as usize] as usize] = k as u32;
+            fill[qt as usize] += 1;
         }
         let tile_span = (0..g.nq)
             .map(|qt| {
