@@ -9,7 +9,8 @@
 //! Besides criterion's times it prints, per mask, stage 1's census (tiles visited, proved empty or
 //! full, left partial), the final partial tiles, and the nanoseconds per token pair of the tiles
 //! stage 2 refines (fastest plan time / (stage-1 partial tiles x tile area)): stage 2's rate.
-//! `SCATTER_SIZES=4096,65536` picks the sizes.
+//! `SCATTER_SIZES=4096,65536` picks the sizes, `SCATTER_CASES=tree_causal,temporal_f100` the
+//! masks (default: all).
 //! `TESSERA_PLAN_SIMD=avx2` (or `scalar`) forces a narrower row-compare path.
 //! Run: `cargo bench -p tessera-plan --bench scatter`.
 // criterion_group! defines an undocumented public function.
@@ -99,7 +100,13 @@ fn bench(c: &mut Criterion) {
             ("temporal_f100".to_string(), temporal(n, 100)),
             ("temporal_f300".to_string(), temporal(n, 300)),
         ];
+        let only: Option<Vec<String>> = std::env::var("SCATTER_CASES")
+            .ok()
+            .map(|v| v.split(',').map(str::to_string).collect());
         for (name, mask) in cases {
+            if only.as_ref().is_some_and(|o| !o.contains(&name)) {
+                continue;
+            }
             let shape = PlanShape::new(1, 1, n, n).unwrap();
             let plan = build_plan(&mask, shape, tile).unwrap();
             let [empty, refined, full, tiles] = stage1_census(&mask, shape, tile).unwrap();

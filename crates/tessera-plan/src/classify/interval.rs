@@ -41,6 +41,9 @@ pub(crate) struct IntervalLeaf<'a> {
     /// at `list[off[qt]..off[qt + 1]]`.
     off: Vec<u32>,
     list: Vec<u32>,
+    /// The same tiles as a bitmap over `qt * nk + kt` (stage 1's O(1) test).
+    reached: Vec<u64>,
+    nk: usize,
     /// Per kv tile, whether its column's partial tiles were refined by run walks; then per
     /// entry of `list` in such a column that is not Full, its allowed pairs as bit positions
     /// in the tile (`row * 64 * wpr + column`) at `bitpos[a..b]`, `(a, b) = walked[entry]`.
@@ -252,6 +255,8 @@ impl<'a> IntervalLeaf<'a> {
             w32,
             off: Vec::new(),
             list: Vec::new(),
+            reached: Vec::new(),
+            nk: g.nk,
             walked: Vec::new(),
             by_runs: vec![false; g.nk],
             bitpos: Vec::new(),
@@ -259,7 +264,8 @@ impl<'a> IntervalLeaf<'a> {
             scratch: Default::default(),
         };
         let walk = Walk::new(g, &ranked.order);
-        let (off, list) = reached(g, &walk, &runs);
+        let (off, list, marked) = reached(g, &walk, &runs);
+        leaf.reached = marked;
         leaf.q_reach = (0..g.nq)
             .map(|qt| {
                 let row = &list[off[qt] as usize..off[qt + 1] as usize];
@@ -287,7 +293,8 @@ impl<'a> IntervalLeaf<'a> {
     /// Stage 1 of tile (`qt`, `kt`): Empty off the list, Full when every interval of the kv
     /// tile holds the q tile's whole range.
     pub(super) fn state(&self, qt: usize, kt: usize) -> TileState {
-        if self.candidates(qt).binary_search(&(kt as u32)).is_err() {
+        let at = qt * self.nk + kt;
+        if self.reached[at / 64] >> (at % 64) & 1 == 0 {
             return TileState::Empty;
         }
         if self.full(qt, kt) {
@@ -439,47 +446,34 @@ impl<'a> IntervalLeaf<'a> {
     }
 }
 
-/// Per key, the fused interval `[max(g_k + lo_k), min(g_k + hi_k)]` clamped to i64 (computed in
-/// i128: no wrap), `(i64::MAX, i64::MIN)` when empty (an interval wholly above or below the i64
-/// values is empty: clamping its nearer end would make it hold MAX or MIN).
+/// Per key, the fused interval `[max(g_k + lo_k), min(g_k + hi_k)]` clamped to i64, `(i64::MAX,
+/// i64::MIN)` when empty. Exact in i64: a lower end below i64::MIN bounds nothing (MIN), an
+/// upper end above i64::MAX neither (MAX), and a lower end above MAX or an upper end below MIN
+/// empties the interval (clamping its nearer end would make it hold MAX or MIN).
 fn intervals(lkv: usize, bands: &[(&[i64], i64, i64)]) -> (Vec<i64>, Vec<i64>) {
     let (mut l, mut r) = (vec![i64::MIN; lkv], vec![i64::MAX; lkv]);
-    // In i64 while no sum overflows (the common case, vectorized); a key whose sum does is
-    // recomputed in i128.
-    let mut wrapped = false;
     for &(feat, lo, hi) in bands {
+        // What an overflowing sum stands for: past the far end, nothing (the interval is
+        // empty: MAX as a lower end, MIN as an upper end); past the near end, no bound.
+        let lo_over = if lo > 0 { i64::MAX } else { i64::MIN };
+        let hi_over = if hi > 0 { i64::MAX } else { i64::MIN };
         for ((a, b), &v) in l.iter_mut().zip(r.iter_mut()).zip(feat) {
             let (x, o1) = v.overflowing_add(lo);
             let (y, o2) = v.overflowing_add(hi);
-            wrapped |= o1 | o2;
-            *a = (*a).max(x);
-            *b = (*b).min(y);
+            let x = if o1 { lo_over } else { x };
+            let y = if o2 { hi_over } else { y };
+            // An empty band (lower end past MAX, upper end past MIN) empties the key.
+            let empty = (o1 && lo > 0) || (o2 && hi < 0);
+            *a = (*a).max(if empty { i64::MAX } else { x });
+            *b = (*b).min(if empty { i64::MIN } else { y });
         }
     }
-    for (j, (a, b)) in l.iter_mut().zip(r.iter_mut()).enumerate() {
-        if wrapped {
-            (*a, *b) = interval_wide(j, bands);
-        } else if *a > *b {
+    for (a, b) in l.iter_mut().zip(r.iter_mut()) {
+        if *a > *b {
             (*a, *b) = (i64::MAX, i64::MIN);
         }
     }
     (l, r)
-}
-
-/// Key `j`'s interval computed in i128, clamped (see [`intervals`]).
-fn interval_wide(j: usize, bands: &[(&[i64], i64, i64)]) -> (i64, i64) {
-    let (min, max) = (i64::MIN as i128, i64::MAX as i128);
-    let (mut a, mut b) = (i128::MIN, i128::MAX);
-    for &(feat, lo, hi) in bands {
-        let v = feat[j] as i128;
-        a = a.max(v + lo as i128);
-        b = b.min(v + hi as i128);
-    }
-    if a > b || a > max || b < min {
-        (i64::MAX, i64::MIN)
-    } else {
-        (a.max(min) as i64, b.min(max) as i64)
-    }
 }
 
 /// The ranked rows as a run walk reads them: per rank, the row's q tile and its row in the
@@ -527,12 +521,12 @@ impl Walk {
 }
 
 /// Per q tile, the sorted kv tiles holding a key whose interval contains one of its values:
-/// CSR offsets and tiles. Per kv tile its keys' runs of ranks are merged into disjoint
+/// CSR offsets and tiles, and the same as a bitmap over `qt * nk + kt`. Per kv tile its keys' runs of ranks are merged into disjoint
 /// segments; a short segment marks its rows' tiles one by one, a long one tests each q tile by
 /// its least and greatest rank, then (only where they straddle an end) by binary search in its
 /// ranks. A segment so costs the smaller of its length and `nq`, and the nested intervals of a
 /// long prompt chain merge into one.
-fn reached(g: &Geom, walk: &Walk, runs: &[(u32, u32)]) -> (Vec<u32>, Vec<u32>) {
+fn reached(g: &Geom, walk: &Walk, runs: &[(u32, u32)]) -> (Vec<u32>, Vec<u32>, Vec<u64>) {
     let mut marked = vec![0u64; (g.nq * g.nk).div_ceil(64)];
     let mut mark = |qt: usize, kt: usize| {
         let at = qt * g.nk + kt;
@@ -608,7 +602,7 @@ fn reached(g: &Geom, walk: &Walk, runs: &[(u32, u32)]) -> (Vec<u32>, Vec<u32>) {
         }
     }
     off.push(list.len() as u32);
-    (off, list)
+    (off, list, marked)
 }
 
 #[cfg(test)]
