@@ -12,8 +12,9 @@
 //! paths: walking the runs of the column's keys (work proportional to the pairs they allow:
 //! the sparse tiles of a tree), recorded per partial tile as bit positions; or comparing each
 //! row's value against the tile's intervals in SIMD ([`super::simd::tile_in_intervals32`]) as
-//! u32 offsets where the tile's span fits, else one key at a time. Everything is exact in i128
-//! or clamped to i64 values, so features near the ends of i64 do not wrap.
+//! u32 offsets where the tile's span fits, else one key at a time. Everything is exact in i64:
+//! an interval end past i64 stands for no bound or for an empty interval (never a wrapped
+//! value), so features near the ends of i64 do not wrap.
 
 use super::geom::Geom;
 use super::simd;
@@ -58,9 +59,10 @@ pub(crate) struct IntervalLeaf<'a> {
 /// Tile grids up to which the list of reached tiles is built (a bitmap of nq x nk bits: 32 MiB).
 const MAX_GRID: usize = 1 << 28;
 
-/// How many 16-key SIMD compares one step of a run walk costs (measured on Zen 4: a walk step
-/// loads a rank's row, looks its tile up and sets one bit, about a quarter of a nanosecond per
-/// compared 16 keys of a row; see BENCHMARKS.md, session 15).
+/// How many 16-key SIMD compares one step of a run walk is counted as (a step is a dependent
+/// load, a lookup and a store; a compare one vector op of a row's loop). On Zen 4 the 4K tree
+/// planned as fast with 1 as with 4 (within noise); 4 keeps walks off columns whose keys' runs
+/// mostly land in Full tiles (BENCHMARKS.md, session 15).
 const RUN_STEP_COST: u64 = 4;
 
 /// Which stage-2 path the leaf takes per kv-tile column (tests force each one).
