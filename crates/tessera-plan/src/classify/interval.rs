@@ -651,7 +651,7 @@ mod tests {
                     for r in 0..tq {
                         for c in 0..g.wpr * 64 {
                             let (i, j) = (qt * tq + r, kt * tk + c);
-                            let want = r < tq && c < tk && i < lq && j < lkv && allowed(i, j);
+                            let want = c < tk && i < lq && j < lkv && allowed(i, j);
                             let got = out[r * g.wpr + c / 64] >> (c % 64) & 1 == 1;
                             assert_eq!(got, want, "{how:?} tile ({qt}, {kt}) row {r} col {c}");
                             if i < lq && j < lkv && c < tk {
