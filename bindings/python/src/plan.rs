@@ -449,11 +449,6 @@ impl PyPlan {
         .into_iter()
         .map(|v| v.into_pyarray(py))
         .collect();
-        let mut bits = bits;
-        if bits.len() == 2 * row {
-            // No partial block: one all-clear block stands in (as in the compact export).
-            bits.resize(3 * row, 0);
-        }
         let padded = led_bits(py, bits, (tq, tk), floor)?;
         Ok((
             tables,
@@ -595,7 +590,10 @@ fn led_bits<'py>(
     floor: usize,
 ) -> PyResult<Bound<'py, PyAny>> {
     let row = tq * tk.div_ceil(64);
-    let capacity = (led.len() / row.max(1)).max(floor).next_power_of_two();
+    // At least one block past the two constant ones (all clear when no block is partial, as
+    // the compact export gives it), so both exports pad to the same capacity.
+    let blocks = (led.len() / row.max(1)).max(3);
+    let capacity = blocks.max(floor).next_power_of_two();
     led.resize(capacity * row, 0);
     // Same size and alignment: collected in place.
     let padded: Vec<i64> = led.into_iter().map(|w| w as i64).collect();

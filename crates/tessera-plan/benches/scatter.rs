@@ -89,6 +89,9 @@ fn bench(c: &mut Criterion) {
         .ok()
         .map(|v| v.split(',').filter_map(|x| x.parse().ok()).collect())
         .unwrap_or_else(|| vec![4096, 16384, 65536]);
+    let only: Option<Vec<String>> = std::env::var("SCATTER_CASES")
+        .ok()
+        .map(|v| v.split(',').map(str::to_string).collect());
     for &n in &sizes {
         let cases = [
             (
@@ -100,9 +103,6 @@ fn bench(c: &mut Criterion) {
             ("temporal_f100".to_string(), temporal(n, 100)),
             ("temporal_f300".to_string(), temporal(n, 300)),
         ];
-        let only: Option<Vec<String>> = std::env::var("SCATTER_CASES")
-            .ok()
-            .map(|v| v.split(',').map(str::to_string).collect());
         for (name, mask) in cases {
             if only.as_ref().is_some_and(|o| !o.contains(&name)) {
                 continue;
