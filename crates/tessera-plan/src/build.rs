@@ -2,8 +2,9 @@
 //! A mask `blocks & rest` (a block selection intersected with a mask) refines each of the
 //! rest's partial tiles once for every head plan that selects it.
 
-use crate::classify::{hash_words, simd, Candidates, Geom, Node};
+use crate::classify::{simd, Candidates, Geom, Node};
 use crate::contract::{contract_key_of_canonical, PLAN_FORMAT_VERSION};
+use crate::dedup::{digest, PartialDedup};
 use crate::plan::{HeadPlan, PartialMasks, Plan, PlanStats, TileEntry, TileState, FULL_TILE};
 use crate::shape::{PlanShape, TileShape};
 use rustc_hash::FxHashMap;
@@ -89,6 +90,7 @@ pub fn build_plan(mask: &Mask, shape: PlanShape, tile: TileShape) -> Result<Plan
                         // Untouched room costs address space only.
                         let tiles = (reach as usize).min(RESERVE_TILES);
                         cx.table.data.reserve(tiles * g.tq * g.wpr);
+                        cx.dedup.reserve(tiles);
                     }
                     let share = rest.map(|id| (&mut shared, id));
                     let hp = plan_head(&node, &visit, &mut cx, share)?;
@@ -214,45 +216,6 @@ pub fn stage1_census(mask: &Mask, shape: PlanShape, tile: TileShape) -> Result<[
     Ok(out)
 }
 
-/// Content-addressed table of partial bitmasks.
-#[derive(Default)]
-struct PartialDedup {
-    by_hash: HashMap<u64, Vec<u32>>,
-    /// Table size in words at which the memory budget is checked next (doubling).
-    next_check: usize,
-}
-
-/// The partial-mask table is checked against the memory budget from this many words on.
-const FIRST_TABLE_CHECK: usize = 16 << 20;
-
-impl PartialDedup {
-    fn intern(
-        &mut self,
-        table: &mut PartialMasks,
-        bits: &[u64],
-        what: &dyn Fn() -> String,
-    ) -> Result<u32> {
-        // Collisions are resolved by comparing content.
-        let h = hash_words(bits);
-        let ids = self.by_hash.entry(h).or_default();
-        for &id in ids.iter() {
-            if table.get(id) == bits {
-                return Ok(id);
-            }
-        }
-        let words = table.data.len() + bits.len();
-        if words >= self.next_check.max(FIRST_TABLE_CHECK) {
-            // Checked at doublings so the growing table never outruns the budget by more than 2x.
-            budget::check(what, 8 * 2 * words as u128)?;
-            self.next_check = 2 * words;
-        }
-        let id = table.len() as u32;
-        table.data.extend_from_slice(bits);
-        ids.push(id);
-        Ok(id)
-    }
-}
-
 /// `mask` reshaped as `blocks operands & rest` when it is an `&` of `blocks` leaves and other
 /// operands: the same mask as `&(b1, .., bn, rest)`, and `rest` alone. With the plan's tile
 /// equal to the blocks, a selected tile's state is the rest's, and heads that select the same
@@ -340,13 +303,14 @@ impl Refine<'_> {
                 }
                 // Stage 2: exact refinement at token level.
                 node.eval(g, qt, kt, &mut self.bits, &mut self.pool);
-                let n = simd::count_ones(&self.bits);
+                let (n, hash) = digest(g.level, &self.bits);
                 let t = if n == 0 {
                     None
                 } else if n == rows * cols {
                     Some((FULL_TILE, n))
                 } else {
-                    Some((self.dedup.intern(self.table, &self.bits, self.what)?, n))
+                    let id = self.dedup.intern(self.table, &self.bits, hash, self.what)?;
+                    Some((id, n))
                 };
                 if keyed && self.memo.len() < MEMO_TILES {
                     self.memo.insert(self.key.as_slice().into(), t);

@@ -28,6 +28,7 @@ mod build;
 mod classify;
 mod contract;
 pub mod cp_sim;
+mod dedup;
 mod plan;
 mod shape;
 pub mod shard;

@@ -37,28 +37,8 @@ impl Geom {
     }
 }
 
-/// A 64-bit hash of `words` (the length included) for content-addressed tables, whose
-/// collisions are resolved by comparing contents: four independent multiply-rotate lanes (word
-/// `i` into lane `i % 4`, held in registers), so hashing a partial bitmask is not one long
-/// dependency chain.
-pub(crate) fn hash_words(words: &[u64]) -> u64 {
-    let mut lanes = LANES;
-    let mut quads = words.chunks_exact(4);
-    for q in &mut quads {
-        lanes = [
-            step(lanes[0], q[0]),
-            step(lanes[1], q[1]),
-            step(lanes[2], q[2]),
-            step(lanes[3], q[3]),
-        ];
-    }
-    for (lane, &w) in lanes.iter_mut().zip(quads.remainder()) {
-        *lane = step(*lane, w);
-    }
-    lanes.iter().fold(words.len() as u64, |a, &l| step(a, l))
-}
-
-/// [`hash_words`] of the `len` words `words` yields, without collecting them.
+/// A 64-bit hash of the `len` words `words` yields (the length included), for keys compared
+/// in full on a match: four multiply-rotate lanes (word `i` into lane `i % 4`).
 pub(crate) fn hash_iter(len: usize, words: impl Iterator<Item = u64>) -> u64 {
     let mut lanes = LANES;
     for (i, w) in words.enumerate() {

@@ -28,9 +28,8 @@ pub(crate) struct IntervalLeaf<'a> {
     r: Vec<i64>,
     /// Per q tile: (min, max) of its values.
     q_sum: Vec<(i64, i64)>,
-    /// Per kv tile: whether every interval is non-empty, and max l / min r over the tile (its
-    /// intervals' common part), for Full.
-    kv_full: Vec<(bool, i64, i64)>,
+    /// Per kv tile: max l / min r over the tile (its intervals' common part), for Full.
+    kv_full: Vec<(i64, i64)>,
     /// Per kv tile: (base, top, whether narrowed), the span [base, top] of its non-empty
     /// intervals (base > top when none); keys' `l - base` and `r - l`
     /// (u32) at the tile's columns; an empty interval is `(u32::MAX, 0)`, which no value
@@ -157,29 +156,37 @@ impl Ranked {
         }
     }
 
-    /// How many values are below `x`.
-    fn lt(&self, x: i64) -> u32 {
-        if x <= self.min {
-            return 0;
-        }
-        if x > self.max {
-            return self.order.len() as u32;
-        }
+    /// Per key, the ranks of the values in its interval `[l, r]` ((0, 0) when empty).
+    fn runs(&self, l: &[i64], r: &[i64]) -> Vec<(u32, u32)> {
         match &self.below {
             // min < x <= max, so x - min is within the span.
-            Below::Dense(c) => c[x.wrapping_sub(self.min) as u64 as usize],
-            Below::Sorted(v) => v.partition_point(|&y| y < x) as u32,
+            Below::Dense(c) => self.runs_by(l, r, |x| c[x.wrapping_sub(self.min) as u64 as usize]),
+            Below::Sorted(v) => self.runs_by(l, r, |x| v.partition_point(|&y| y < x) as u32),
         }
     }
 
-    /// The ranks of the values in `[a, b]` (a <= b).
-    fn run(&self, a: i64, b: i64) -> (u32, u32) {
-        let end = if b == i64::MAX {
-            self.order.len() as u32
-        } else {
-            self.lt(b + 1)
+    /// [`Ranked::runs`] given how many values are below each `x` in `(min, max]`.
+    fn runs_by(&self, l: &[i64], r: &[i64], within: impl Fn(i64) -> u32) -> Vec<(u32, u32)> {
+        let (min, max, n) = (self.min, self.max, self.order.len() as u32);
+        let lt = |x: i64| {
+            if x <= min {
+                0
+            } else if x > max {
+                n
+            } else {
+                within(x)
+            }
         };
-        (self.lt(a), end)
+        l.iter()
+            .zip(r)
+            .map(|(&a, &b)| {
+                if a > b {
+                    return (0, 0);
+                }
+                let end = if b == i64::MAX { n } else { lt(b + 1) };
+                (lt(a), end)
+            })
+            .collect()
     }
 }
 
@@ -199,53 +206,47 @@ impl<'a> IntervalLeaf<'a> {
         if g.nq.checked_mul(g.nk)? > MAX_GRID {
             return None;
         }
-        let (l, r) = intervals(g.lkv, bands);
-        let q_sum: Vec<(i64, i64)> = q
-            .chunks(g.tq)
-            .map(|c| {
-                c.iter()
-                    .fold((i64::MAX, i64::MIN), |(a, b), &v| (a.min(v), b.max(v)))
-            })
-            .collect();
-        let mut kv_full = Vec::with_capacity(g.nk);
-        let mut narrow = Vec::with_capacity(g.nk);
+        debug_assert!(g.tq.is_power_of_two(), "q tiles are a power of two");
+        let (l, r) = intervals(g.level, g.lkv, bands);
+        let q_sum: Vec<(i64, i64)> = q.chunks(g.tq).map(min_max).collect();
+        let (mut kv_full, mut narrow) = (Vec::with_capacity(g.nk), Vec::with_capacity(g.nk));
         let (mut l32, mut w32) = (vec![0u32; g.lkv], vec![0u32; g.lkv]);
         for kt in 0..g.nk {
             let (j0, j1) = (kt * g.tk, ((kt + 1) * g.tk).min(g.lkv));
+            // An empty interval is (MAX, MIN): it makes max l MAX and min r MIN (never Full)
+            // and leaves the span of the others alone.
             let (ls, rs) = (&l[j0..j1], &r[j0..j1]);
-            let (mut all, mut maxl, mut minr) = (true, i64::MIN, i64::MAX);
-            // The span of the non-empty intervals: narrowed when it is below u32::MAX.
-            let (mut lo, mut hi) = (i64::MAX, i64::MIN);
-            for (&a, &b) in ls.iter().zip(rs) {
-                maxl = maxl.max(a);
-                minr = minr.min(b);
-                if a <= b {
-                    lo = lo.min(a);
-                    hi = hi.max(b);
-                } else {
-                    all = false;
-                }
-            }
-            kv_full.push((all, maxl, minr));
+            let (lo, maxl) = min_max(ls);
+            let (minr, hi) = min_max(rs);
+            kv_full.push((maxl, minr));
             let ok = lo > hi || (hi as i128 - lo as i128) < u32::MAX as i128;
             narrow.push((lo, hi, ok));
             if ok {
-                for j in j0..j1 {
-                    (l32[j], w32[j]) = if l[j] <= r[j] {
-                        // Both lie in [lo, lo + u32::MAX).
-                        ((l[j] - lo) as u32, (r[j] - l[j]) as u32)
-                    } else {
-                        (u32::MAX, 0)
-                    };
-                }
+                simd::vectorized(
+                    g.level,
+                    #[inline(always)]
+                    || {
+                        for (((a, b), d), w) in ls
+                            .iter()
+                            .zip(rs)
+                            .zip(&mut l32[j0..j1])
+                            .zip(&mut w32[j0..j1])
+                        {
+                            // Non-empty intervals lie in [lo, lo + u32::MAX).
+                            let empty = a > b;
+                            *d = if empty {
+                                u32::MAX
+                            } else {
+                                a.wrapping_sub(lo) as u32
+                            };
+                            *w = if empty { 0 } else { b.wrapping_sub(*a) as u32 };
+                        }
+                    },
+                );
             }
         }
         let ranked = Ranked::new(q);
-        let runs: Vec<(u32, u32)> = l
-            .iter()
-            .zip(&r)
-            .map(|(&a, &b)| if a <= b { ranked.run(a, b) } else { (0, 0) })
-            .collect();
+        let runs = ranked.runs(&l, &r);
         let mut leaf = IntervalLeaf {
             q,
             l,
@@ -266,17 +267,7 @@ impl<'a> IntervalLeaf<'a> {
             scratch: Default::default(),
         };
         let walk = Walk::new(g, &ranked.order);
-        let (off, list, marked) = reached(g, &walk, &runs);
-        leaf.reached = marked;
-        leaf.q_reach = (0..g.nq)
-            .map(|qt| {
-                let row = &list[off[qt] as usize..off[qt + 1] as usize];
-                Some((*row.first()? as usize, *row.last()? as usize))
-            })
-            .collect();
-        leaf.off = off;
-        leaf.list = list;
-        leaf.walk_runs(g, &walk, &runs, how);
+        leaf.stage1(g, &walk, &runs, how);
         Some(leaf)
     }
 
@@ -288,8 +279,8 @@ impl<'a> IntervalLeaf<'a> {
     /// Full when every interval of kv tile `kt` holds the whole value range of q tile `qt`.
     fn full(&self, qt: usize, kt: usize) -> bool {
         let (qa, qb) = self.q_sum[qt];
-        let (all, maxl, minr) = self.kv_full[kt];
-        all && maxl <= qa && qb <= minr
+        let (maxl, minr) = self.kv_full[kt];
+        maxl <= qa && qb <= minr
     }
 
     /// Stage 1 of tile (`qt`, `kt`): Empty off the list, Full when every interval of the kv
@@ -306,95 +297,125 @@ impl<'a> IntervalLeaf<'a> {
         }
     }
 
-    /// Stage 2's run walks: for every kv-tile column whose partial tiles cost fewer walk steps
-    /// (the pairs its keys allow, partial tiles or not) than row compares (or every column,
-    /// forced), the partial tiles' allowed pairs as bit positions, bucketed per tile.
-    fn walk_runs(&mut self, g: &Geom, walk: &Walk, runs: &[(u32, u32)], how: Stage2) {
-        // The partial entries of `list` by column (counting sort: q order within a column).
-        let mut col_off = vec![0u32; g.nk + 1];
-        let mut partial = Vec::new();
-        for qt in 0..g.nq {
-            for p in self.off[qt] as usize..self.off[qt + 1] as usize {
-                let kt = self.list[p] as usize;
-                if !self.full(qt, kt) {
-                    col_off[kt + 1] += 1;
-                    partial.push((qt as u32, p as u32));
-                }
-            }
-        }
-        for k in 0..g.nk {
-            col_off[k + 1] += col_off[k];
-        }
-        let mut by_col = vec![(0u32, 0u32); partial.len()];
-        let mut fill = col_off.clone();
-        for &(qt, p) in &partial {
-            let kt = self.list[p as usize] as usize;
-            by_col[fill[kt] as usize] = (qt, p);
-            fill[kt] += 1;
-        }
-        self.walked = vec![(0, 0); self.list.len()];
-        // Per q tile, this column's entry of it (u32::MAX: not partial here).
-        let mut slot = vec![u32::MAX; g.nq];
-        let mut count = Vec::new();
+    /// The reached tiles (the bitmap, then per q tile the sorted list) and stage 2's run walks,
+    /// one kv-tile column at a time. A column whose keys allow few pairs (walking them all costs
+    /// less than comparing every row of every tile of the column) is walked once to count its
+    /// pairs per q tile, which marks the tiles it reaches; where its partial tiles then cost
+    /// fewer walk steps than row compares (or always, forced), a second walk records their
+    /// pairs as bit positions, bucketed per tile. Any other column marks its tiles from its
+    /// merged runs ([`mark_merged`]) and is compared by rows in stage 2.
+    fn stage1(&mut self, g: &Geom, walk: &Walk, runs: &[(u32, u32)], how: Stage2) {
+        let mut marked = vec![0u64; (g.nq * g.nk).div_ceil(64)];
         let compare_cost = (g.tq * g.tk.div_ceil(16)) as u64;
+        let mut count = vec![0u32; g.nq + 1];
+        // Per q tile, the start of its pairs in `bitpos` while its column is placed.
+        let mut slot = vec![u32::MAX; g.nq];
+        let mut partial: Vec<u32> = Vec::with_capacity(g.nq);
+        // (qt, kt, bitpos range) of every walked partial tile, in column order.
+        let mut walked: Vec<(u32, u32, u32, u32)> = Vec::new();
+        let mut segs: Vec<u64> = Vec::with_capacity(g.tk);
+        let row_bits = 64 * g.wpr as u32;
         for kt in 0..g.nk {
-            let tiles = &by_col[col_off[kt] as usize..col_off[kt + 1] as usize];
-            if tiles.is_empty() {
-                continue;
-            }
             let (j0, j1) = (kt * g.tk, ((kt + 1) * g.tk).min(g.lkv));
-            let steps: u64 = runs[j0..j1].iter().map(|&(s, e)| (e - s) as u64).sum();
-            let take = match how {
-                Stage2::Cheaper => {
-                    steps.saturating_mul(RUN_STEP_COST) < tiles.len() as u64 * compare_cost
-                }
+            let col = &runs[j0..j1];
+            let steps: u64 = col.iter().map(|&(s, e)| (e - s) as u64).sum();
+            let walkable = match how {
+                Stage2::Cheaper => steps * RUN_STEP_COST < g.nq as u64 * compare_cost,
                 #[cfg(test)]
                 Stage2::Runs => true,
                 #[cfg(test)]
                 Stage2::Rows => false,
             };
-            if !take {
+            if !walkable {
+                mark_merged(g, walk, col, kt, &mut segs, &mut marked);
                 continue;
             }
-            self.by_runs[kt] = true;
-            for (n, &(qt, _)) in tiles.iter().enumerate() {
-                slot[qt as usize] = n as u32;
+            for &(s, e) in col {
+                for &i in &walk.order[s as usize..e as usize] {
+                    count[(i >> walk.shift) as usize] += 1;
+                }
             }
-            // Two walks: count the pairs per tile, then place them.
-            count.clear();
-            count.resize(tiles.len() + 1, 0u32);
-            for &(s, e) in &runs[j0..j1] {
-                for k in s as usize..e as usize {
-                    let n = slot[walk.tile[k] as usize];
-                    if n != u32::MAX {
-                        count[n as usize + 1] += 1;
+            partial.clear();
+            for (qt, &n) in count[..g.nq].iter().enumerate() {
+                if n > 0 {
+                    let at = qt * g.nk + kt;
+                    marked[at / 64] |= 1 << (at % 64);
+                    if !self.full(qt, kt) {
+                        partial.push(qt as u32);
                     }
                 }
             }
-            let base = self.bitpos.len() as u32;
-            for n in 0..tiles.len() {
-                count[n + 1] += count[n];
-            }
-            for (n, &(_, p)) in tiles.iter().enumerate() {
-                self.walked[p as usize] = (base + count[n], base + count[n + 1]);
-            }
-            self.bitpos
-                .resize(base as usize + count[tiles.len()] as usize, 0);
-            let row_bits = 64 * g.wpr as u32;
-            for (c, &(s, e)) in runs[j0..j1].iter().enumerate() {
-                for k in s as usize..e as usize {
-                    let n = slot[walk.tile[k] as usize];
-                    if n != u32::MAX {
-                        let at = &mut count[n as usize];
-                        self.bitpos[(base + *at) as usize] = walk.row[k] * row_bits + c as u32;
-                        *at += 1;
+            let take = match how {
+                Stage2::Cheaper => steps * RUN_STEP_COST < partial.len() as u64 * compare_cost,
+                #[cfg(test)]
+                Stage2::Runs => true,
+                #[cfg(test)]
+                Stage2::Rows => false,
+            };
+            if take && !partial.is_empty() {
+                self.by_runs[kt] = true;
+                let mut at = self.bitpos.len() as u32;
+                for &qt in &partial {
+                    let n = count[qt as usize];
+                    slot[qt as usize] = at;
+                    walked.push((qt, kt as u32, at, at + n));
+                    at += n;
+                }
+                self.bitpos.resize(at as usize, 0);
+                for (c, &(s, e)) in col.iter().enumerate() {
+                    for &i in &walk.order[s as usize..e as usize] {
+                        let qt = (i >> walk.shift) as usize;
+                        let p = slot[qt];
+                        if p != u32::MAX {
+                            self.bitpos[p as usize] = (i & walk.mask) * row_bits + c as u32;
+                            slot[qt] = p + 1;
+                        }
                     }
                 }
+                for &qt in &partial {
+                    slot[qt as usize] = u32::MAX;
+                }
             }
-            for &(qt, _) in tiles {
-                slot[qt as usize] = u32::MAX;
+            count.fill(0);
+        }
+        // Per q tile, its reached kv tiles from the bitmap, a word at a time.
+        let mut off = Vec::with_capacity(g.nq + 1);
+        let mut list = Vec::new();
+        for qt in 0..g.nq {
+            off.push(list.len() as u32);
+            let (start, end) = (qt * g.nk, (qt + 1) * g.nk);
+            let mut at = start;
+            while at < end {
+                let (w, b) = (at / 64, at % 64);
+                let take = (64 - b).min(end - at);
+                let mut bits = marked[w] >> b;
+                if take < 64 {
+                    bits &= (1u64 << take) - 1;
+                }
+                while bits != 0 {
+                    list.push((at - start) as u32 + bits.trailing_zeros());
+                    bits &= bits - 1;
+                }
+                at += take;
             }
         }
+        off.push(list.len() as u32);
+        self.walked = vec![(0, 0); list.len()];
+        for &(qt, kt, a, b) in &walked {
+            let row = &list[off[qt as usize] as usize..off[qt as usize + 1] as usize];
+            if let Ok(p) = row.binary_search(&kt) {
+                self.walked[off[qt as usize] as usize + p] = (a, b);
+            }
+        }
+        self.q_reach = (0..g.nq)
+            .map(|qt| {
+                let row = &list[off[qt] as usize..off[qt + 1] as usize];
+                Some((*row.first()? as usize, *row.last()? as usize))
+            })
+            .collect();
+        self.reached = marked;
+        self.off = off;
+        self.list = list;
     }
 
     /// Stage 2: writes the tile's allowed pairs into a zeroed `out`.
@@ -448,163 +469,166 @@ impl<'a> IntervalLeaf<'a> {
     }
 }
 
+/// (min, max) of `v` ((MAX, MIN) when empty).
+fn min_max(v: &[i64]) -> (i64, i64) {
+    v.iter()
+        .fold((i64::MAX, i64::MIN), |(a, b), &x| (a.min(x), b.max(x)))
+}
+
 /// Per key, the fused interval `[max(g_k + lo_k), min(g_k + hi_k)]` clamped to i64, `(i64::MAX,
 /// i64::MIN)` when empty. Exact in i64: a lower end below i64::MIN bounds nothing (MIN), an
 /// upper end above i64::MAX neither (MAX), and a lower end above MAX or an upper end below MIN
 /// empties the interval (clamping its nearer end would make it hold MAX or MIN).
-fn intervals(lkv: usize, bands: &[(&[i64], i64, i64)]) -> (Vec<i64>, Vec<i64>) {
+fn intervals(level: simd::Level, lkv: usize, bands: &[(&[i64], i64, i64)]) -> (Vec<i64>, Vec<i64>) {
     let (mut l, mut r) = (vec![i64::MIN; lkv], vec![i64::MAX; lkv]);
     for &(feat, lo, hi) in bands {
-        // What an overflowing sum stands for: past the far end, nothing (the interval is
-        // empty: MAX as a lower end, MIN as an upper end); past the near end, no bound.
-        let lo_over = if lo > 0 { i64::MAX } else { i64::MIN };
-        let hi_over = if hi > 0 { i64::MAX } else { i64::MIN };
-        for ((a, b), &v) in l.iter_mut().zip(r.iter_mut()).zip(feat) {
-            let (x, o1) = v.overflowing_add(lo);
-            let (y, o2) = v.overflowing_add(hi);
-            let x = if o1 { lo_over } else { x };
-            let y = if o2 { hi_over } else { y };
-            // An empty band (lower end past MAX, upper end past MIN) empties the key.
-            let empty = (o1 && lo > 0) || (o2 && hi < 0);
-            *a = (*a).max(if empty { i64::MAX } else { x });
-            *b = (*b).min(if empty { i64::MIN } else { y });
-        }
+        // `v + lo` is exact for v in [la, lb] and clamps to the end it would pass: past MIN it
+        // bounds nothing, past MAX (lo > 0, v > lb) the band is empty; likewise `v + hi`.
+        let (la, lb) = (i64::MIN - lo.min(0), i64::MAX - lo.max(0));
+        let (ha, hb) = (i64::MIN - hi.min(0), i64::MAX - hi.max(0));
+        simd::vectorized(
+            level,
+            #[inline(always)]
+            || {
+                for ((a, b), &v) in l.iter_mut().zip(r.iter_mut()).zip(feat) {
+                    let empty = (lo > 0 && v > lb) | (hi < 0 && v < ha);
+                    let x = v.clamp(la, lb) + lo;
+                    let y = v.clamp(ha, hb) + hi;
+                    *a = (*a).max(if empty { i64::MAX } else { x });
+                    *b = (*b).min(if empty { i64::MIN } else { y });
+                }
+            },
+        );
     }
-    for (a, b) in l.iter_mut().zip(r.iter_mut()) {
-        if *a > *b {
-            (*a, *b) = (i64::MAX, i64::MIN);
-        }
-    }
+    simd::vectorized(
+        level,
+        #[inline(always)]
+        || {
+            for (a, b) in l.iter_mut().zip(r.iter_mut()) {
+                let empty = *a > *b;
+                *a = if empty { i64::MAX } else { *a };
+                *b = if empty { i64::MIN } else { *b };
+            }
+        },
+    );
     (l, r)
 }
 
-/// The ranked rows as a run walk reads them: per rank, the row's q tile and its row in the
-/// tile; per q tile, the ranks of its rows (ascending) and their least and greatest.
-struct Walk {
-    tile: Vec<u32>,
-    row: Vec<u32>,
-    tile_ranks: Vec<u32>,
-    tile_span: Vec<(u32, u32)>,
+/// The ranked rows as a run walk reads them: per rank the row (`order`), whose q tile is
+/// `row >> shift` and place in it `row & mask`; for the merged-run marking, per q tile the
+/// ranks of its rows (ascending) and their least and greatest, built on first use.
+struct Walk<'r> {
+    order: &'r [u32],
+    shift: u32,
+    mask: u32,
+    tq: usize,
+    ranks: std::cell::OnceCell<TileRanks>,
 }
 
-impl Walk {
-    fn new(g: &Geom, order: &[u32]) -> Walk {
-        let (mut tile, mut row) = (
-            Vec::with_capacity(order.len()),
-            Vec::with_capacity(order.len()),
-        );
-        let mut tile_ranks = vec![0u32; order.len()];
-        let mut fill: Vec<u32> = (0..g.nq).map(|qt| (qt * g.tq) as u32).collect();
-        // Each row's tile and place in it, by counting (no division per rank).
-        let at: Vec<(u32, u32)> = (0..g.nq)
-            .flat_map(|qt| (0..g.tq).map(move |r| (qt as u32, r as u32)))
-            .take(order.len())
-            .collect();
-        for (k, &i) in order.iter().enumerate() {
-            let (qt, r) = at[i as usize];
-            tile.push(qt);
-            row.push(r);
-            tile_ranks[fill[qt as usize] as usize] = k as u32;
-            fill[qt as usize] += 1;
-        }
-        let tile_span = (0..g.nq)
-            .map(|qt| {
-                let s = &tile_ranks[qt * g.tq..((qt + 1) * g.tq).min(order.len())];
-                (s[0], s[s.len() - 1])
-            })
-            .collect();
+/// Per q tile `qt`, the ranks of its rows ascending (at `ranks[qt * tq..]`) and the least and
+/// greatest of them.
+struct TileRanks {
+    ranks: Vec<u32>,
+    span: Vec<(u32, u32)>,
+}
+
+impl<'r> Walk<'r> {
+    fn new(g: &Geom, order: &'r [u32]) -> Walk<'r> {
         Walk {
-            tile,
-            row,
-            tile_ranks,
-            tile_span,
+            order,
+            shift: g.tq.trailing_zeros(),
+            mask: g.tq as u32 - 1,
+            tq: g.tq,
+            ranks: std::cell::OnceCell::new(),
         }
+    }
+
+    /// Per q tile, its rows' ranks ascending and their least and greatest.
+    fn tile_ranks(&self) -> &TileRanks {
+        self.ranks.get_or_init(|| {
+            let n = self.order.len();
+            let nq = n.div_ceil(self.tq);
+            let mut ranks = vec![0u32; n];
+            let mut fill: Vec<u32> = (0..nq).map(|qt| (qt * self.tq) as u32).collect();
+            for (k, &i) in self.order.iter().enumerate() {
+                let f = &mut fill[(i >> self.shift) as usize];
+                ranks[*f as usize] = k as u32;
+                *f += 1;
+            }
+            let span = (0..nq)
+                .map(|qt| {
+                    let s = &ranks[qt * self.tq..((qt + 1) * self.tq).min(n)];
+                    (s[0], s[s.len() - 1])
+                })
+                .collect();
+            TileRanks { ranks, span }
+        })
     }
 }
 
-/// Per q tile, the sorted kv tiles holding a key whose interval contains one of its values:
-/// CSR offsets and tiles, and the same as a bitmap over `qt * nk + kt`. Per kv tile its keys' runs of ranks are merged into disjoint
-/// segments; a short segment marks its rows' tiles one by one, a long one tests each q tile by
-/// its least and greatest rank, then (only where they straddle an end) by binary search in its
-/// ranks. A segment so costs the smaller of its length and `nq`, and the nested intervals of a
-/// long prompt chain merge into one.
-fn reached(g: &Geom, walk: &Walk, runs: &[(u32, u32)]) -> (Vec<u32>, Vec<u32>, Vec<u64>) {
-    let mut marked = vec![0u64; (g.nq * g.nk).div_ceil(64)];
-    let mut mark = |qt: usize, kt: usize| {
+/// Marks in `marked` (over `qt * nk + kt`) the q tiles holding a row of one of the runs `col`
+/// of kv tile `kt`. The runs are merged into disjoint segments; a short segment marks its rows'
+/// tiles one by one, a long one tests each q tile by its least and greatest rank, then (only
+/// where they straddle an end) by binary search in its ranks. A segment so costs the smaller
+/// of its length and `nq`, and the nested intervals of a long prompt chain merge into one.
+fn mark_merged(
+    g: &Geom,
+    walk: &Walk,
+    col: &[(u32, u32)],
+    kt: usize,
+    segs: &mut Vec<u64>,
+    marked: &mut [u64],
+) {
+    let mut mark = |qt: usize| {
         let at = qt * g.nk + kt;
         marked[at / 64] |= 1 << (at % 64);
     };
     let long = 2 * g.nq;
-    let mut segs: Vec<u64> = Vec::with_capacity(g.tk);
-    for kt in 0..g.nk {
-        let (j0, j1) = (kt * g.tk, ((kt + 1) * g.tk).min(g.lkv));
-        segs.clear();
-        segs.extend(
-            runs[j0..j1]
-                .iter()
-                .filter(|(s, e)| s < e)
-                .map(|&(s, e)| (s as u64) << 32 | e as u64),
-        );
-        segs.sort_unstable();
-        let mut merged: Option<(usize, usize)> = None;
-        let mut cover = |(s, e): (usize, usize)| {
-            if e - s <= long {
-                walk.tile[s..e].iter().for_each(|&qt| mark(qt as usize, kt));
-                return;
+    segs.clear();
+    segs.extend(
+        col.iter()
+            .filter(|(s, e)| s < e)
+            .map(|&(s, e)| (s as u64) << 32 | e as u64),
+    );
+    segs.sort_unstable();
+    let mut cover = |(s, e): (usize, usize)| {
+        if e - s <= long {
+            for &i in &walk.order[s..e] {
+                mark((i >> walk.shift) as usize);
             }
-            for (qt, &(a, b)) in walk.tile_span.iter().enumerate() {
-                let (a, b) = (a as usize, b as usize);
-                if b < s || a >= e {
-                    continue;
-                }
-                let hit = (s <= a && b < e) || {
-                    let c = &walk.tile_ranks[qt * g.tq..((qt + 1) * g.tq).min(g.lq)];
-                    let x = c.partition_point(|&k| (k as usize) < s);
-                    x < c.len() && (c[x] as usize) < e
-                };
-                if hit {
-                    mark(qt, kt);
-                }
+            return;
+        }
+        let TileRanks { ranks, span } = walk.tile_ranks();
+        for (qt, &(a, b)) in span.iter().enumerate() {
+            let (a, b) = (a as usize, b as usize);
+            if b < s || a >= e {
+                continue;
             }
-        };
-        for &k in segs.iter() {
-            let (s, e) = ((k >> 32) as usize, k as u32 as usize);
-            merged = match merged {
-                Some((a, b)) if s <= b => Some((a, b.max(e))),
-                Some(m) => {
-                    cover(m);
-                    Some((s, e))
-                }
-                None => Some((s, e)),
+            let hit = (s <= a && b < e) || {
+                let c = &ranks[qt * g.tq..((qt + 1) * g.tq).min(g.lq)];
+                let x = c.partition_point(|&k| (k as usize) < s);
+                x < c.len() && (c[x] as usize) < e
             };
-        }
-        if let Some(m) = merged {
-            cover(m);
-        }
-    }
-    let mut off = Vec::with_capacity(g.nq + 1);
-    let mut list = Vec::new();
-    for qt in 0..g.nq {
-        off.push(list.len() as u32);
-        // The row's bits, a word at a time.
-        let (start, end) = (qt * g.nk, (qt + 1) * g.nk);
-        let mut at = start;
-        while at < end {
-            let (w, b) = (at / 64, at % 64);
-            let take = (64 - b).min(end - at);
-            let mut bits = marked[w] >> b;
-            if take < 64 {
-                bits &= (1u64 << take) - 1;
+            if hit {
+                mark(qt);
             }
-            while bits != 0 {
-                list.push((at - start) as u32 + bits.trailing_zeros());
-                bits &= bits - 1;
-            }
-            at += take;
         }
+    };
+    let mut merged: Option<(usize, usize)> = None;
+    for &k in segs.iter() {
+        let (s, e) = ((k >> 32) as usize, k as u32 as usize);
+        merged = match merged {
+            Some((a, b)) if s <= b => Some((a, b.max(e))),
+            Some(m) => {
+                cover(m);
+                Some((s, e))
+            }
+            None => Some((s, e)),
+        };
     }
-    off.push(list.len() as u32);
-    (off, list, marked)
+    if let Some(m) = merged {
+        cover(m);
+    }
 }
 
 #[cfg(test)]

@@ -24,7 +24,7 @@ use blocks::BlocksLeaf;
 use dense::DenseLeaf;
 use doc::DocLeaf;
 use geom::set_range;
-pub(crate) use geom::{hash_words, Geom};
+pub(crate) use geom::Geom;
 use interval::IntervalLeaf;
 use tessera_mask::Mask;
 

@@ -37,7 +37,12 @@ impl Level {
     pub fn supported() -> Level {
         #[cfg(target_arch = "x86_64")]
         {
-            if is_x86_feature_detected!("avx512f") {
+            // F with VL/BW/DQ (every AVX-512 CPU since Skylake-SP): what `vectorized` enables.
+            if is_x86_feature_detected!("avx512f")
+                && is_x86_feature_detected!("avx512vl")
+                && is_x86_feature_detected!("avx512bw")
+                && is_x86_feature_detected!("avx512dq")
+            {
                 return Level::Avx512;
             }
             if is_x86_feature_detected!("avx2") {
@@ -54,6 +59,20 @@ impl Level {
             .into_iter()
             .filter(|&l| l <= Self::supported())
             .collect()
+    }
+}
+
+/// `f()` compiled for the widest instruction set of `level`, so that plain integer loops in it
+/// are auto-vectorized for AVX-512 or AVX2 (the same results at every level).
+#[inline(always)]
+pub(crate) fn vectorized<R>(level: Level, f: impl FnOnce() -> R) -> R {
+    match level {
+        // SAFETY: the level is at most `Level::supported()`, so the CPU has the features.
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx512 => unsafe { x86::with_avx512(f) },
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx2 => unsafe { x86::with_avx2(f) },
+        _ => f(),
     }
 }
 
@@ -206,20 +225,6 @@ pub(crate) fn tile_in_intervals32(
     }
 }
 
-/// How many bits of `words` are set: the `popcnt` instruction where the CPU has it (the
-/// baseline x86-64 build counts bits with a dozen instructions per word).
-pub(crate) fn count_ones(words: &[u64]) -> u64 {
-    #[cfg(target_arch = "x86_64")]
-    {
-        static POPCNT: OnceLock<bool> = OnceLock::new();
-        if *POPCNT.get_or_init(|| is_x86_feature_detected!("popcnt")) {
-            // SAFETY: the CPU has popcnt.
-            return unsafe { x86::count_ones_popcnt(words) };
-        }
-    }
-    words.iter().map(|w| w.count_ones() as u64).sum()
-}
-
 /// The whole 64-key words of `keys`, one compare per key.
 fn scalar<T: Copy>(keys: &[T], ok: impl Fn(T) -> bool, out: &mut [u64]) {
     for (word, chunk) in out.iter_mut().zip(keys.chunks_exact(64)) {
@@ -245,9 +250,14 @@ fn tail<T: Copy>(keys: &[T], full: usize, ok: impl Fn(T) -> bool, out: &mut [u64
 mod x86 {
     use std::arch::x86_64::*;
 
-    #[target_feature(enable = "popcnt")]
-    pub(super) unsafe fn count_ones_popcnt(words: &[u64]) -> u64 {
-        words.iter().map(|w| w.count_ones() as u64).sum()
+    #[target_feature(enable = "avx512f,avx512vl,avx512bw,avx512dq")]
+    pub(super) unsafe fn with_avx512<R>(f: impl FnOnce() -> R) -> R {
+        f()
+    }
+
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn with_avx2<R>(f: impl FnOnce() -> R) -> R {
+        f()
     }
 
     /// `keys.len()` a multiple of 64.
@@ -566,17 +576,6 @@ mod tests {
                 tile_in_intervals32(level, &l, &w, &rows, wpr, &mut out);
                 prop_assert_eq!(&out, &want, "{:?}", level);
             }
-        }
-    }
-
-    #[test]
-    fn count_ones_counts_every_word() {
-        for n in [0usize, 1, 3, 4, 5, 256, 259] {
-            let w: Vec<u64> = (0..n as u64)
-                .map(|i| i.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (i << 7))
-                .collect();
-            let want: u64 = w.iter().map(|x| x.count_ones() as u64).sum();
-            assert_eq!(count_ones(&w), want, "{n} words");
         }
     }
 
