@@ -222,16 +222,12 @@ impl<'a> IntervalLeaf<'a> {
             let ok = lo > hi || (hi as i128 - lo as i128) < u32::MAX as i128;
             narrow.push((lo, hi, ok));
             if ok {
+                let (ds, ws) = (&mut l32[j0..j1], &mut w32[j0..j1]);
                 simd::vectorized(
                     g.level,
                     #[inline(always)]
-                    || {
-                        for (((a, b), d), w) in ls
-                            .iter()
-                            .zip(rs)
-                            .zip(&mut l32[j0..j1])
-                            .zip(&mut w32[j0..j1])
-                        {
+                    move || {
+                        for (((&a, &b), d), w) in ls.iter().zip(rs).zip(ds).zip(ws) {
                             // Non-empty intervals lie in [lo, lo + u32::MAX).
                             let empty = a > b;
                             *d = if empty {
@@ -239,7 +235,7 @@ impl<'a> IntervalLeaf<'a> {
                             } else {
                                 a.wrapping_sub(lo) as u32
                             };
-                            *w = if empty { 0 } else { b.wrapping_sub(*a) as u32 };
+                            *w = if empty { 0 } else { b.wrapping_sub(a) as u32 };
                         }
                     },
                 );
@@ -486,14 +482,15 @@ fn intervals(level: simd::Level, lkv: usize, bands: &[(&[i64], i64, i64)]) -> (V
         // bounds nothing, past MAX (lo > 0, v > lb) the band is empty; likewise `v + hi`.
         let (la, lb) = (i64::MIN - lo.min(0), i64::MAX - lo.max(0));
         let (ha, hb) = (i64::MIN - hi.min(0), i64::MAX - hi.max(0));
+        let (l, r) = (&mut l[..], &mut r[..]);
         simd::vectorized(
             level,
             #[inline(always)]
-            || {
+            move || {
                 for ((a, b), &v) in l.iter_mut().zip(r.iter_mut()).zip(feat) {
                     let empty = (lo > 0 && v > lb) | (hi < 0 && v < ha);
-                    let x = v.clamp(la, lb) + lo;
-                    let y = v.clamp(ha, hb) + hi;
+                    let x = v.max(la).min(lb).wrapping_add(lo);
+                    let y = v.max(ha).min(hb).wrapping_add(hi);
                     *a = (*a).max(if empty { i64::MAX } else { x });
                     *b = (*b).min(if empty { i64::MIN } else { y });
                 }
