@@ -420,21 +420,11 @@ impl PyPlan {
         let mut lead = Vec::with_capacity(expect * row);
         lead.resize(row, 0);
         lead.resize(2 * row, u64::MAX);
-        let (f, bits) = py
-            .detach(|| tessera::export::flex::export_packed_after(&plan, lead))
+        let (f, codes, bits) = py
+            .detach(|| tessera::export::flex::export_coded_after(&plan, lead))
             .map_err(to_py)?;
         let (bg, hg) = f.groups;
         let (nq, nk) = f.blocks;
-        let codes: Vec<i32> = f
-            .mask_tile_states
-            .iter()
-            .zip(&f.mask_block_ids)
-            .map(|(&st, &id)| match st {
-                0 => 0,
-                2 => 1,
-                _ => id.saturating_add(2),
-            })
-            .collect();
         let tables = [
             f.kv_num_blocks,
             f.kv_indices,
@@ -595,8 +585,8 @@ fn led_bits<'py>(
     let blocks = (led.len() / row.max(1)).max(3);
     let capacity = blocks.max(floor).next_power_of_two();
     led.resize(capacity * row, 0);
-    // Same size and alignment: collected in place.
-    let padded: Vec<i64> = led.into_iter().map(|w| w as i64).collect();
+    // Same size and alignment: the allocation reinterpreted, no pass over it.
+    let padded: Vec<i64> = bytemuck::allocation::cast_vec(led);
     Ok(padded
         .into_pyarray(py)
         .reshape([capacity, tq, tk.div_ceil(64)])?

@@ -58,27 +58,21 @@ pub struct FlexArrays {
     pub mask_blocks: Vec<bool>,
 }
 
-/// Fills one ordered row: `active` (ascending) first, then the remaining indices ascending.
-fn ordered_row(active: &[u32], mark: &mut [bool], out: &mut [i32]) {
-    let mut k = 0;
-    for &a in active {
-        out[k] = a as i32;
-        mark[a as usize] = true;
-        k += 1;
-    }
-    for (i, m) in mark.iter_mut().enumerate() {
-        if *m {
-            *m = false;
-        } else {
-            out[k] = i as i32;
-            k += 1;
-        }
+/// Appends one ordered row of `n` indices to `out`: `active` (ascending, distinct, below `n`)
+/// first, then the remaining indices ascending (the gaps between active ones, each a run of
+/// consecutive values).
+fn ordered_row(active: &[u32], n: usize, out: &mut Vec<i32>) {
+    out.extend(active.iter().map(|&a| a as i32));
+    let mut next = 0usize;
+    for end in active.iter().map(|&a| a as usize).chain([n]) {
+        out.extend(next as i32..end as i32);
+        next = end + 1;
     }
 }
 
 /// FlexAttention `BlockMask` tensors of `plan`.
 pub fn export(plan: &Plan) -> Result<FlexArrays> {
-    Ok(export_impl(plan, None)?.0)
+    Ok(export_impl(plan, None, false)?.0)
 }
 
 /// [`export`] with the partial-block contents as packed bit rows instead of `mask_blocks`
@@ -86,7 +80,7 @@ pub fn export(plan: &Plan) -> Result<FlexArrays> {
 /// when (query `r`, key `c`) of the block is allowed. A `mask_mod` can read these directly (no
 /// `n·tile.q·tile.kv` bool array is built; the live export path of the Python bindings).
 pub fn export_packed(plan: &Plan) -> Result<(FlexArrays, Vec<u64>)> {
-    let (a, mut packed) = export_impl(plan, Some(Vec::new()))?;
+    let (a, _, mut packed) = export_impl(plan, Some(Vec::new()), false)?;
     if packed.is_empty() {
         packed = vec![0; plan.tile.q * plan.partials.words_per_row];
     }
@@ -94,11 +88,14 @@ pub fn export_packed(plan: &Plan) -> Result<(FlexArrays, Vec<u64>)> {
 }
 
 /// [`export_packed`] appending the blocks to `lead` (words the caller keeps in front of them,
-/// such as its own constant blocks; the block ids in the arrays count from the first appended
-/// block), so that a caller laying the blocks out behind a header copies them once. Nothing is
-/// appended when no block is partial.
-pub fn export_packed_after(plan: &Plan, lead: Vec<u64>) -> Result<(FlexArrays, Vec<u64>)> {
-    export_impl(plan, Some(lead))
+/// such as its own constant blocks), so that a caller laying the blocks out behind a header
+/// copies them once (nothing is appended when no block is partial), and with each tile's code
+/// instead of `mask_tile_states` / `mask_block_ids` (left empty): `[B', H', nq, nk]` int32, 0
+/// empty, 1 full, `2 + i` partial with block `i` (counted from the first appended block): what a
+/// bit-table `mask_mod` indexes, built in the same pass.
+pub fn export_coded_after(plan: &Plan, lead: Vec<u64>) -> Result<(FlexArrays, Vec<i32>, Vec<u64>)> {
+    let (a, codes, packed) = export_impl(plan, Some(lead), true)?;
+    Ok((a, codes, packed))
 }
 
 /// The active tiles of a plan in row-major order over `[B', H', nq, nk]`, O(active tiles): what
@@ -225,8 +222,13 @@ fn visit_rows(
     n_blocks
 }
 
-/// The arrays, with the partial blocks as `mask_blocks` (`packed` None) or appended to `packed`.
-fn export_impl(plan: &Plan, packed: Option<Vec<u64>>) -> Result<(FlexArrays, Vec<u64>)> {
+/// The arrays, with the partial blocks as `mask_blocks` (`packed` None) or appended to `packed`,
+/// and the tile codes of [`export_coded_after`] instead of the states and block ids (`codes`).
+fn export_impl(
+    plan: &Plan,
+    packed: Option<Vec<u64>>,
+    codes: bool,
+) -> Result<(FlexArrays, Vec<i32>, Vec<u64>)> {
     let bools = packed.is_none();
     crate::check_budget(plan, "flex export")?;
     let c = Contents::new(plan);
@@ -240,6 +242,9 @@ fn export_impl(plan: &Plan, packed: Option<Vec<u64>>) -> Result<(FlexArrays, Vec
             nq.max(nk),
         ));
     }
+    let cells = g * nq * nk;
+    // Index rows are appended whole; the per-cell tables are written where a tile is.
+    let (per_cell, code_cells) = if codes { (0, cells) } else { (cells, 0) };
     let mut a = FlexArrays {
         shape: [
             plan.shape.batch,
@@ -251,20 +256,20 @@ fn export_impl(plan: &Plan, packed: Option<Vec<u64>>) -> Result<(FlexArrays, Vec
         groups: (bg, hg),
         blocks: (nq, nk),
         kv_num_blocks: vec![0; g * nq],
-        kv_indices: vec![0; g * nq * nk],
+        kv_indices: Vec::with_capacity(cells),
         full_kv_num_blocks: vec![0; g * nq],
-        full_kv_indices: vec![0; g * nq * nk],
+        full_kv_indices: Vec::with_capacity(cells),
         q_num_blocks: vec![0; g * nk],
-        q_indices: vec![0; g * nk * nq],
+        q_indices: Vec::with_capacity(cells),
         full_q_num_blocks: vec![0; g * nk],
-        full_q_indices: vec![0; g * nk * nq],
-        mask_tile_states: vec![0; g * nq * nk],
-        mask_block_ids: vec![-1; g * nq * nk],
+        full_q_indices: Vec::with_capacity(cells),
+        mask_tile_states: vec![0; per_cell],
+        mask_block_ids: vec![-1; per_cell],
         mask_blocks: Vec::new(),
     };
+    let mut code = vec![0i32; code_cells];
     let (tq, tk) = (plan.tile.q, plan.tile.kv);
     let mut packed: Vec<u64> = packed.unwrap_or_default();
-    let mut mark_k = vec![false; nk];
     let (mut part, mut full) = (Vec::new(), Vec::new());
     let mut mask_blocks = Vec::new();
     let n_blocks = visit_rows(
@@ -280,9 +285,14 @@ fn export_impl(plan: &Plan, packed: Option<Vec<u64>>) -> Result<(FlexArrays, Vec
                 let cell = (gi * nq + qt) * nk + tile as usize;
                 if id < 0 {
                     full.push(tile);
-                    a.mask_tile_states[cell] = 2;
                 } else {
                     part.push(tile);
+                }
+                if codes {
+                    code[cell] = if id < 0 { 1 } else { id.saturating_add(2) };
+                } else if id < 0 {
+                    a.mask_tile_states[cell] = 2;
+                } else {
                     a.mask_tile_states[cell] = 1;
                     a.mask_block_ids[cell] = id;
                 }
@@ -290,16 +300,11 @@ fn export_impl(plan: &Plan, packed: Option<Vec<u64>>) -> Result<(FlexArrays, Vec
             let r = gi * nq + qt;
             a.kv_num_blocks[r] = part.len() as i32;
             a.full_kv_num_blocks[r] = full.len() as i32;
-            ordered_row(&part, &mut mark_k, &mut a.kv_indices[r * nk..(r + 1) * nk]);
-            ordered_row(
-                &full,
-                &mut mark_k,
-                &mut a.full_kv_indices[r * nk..(r + 1) * nk],
-            );
+            ordered_row(&part, nk, &mut a.kv_indices);
+            ordered_row(&full, nk, &mut a.full_kv_indices);
         },
     );
     a.mask_blocks = mask_blocks;
-    let mut mark_q = vec![false; nq];
     for b in 0..bg {
         for h in 0..hg {
             let gi = b * hg + h;
@@ -316,19 +321,15 @@ fn export_impl(plan: &Plan, packed: Option<Vec<u64>>) -> Result<(FlexArrays, Vec
                 let r = gi * nk + kt;
                 a.q_num_blocks[r] = part.len() as i32;
                 a.full_q_num_blocks[r] = full.len() as i32;
-                ordered_row(&part, &mut mark_q, &mut a.q_indices[r * nq..(r + 1) * nq]);
-                ordered_row(
-                    &full,
-                    &mut mark_q,
-                    &mut a.full_q_indices[r * nq..(r + 1) * nq],
-                );
+                ordered_row(&part, nq, &mut a.q_indices);
+                ordered_row(&full, nq, &mut a.full_q_indices);
             }
         }
     }
     if n_blocks == 0 && bools {
         a.mask_blocks = vec![false; tq * tk];
     }
-    Ok((a, packed))
+    Ok((a, code, packed))
 }
 
 fn append_block(out: &mut Vec<bool>, bits: &[u64], tq: usize, tk: usize, wpr: usize) {
@@ -536,5 +537,30 @@ impl FlexArrays {
             }
         }
         Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ordered_row;
+
+    #[test]
+    fn ordered_rows_list_the_active_then_the_rest_ascending() {
+        for n in [1usize, 2, 7, 64] {
+            for pattern in 0u64..64 {
+                let active: Vec<u32> = (0..n as u32)
+                    .filter(|&i| pattern.rotate_left(i * 5) & 1 == 1)
+                    .collect();
+                let mut out = vec![-7];
+                ordered_row(&active, n, &mut out);
+                let rest = (0..n as i32).filter(|i| !active.contains(&(*i as u32)));
+                let want: Vec<i32> = [-7]
+                    .into_iter()
+                    .chain(active.iter().map(|&a| a as i32))
+                    .chain(rest)
+                    .collect();
+                assert_eq!(out, want, "n {n} active {active:?}");
+            }
+        }
     }
 }

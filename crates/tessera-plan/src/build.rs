@@ -282,42 +282,66 @@ impl Refine<'_> {
     /// Stages 1 and 2 of tile (`qt`, `kt`) under `node`: `None` when empty, else its mask id
     /// ([`FULL_TILE`] when full) and allowed pairs.
     fn tile(&mut self, node: &Node, qt: usize, kt: usize) -> Result<Option<(u32, u64)>> {
+        let state = node.classify(self.g, qt, kt);
+        self.stage2(node, qt, kt, state)
+    }
+
+    /// [`Refine::tile`] given the tile's stage-1 state (inlined: most tiles of a large plan are
+    /// Empty or Full).
+    #[inline]
+    fn stage2(
+        &mut self,
+        node: &Node,
+        qt: usize,
+        kt: usize,
+        state: TileState,
+    ) -> Result<Option<(u32, u64)>> {
         let g = self.g;
         let rows = (g.lq - qt * g.tq).min(g.tq) as u64;
         let cols = (g.lkv - kt * g.tk).min(g.tk) as u64;
-        Ok(match node.classify(g, qt, kt) {
+        Ok(match state {
             TileState::Empty => None,
             TileState::Full => Some((FULL_TILE, rows * cols)),
-            TileState::Partial => {
-                // A tile keyed like one refined before has its bitmask: stage 2 runs once
-                // per key (the diagonal of a causal mask, the translates of a neighbourhood).
-                self.key.clear();
-                self.key.push(node as *const Node as usize as i128);
-                let keyed =
-                    node.tile_key(g, qt, kt, &mut self.key) && self.key.len() <= MEMO_KEY_LEN;
-                if keyed {
-                    self.key.extend([rows as i128, cols as i128]);
-                    if let Some(&t) = self.memo.get(self.key.as_slice()) {
-                        return Ok(t);
-                    }
-                }
-                // Stage 2: exact refinement at token level.
-                node.eval(g, qt, kt, &mut self.bits, &mut self.pool);
-                let (n, hash) = digest(g.level, &self.bits);
-                let t = if n == 0 {
-                    None
-                } else if n == rows * cols {
-                    Some((FULL_TILE, n))
-                } else {
-                    let id = self.dedup.intern(self.table, &self.bits, hash, self.what)?;
-                    Some((id, n))
-                };
-                if keyed && self.memo.len() < MEMO_TILES {
-                    self.memo.insert(self.key.as_slice().into(), t);
-                }
-                t
-            }
+            TileState::Partial => self.refine(node, qt, kt, rows, cols)?,
         })
+    }
+
+    /// Stage 2 of a Partial tile of `rows` x `cols` pairs.
+    fn refine(
+        &mut self,
+        node: &Node,
+        qt: usize,
+        kt: usize,
+        rows: u64,
+        cols: u64,
+    ) -> Result<Option<(u32, u64)>> {
+        let g = self.g;
+        // A tile keyed like one refined before has its bitmask: stage 2 runs once per key (the
+        // diagonal of a causal mask, the translates of a neighbourhood).
+        self.key.clear();
+        self.key.push(node as *const Node as usize as i128);
+        let keyed = node.tile_key(g, qt, kt, &mut self.key) && self.key.len() <= MEMO_KEY_LEN;
+        if keyed {
+            self.key.extend([rows as i128, cols as i128]);
+            if let Some(&t) = self.memo.get(self.key.as_slice()) {
+                return Ok(t);
+            }
+        }
+        // Stage 2: exact refinement at token level.
+        node.eval(g, qt, kt, &mut self.bits, &mut self.pool);
+        let (n, hash) = digest(g.level, &self.bits);
+        let t = if n == 0 {
+            None
+        } else if n == rows * cols {
+            Some((FULL_TILE, n))
+        } else {
+            let id = self.dedup.intern(self.table, &self.bits, hash, self.what)?;
+            Some((id, n))
+        };
+        if keyed && self.memo.len() < MEMO_TILES {
+            self.memo.insert(self.key.as_slice().into(), t);
+        }
+        Ok(t)
     }
 
     /// [`Refine::tile`] of a split mask's node (`&(blocks.., rest)`): where the blocks
@@ -362,14 +386,20 @@ fn plan_head(
     let g = cx.g;
     cx.memo.clear();
     let mut fwd_offsets = Vec::with_capacity(g.nq + 1);
-    let mut fwd = Vec::new();
+    // The visited tiles bound the list (and were checked against the memory budget).
+    let mut fwd = Vec::with_capacity(visit.iter().map(Candidates::len).sum());
     let (mut full_tiles, mut partial_tiles, mut allowed) = (0u64, 0u64, 0u64);
+    let mut states = Vec::new();
     fwd_offsets.push(0u32);
     for (qt, cands) in visit.iter().enumerate() {
-        for kt in cands.iter() {
+        if share.is_none() {
+            // A row's stage 1 at once (some leaves classify a row faster than its tiles).
+            node.classify_row(g, qt, cands, &mut states);
+        }
+        for (at, kt) in cands.iter().enumerate() {
             let t = match share.as_mut() {
                 Some((shared, id)) => cx.split_tile(node, (shared, *id), qt, kt)?,
-                None => cx.tile(node, qt, kt)?,
+                None => cx.stage2(node, qt, kt, states[at])?,
             };
             let Some((mask, n)) = t else { continue };
             if mask == FULL_TILE {

@@ -293,6 +293,28 @@ impl<'a> IntervalLeaf<'a> {
         }
     }
 
+    /// [`IntervalLeaf::state`] of the tiles `kts` of q tile `qt`, appended to `out` (a row at a
+    /// time: the q tile's range read once).
+    pub(super) fn states(
+        &self,
+        qt: usize,
+        kts: impl Iterator<Item = usize>,
+        out: &mut Vec<TileState>,
+    ) {
+        let (qa, qb) = self.q_sum[qt];
+        out.extend(kts.map(|kt| {
+            let at = qt * self.nk + kt;
+            let (maxl, minr) = self.kv_full[kt];
+            if self.reached[at / 64] >> (at % 64) & 1 == 0 {
+                TileState::Empty
+            } else if maxl <= qa && qb <= minr {
+                TileState::Full
+            } else {
+                TileState::Partial
+            }
+        }));
+    }
+
     /// The reached tiles (the bitmap, then per q tile the sorted list) and stage 2's run walks,
     /// one kv-tile column at a time. A column whose keys allow few pairs (walking them all costs
     /// less than comparing every row of every tile of the column) is walked once to count its
@@ -414,20 +436,26 @@ impl<'a> IntervalLeaf<'a> {
         self.list = list;
     }
 
+    /// The allowed pairs of tile (`qt`, `kt`) as bit positions (`row * 64 * wpr + column`, each
+    /// once) when stage 2 listed them (a partial tile of a walked column).
+    pub(super) fn listed(&self, qt: usize, kt: usize) -> Option<&[u32]> {
+        if !self.by_runs[kt] || self.full(qt, kt) {
+            return None;
+        }
+        let at = self.candidates(qt).binary_search(&(kt as u32)).ok()?;
+        let (a, b) = self.walked[self.off[qt] as usize + at];
+        Some(&self.bitpos[a as usize..b as usize])
+    }
+
     /// Stage 2: writes the tile's allowed pairs into a zeroed `out`.
     pub(super) fn write(&self, g: &Geom, qt: usize, kt: usize, out: &mut [u64]) {
-        if self.by_runs[kt] {
-            // A partial tile of a walked column has its pairs listed; any other tile of it
-            // (Full, or off the list) is compared below.
-            if let Ok(at) = self.candidates(qt).binary_search(&(kt as u32)) {
-                if !self.full(qt, kt) {
-                    let (a, b) = self.walked[self.off[qt] as usize + at];
-                    for &p in &self.bitpos[a as usize..b as usize] {
-                        out[p as usize / 64] |= 1 << (p % 64);
-                    }
-                    return;
-                }
+        // A partial tile of a walked column has its pairs listed; any other tile (Full, or off
+        // the list) is compared below.
+        if let Some(pos) = self.listed(qt, kt) {
+            for &p in pos {
+                out[p as usize / 64] |= 1 << (p % 64);
             }
+            return;
         }
         let (i0, i1) = g.qr(qt);
         let (j0, j1) = g.kr(kt);
