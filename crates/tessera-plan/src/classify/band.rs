@@ -148,11 +148,38 @@ impl TileShapes {
 /// Distinct tile shapes compared before hashing (see [`TileShapes::new`]).
 const RECENT_SHAPES: usize = 4;
 
-/// Band tile bitmasks computed so far, by (q shape, kv shape, kv first - q first).
+/// Band tile bitmasks computed so far, by (q shape, kv shape, kv first - q first): mask `n`
+/// of `words` words each lies in chunk `n / MEMO_CHUNK_TILES` (chunks never move, so keeping
+/// a mask never copies the earlier ones).
 #[derive(Default)]
 struct TileMemo {
     at: FxHashMap<(u32, u32, i128), usize>,
-    words: Vec<u64>,
+    chunks: Vec<Vec<u64>>,
+    tiles: usize,
+}
+
+/// Masks per memo chunk (512 KiB at 128 x 128 tiles).
+const MEMO_CHUNK_TILES: usize = 256;
+
+impl TileMemo {
+    /// Mask `n` (of `words` words).
+    fn get(&self, n: usize, words: usize) -> &[u64] {
+        let at = (n % MEMO_CHUNK_TILES) * words;
+        &self.chunks[n / MEMO_CHUNK_TILES][at..at + words]
+    }
+
+    /// Keeps `mask` under `key`.
+    fn keep(&mut self, key: (u32, u32, i128), mask: &[u64]) {
+        if self.tiles.is_multiple_of(MEMO_CHUNK_TILES) {
+            self.chunks
+                .push(Vec::with_capacity(MEMO_CHUNK_TILES * mask.len()));
+        }
+        if let Some(chunk) = self.chunks.last_mut() {
+            chunk.extend_from_slice(mask);
+            self.at.insert(key, self.tiles);
+            self.tiles += 1;
+        }
+    }
 }
 
 /// Words of bitmasks a band leaf keeps (64 MiB at most; past it tiles are computed every time).
@@ -262,16 +289,17 @@ impl BandLeaf<'_> {
         }
         let shift = self.kv_shape.first[kt] as i128 - self.q_shape.first[qt] as i128;
         let key = (self.q_shape.id[qt], self.kv_shape.id[kt], shift);
-        if let Some(&at) = self.memo.borrow().at.get(&key) {
-            out.copy_from_slice(&self.memo.borrow().words[at..at + out.len()]);
-            return;
+        {
+            let memo = self.memo.borrow();
+            if let Some(&n) = memo.at.get(&key) {
+                out.copy_from_slice(memo.get(n, out.len()));
+                return;
+            }
         }
         self.eval(g, qt, kt, out);
         let mut memo = self.memo.borrow_mut();
-        if memo.words.len() + out.len() <= MEMO_WORDS {
-            let at = memo.words.len();
-            memo.words.extend_from_slice(out);
-            memo.at.insert(key, at);
+        if (memo.tiles + 1) * out.len() <= MEMO_WORDS {
+            memo.keep(key, out);
         }
     }
 

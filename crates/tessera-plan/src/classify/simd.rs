@@ -361,9 +361,77 @@ mod x86 {
     }
     tile_driver!(tile_avx512, "avx512f", in_range_avx512, i64, |s: i64| s
         as u64);
-    tile_driver!(tile32_avx512, "avx512f", in_range32_avx512, u32, |s: u32| s);
+    /// [`super::tile_in_range32`] in AVX-512, word by word: the word's 64 keys held in
+    /// registers across the rows (a row costs four compares, no key loads); tails scalar.
+    #[target_feature(enable = "avx512f,avx512bw")]
+    pub(super) unsafe fn tile32_avx512(
+        keys: &[u32],
+        rows: &[super::RowBounds<u32>],
+        wpr: usize,
+        out: &mut [u64],
+    ) {
+        let full = keys.len() / 64;
+        for k in 0..full {
+            // SAFETY: 64 keys at `64 * k` lie within `keys`.
+            let v = unsafe {
+                let p = keys.as_ptr().add(64 * k);
+                [0, 16, 32, 48].map(|h| _mm512_loadu_si512(p.add(h).cast()))
+            };
+            for b in rows {
+                let (vlo, vspan) = (
+                    _mm512_set1_epi32(b.lo as i32),
+                    _mm512_set1_epi32(b.span as i32),
+                );
+                let m = v.map(|x| _mm512_cmple_epu32_mask(_mm512_sub_epi32(x, vlo), vspan));
+                // The four 16-bit masks joined in mask registers (no shifts through GPRs).
+                let w = _mm512_kunpackd(
+                    _mm512_kunpackw(m[3].into(), m[2].into()) as __mmask64,
+                    _mm512_kunpackw(m[1].into(), m[0].into()) as __mmask64,
+                );
+                out[b.row as usize * wpr + k] = w;
+            }
+        }
+        for b in rows {
+            let row = &mut out[b.row as usize * wpr..(b.row as usize + 1) * wpr];
+            super::tail(keys, full, |v: u32| v.wrapping_sub(b.lo) <= b.span, row);
+        }
+    }
+
+    /// [`tile32_avx512`] in AVX2 (unsigned compare by flipping sign bits, as in
+    /// [`in_range32_avx2`]).
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn tile32_avx2(
+        keys: &[u32],
+        rows: &[super::RowBounds<u32>],
+        wpr: usize,
+        out: &mut [u64],
+    ) {
+        let full = keys.len() / 64;
+        let sign = _mm256_set1_epi32(i32::MIN);
+        for k in 0..full {
+            // SAFETY: 64 keys at `64 * k` lie within `keys`.
+            let v = unsafe {
+                let p = keys.as_ptr().add(64 * k);
+                [0, 8, 16, 24, 32, 40, 48, 56].map(|h| _mm256_loadu_si256(p.add(h).cast()))
+            };
+            for b in rows {
+                let vlo = _mm256_set1_epi32(b.lo as i32);
+                let vspan = _mm256_set1_epi32((b.span as i32) ^ i32::MIN);
+                let mut over = 0u64;
+                for (h, &x) in v.iter().enumerate() {
+                    let d = _mm256_xor_si256(_mm256_sub_epi32(x, vlo), sign);
+                    let gt = _mm256_cmpgt_epi32(d, vspan);
+                    over |= (_mm256_movemask_ps(_mm256_castsi256_ps(gt)) as u32 as u64) << (8 * h);
+                }
+                out[b.row as usize * wpr + k] = !over;
+            }
+        }
+        for b in rows {
+            let row = &mut out[b.row as usize * wpr..(b.row as usize + 1) * wpr];
+            super::tail(keys, full, |v: u32| v.wrapping_sub(b.lo) <= b.span, row);
+        }
+    }
     tile_driver!(tile_avx2, "avx2", in_range_avx2, i64, |s: i64| s as u64);
-    tile_driver!(tile32_avx2, "avx2", in_range32_avx2, u32, |s: u32| s);
 
     /// [`super::tile_in_intervals32`]'s whole words (`l.len()` a multiple of 64) in AVX-512.
     #[target_feature(enable = "avx512f")]
