@@ -396,18 +396,21 @@ impl PyPlan {
     /// - int64 `[capacity, tq, ceil(tk / 64)]` packed bit rows per code (bit `c % 64` of word
     ///   `c / 64`): code 0 all clear, code 1 all set, then the plan's partial blocks, zero past
     ///   them. `capacity` is the next power of two of at least the codes used and of
-    ///   `min(per_tile * B' * H' * max(nq, nk), max_floor)`.
+    ///   `min(per_tile * B' * H' * max(nq, nk), max_floor)`; `None` with `bits=False` (for a
+    ///   `mask_mod` that does not read them: no block is copied).
     ///
     /// With `(B', H', nq, nk, tq, tk, Lq, Lkv)`.
     #[allow(clippy::type_complexity)]
+    #[pyo3(signature = (per_tile, max_floor, bits=true))]
     fn _flex_tables<'py>(
         &self,
         py: Python<'py>,
         per_tile: usize,
         max_floor: usize,
+        bits: bool,
     ) -> PyResult<(
         Vec<Bound<'py, PyArray1<i32>>>,
-        Bound<'py, PyAny>,
+        Option<Bound<'py, PyAny>>,
         (usize, usize, usize, usize, usize, usize, usize, usize),
     )> {
         let plan = self.inner.clone();
@@ -417,11 +420,20 @@ impl PyPlan {
         let groups = plan.batch_groups * plan.head_groups;
         let floor = bits_floor(groups, plan.q_tiles, plan.kv_tiles, per_tile, max_floor);
         let expect = (plan.partials.len() + 2).max(floor).next_power_of_two();
-        let mut lead = Vec::with_capacity(expect * row);
-        lead.resize(row, 0);
-        lead.resize(2 * row, u64::MAX);
+        let mut lead = Vec::with_capacity(if bits { expect * row } else { 0 });
+        if bits {
+            lead.resize(row, 0);
+            lead.resize(2 * row, u64::MAX);
+        }
         let (f, codes, bits) = py
-            .detach(|| tessera::export::flex::export_coded_after(&plan, lead))
+            .detach(|| {
+                if bits {
+                    tessera::export::flex::export_coded_after(&plan, lead)
+                        .map(|(f, c, b)| (f, c, Some(b)))
+                } else {
+                    tessera::export::flex::export_coded(&plan).map(|(f, c)| (f, c, None))
+                }
+            })
             .map_err(to_py)?;
         let (bg, hg) = f.groups;
         let (nq, nk) = f.blocks;
@@ -439,7 +451,7 @@ impl PyPlan {
         .into_iter()
         .map(|v| v.into_pyarray(py))
         .collect();
-        let padded = led_bits(py, bits, (tq, tk), floor)?;
+        let padded = bits.map(|b| led_bits(py, b, (tq, tk), floor)).transpose()?;
         Ok((
             tables,
             padded,

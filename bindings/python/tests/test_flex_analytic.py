@@ -21,6 +21,7 @@ from conftest import (  # noqa: E402
     brute_states,
     causal,
     chunk,
+    dense,
     document,
     packed_ids,
     prefix,
@@ -157,6 +158,33 @@ def test_tree_accessor_shapes_and_depth_limit():
         deep = ~deep
     with pytest.raises(ValueError, match="depth"):
         deep._tree()
+
+
+def _captured_bits(bm):
+    """Whether ``bm``'s mask_mod captured a bit table (a 3-D int64 tensor)."""
+    cells = [c.cell_contents for c in bm.mask_mod.__closure__ or ()]
+    return any(isinstance(t, torch.Tensor) and t.dim() == 3 for t in cells)
+
+
+def test_host_auto_builds_the_analytic_mask_mod_for_a_large_bit_table(monkeypatch):
+    """On the CPU, "auto" keeps the bit table while it is small and builds the analytic mask_mod
+    once the partial blocks pass ``HOST_BITS_LIMIT`` (no block copied then); a mask without an
+    analytic form keeps the bits at any size. Both exact on every element."""
+    g = np.random.default_rng(41)
+    f = g.permutation(300).astype(np.int64)
+    lq = 300
+    scattered = band(f, f, -40, 25)  # every tile partial
+    no_form = scattered & dense(g.random((lq, lq)) < 0.9)  # a dense leaf: no analytic form
+    for m, analytic in ((scattered, True), (no_form, False)):
+        want = torch.from_numpy(np.array(np.broadcast_to(m.dense(1, 1, lq, lq), (1, 1, lq, lq))))
+        plan = tessera.plan(m.t, q_len=lq, block=32, cache=False)
+        assert _captured_bits(plan.to_flex_block_mask())  # small: the bits
+        monkeypatch.setattr(flex_tables, "HOST_BITS_LIMIT", 0)
+        plan = tessera.plan(m.t, q_len=lq, block=32, cache=False)
+        bm = plan.to_flex_block_mask()
+        assert _captured_bits(bm) != analytic, str(m.t)
+        assert torch.equal(grid_eval(bm.mask_mod, 1, 1, lq, lq), want), str(m.t)
+        monkeypatch.undo()
 
 
 @pytest.mark.parametrize("recipe", ["causal_lm", "sliding_window", "prefix_lm", "document_causal",

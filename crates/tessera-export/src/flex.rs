@@ -72,7 +72,7 @@ fn ordered_row(active: &[u32], n: usize, out: &mut Vec<i32>) {
 
 /// FlexAttention `BlockMask` tensors of `plan`.
 pub fn export(plan: &Plan) -> Result<FlexArrays> {
-    Ok(export_impl(plan, None, false)?.0)
+    Ok(export_impl(plan, None, false, true)?.0)
 }
 
 /// [`export`] with the partial-block contents as packed bit rows instead of `mask_blocks`
@@ -80,7 +80,7 @@ pub fn export(plan: &Plan) -> Result<FlexArrays> {
 /// when (query `r`, key `c`) of the block is allowed. A `mask_mod` can read these directly (no
 /// `n·tile.q·tile.kv` bool array is built; the live export path of the Python bindings).
 pub fn export_packed(plan: &Plan) -> Result<(FlexArrays, Vec<u64>)> {
-    let (a, _, mut packed) = export_impl(plan, Some(Vec::new()), false)?;
+    let (a, _, mut packed) = export_impl(plan, Some(Vec::new()), false, true)?;
     if packed.is_empty() {
         packed = vec![0; plan.tile.q * plan.partials.words_per_row];
     }
@@ -94,8 +94,15 @@ pub fn export_packed(plan: &Plan) -> Result<(FlexArrays, Vec<u64>)> {
 /// empty, 1 full, `2 + i` partial with block `i` (counted from the first appended block): what a
 /// bit-table `mask_mod` indexes, built in the same pass.
 pub fn export_coded_after(plan: &Plan, lead: Vec<u64>) -> Result<(FlexArrays, Vec<i32>, Vec<u64>)> {
-    let (a, codes, packed) = export_impl(plan, Some(lead), true)?;
+    let (a, codes, packed) = export_impl(plan, Some(lead), true, true)?;
     Ok((a, codes, packed))
+}
+
+/// [`export_coded_after`] without the blocks' contents: the tables and codes alone, for a
+/// `mask_mod` that does not read the bits (one generated from the mask expression).
+pub fn export_coded(plan: &Plan) -> Result<(FlexArrays, Vec<i32>)> {
+    let (a, codes, _) = export_impl(plan, None, true, false)?;
+    Ok((a, codes))
 }
 
 /// The active tiles of a plan in row-major order over `[B', H', nq, nk]`, O(active tiles): what
@@ -146,41 +153,41 @@ pub fn export_compact(plan: &Plan) -> Result<(CompactTiles, Vec<u64>)> {
         cells: Vec::new(),
         codes: Vec::new(),
     };
-    let mut mask_blocks = Vec::new();
     let mut packed = Vec::new();
     let mut row_tiles: Vec<(u32, i32)> = Vec::new();
-    visit_rows(
-        plan,
-        &c,
-        None,
-        &mut mask_blocks,
-        &mut packed,
-        |gi, qt, row| {
-            row_tiles.clear();
-            row_tiles.extend_from_slice(row);
-            row_tiles.sort_unstable_by_key(|&(t, _)| t);
-            for &(t, id) in &row_tiles {
-                out.cells.push(((gi * nq + qt) * nk + t as usize) as i32);
-                out.codes.push(if id < 0 { 1 } else { id + 2 });
-            }
-        },
-    );
+    visit_rows(plan, &c, Blocks::Packed(&mut packed), |gi, qt, row| {
+        row_tiles.clear();
+        row_tiles.extend_from_slice(row);
+        row_tiles.sort_unstable_by_key(|&(t, _)| t);
+        for &(t, id) in &row_tiles {
+            out.cells.push(((gi * nq + qt) * nk + t as usize) as i32);
+            out.codes.push(if id < 0 { 1 } else { id + 2 });
+        }
+    });
     if packed.is_empty() {
         packed = vec![0; plan.tile.q * plan.partials.words_per_row];
     }
     Ok((out, packed))
 }
 
+/// Where [`visit_rows`] puts each new partial block's contents.
+enum Blocks<'a> {
+    /// As `tq x tk` bools.
+    Bools(&'a mut Vec<bool>, usize, usize),
+    /// As packed words.
+    Packed(&'a mut Vec<u64>),
+    /// Nowhere (the ids alone).
+    Skip,
+}
+
 /// Walks the kv rows of every (group, q tile): `row(gi, qt, tiles)` gets the row's non-empty
 /// tiles as `(kv tile, partial block id or -1 for full)`, block ids numbered in order of first
-/// appearance; each new partial block's contents are appended to `mask_blocks` (with `Some((tq,
-/// tk))`) or to `packed`. Returns the number of partial blocks.
+/// appearance; each new partial block's contents go to `blocks`. Returns the number of partial
+/// blocks.
 fn visit_rows(
     plan: &Plan,
     c: &Contents<'_>,
-    bools: Option<(usize, usize)>,
-    mask_blocks: &mut Vec<bool>,
-    packed: &mut Vec<u64>,
+    mut blocks: Blocks<'_>,
     mut row: impl FnMut(usize, usize, &[(u32, i32)]),
 ) -> i32 {
     let nq = plan.q_tiles;
@@ -203,11 +210,12 @@ fn visit_rows(
                             if *id < 0 {
                                 *id = n_blocks;
                                 n_blocks += 1;
-                                match bools {
-                                    Some((tq, tk)) => {
-                                        append_block(mask_blocks, c.bits(cid), tq, tk, wpr)
+                                match &mut blocks {
+                                    Blocks::Bools(out, tq, tk) => {
+                                        append_block(out, c.bits(cid), *tq, *tk, wpr)
                                     }
-                                    None => packed.extend_from_slice(c.bits(cid)),
+                                    Blocks::Packed(out) => out.extend_from_slice(c.bits(cid)),
+                                    Blocks::Skip => {}
                                 }
                             }
                             *id
@@ -228,8 +236,9 @@ fn export_impl(
     plan: &Plan,
     packed: Option<Vec<u64>>,
     codes: bool,
+    contents: bool,
 ) -> Result<(FlexArrays, Vec<i32>, Vec<u64>)> {
-    let bools = packed.is_none();
+    let bools = packed.is_none() && contents;
     crate::check_budget(plan, "flex export")?;
     let c = Contents::new(plan);
     let (nq, nk) = (plan.q_tiles, plan.kv_tiles);
@@ -269,41 +278,39 @@ fn export_impl(
     };
     let mut code = vec![0i32; code_cells];
     let (tq, tk) = (plan.tile.q, plan.tile.kv);
-    let mut packed: Vec<u64> = packed.unwrap_or_default();
     let (mut part, mut full) = (Vec::new(), Vec::new());
     let mut mask_blocks = Vec::new();
-    let n_blocks = visit_rows(
-        plan,
-        &c,
-        bools.then_some((tq, tk)),
-        &mut mask_blocks,
-        &mut packed,
-        |gi, qt, row| {
-            part.clear();
-            full.clear();
-            for &(tile, id) in row {
-                let cell = (gi * nq + qt) * nk + tile as usize;
-                if id < 0 {
-                    full.push(tile);
-                } else {
-                    part.push(tile);
-                }
-                if codes {
-                    code[cell] = if id < 0 { 1 } else { id.saturating_add(2) };
-                } else if id < 0 {
-                    a.mask_tile_states[cell] = 2;
-                } else {
-                    a.mask_tile_states[cell] = 1;
-                    a.mask_block_ids[cell] = id;
-                }
+    let mut packed = packed;
+    let blocks = match (contents, packed.as_mut()) {
+        (false, _) => Blocks::Skip,
+        (true, None) => Blocks::Bools(&mut mask_blocks, tq, tk),
+        (true, Some(p)) => Blocks::Packed(p),
+    };
+    let n_blocks = visit_rows(plan, &c, blocks, |gi, qt, row| {
+        part.clear();
+        full.clear();
+        for &(tile, id) in row {
+            let cell = (gi * nq + qt) * nk + tile as usize;
+            if id < 0 {
+                full.push(tile);
+            } else {
+                part.push(tile);
             }
-            let r = gi * nq + qt;
-            a.kv_num_blocks[r] = part.len() as i32;
-            a.full_kv_num_blocks[r] = full.len() as i32;
-            ordered_row(&part, nk, &mut a.kv_indices);
-            ordered_row(&full, nk, &mut a.full_kv_indices);
-        },
-    );
+            if codes {
+                code[cell] = if id < 0 { 1 } else { id.saturating_add(2) };
+            } else if id < 0 {
+                a.mask_tile_states[cell] = 2;
+            } else {
+                a.mask_tile_states[cell] = 1;
+                a.mask_block_ids[cell] = id;
+            }
+        }
+        let r = gi * nq + qt;
+        a.kv_num_blocks[r] = part.len() as i32;
+        a.full_kv_num_blocks[r] = full.len() as i32;
+        ordered_row(&part, nk, &mut a.kv_indices);
+        ordered_row(&full, nk, &mut a.full_kv_indices);
+    });
     a.mask_blocks = mask_blocks;
     for b in 0..bg {
         for h in 0..hg {
@@ -329,7 +336,7 @@ fn export_impl(
     if n_blocks == 0 && bools {
         a.mask_blocks = vec![false; tq * tk];
     }
-    Ok((a, code, packed))
+    Ok((a, code, packed.unwrap_or_default()))
 }
 
 fn append_block(out: &mut Vec<bool>, bits: &[u64], tq: usize, tk: usize, wpr: usize) {

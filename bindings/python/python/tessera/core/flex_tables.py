@@ -158,6 +158,22 @@ def _views(c: CompactMask, dev: Any, non_blocking: bool = False):
     return views[0], views[1], views[2], views[3:]
 
 
+# Bytes of partial blocks from which "auto" on the host builds the analytic mask_mod rather than
+# the bit table: below it, the analytic per-token data costs more to build than the table (0.15-
+# 0.45 ms more per plan at 4K tokens, measured); above it, copying and padding the blocks costs
+# more (a 16K-token tree whose every tile is sparse has 15 MiB of them).
+HOST_BITS_LIMIT = 2 << 20
+
+
+def _host_auto(plan: "Plan") -> str:
+    """What ``"auto"`` is on the host for ``plan``: ``"bits"`` for a small bit table, else
+    ``"auto"`` (analytic where the mask has the form, the bits otherwise)."""
+    tq, tk = plan.block
+    block_bytes = tq * ((tk + 63) // 64) * 8
+    big = plan.stats["unique_partial_masks"] * block_bytes > HOST_BITS_LIMIT
+    return "auto" if big else "bits"
+
+
 def host_block_mask(plan: "Plan", mask_mod: str):
     """The ``BlockMask`` on the host: the eight tables straight from the plan's work lists (the
     native export's arrays, wrapped without a copy) and the ``mask_mod`` asked for. On the CPU
@@ -168,7 +184,8 @@ def host_block_mask(plan: "Plan", mask_mod: str):
     from . import flex_mask
 
     prog, bufs, _ = _analytic(plan, mask_mod)
-    arrays, bits, (bg, hg, nq, nk, tq, tk, lq, lkv) = plan._p._flex_tables(2, 1 << 14)
+    # The analytic mask_mod reads no bits: the blocks are not copied.
+    arrays, bits, (bg, hg, nq, nk, tq, tk, lq, lkv) = plan._p._flex_tables(2, 1 << 14, prog is None)
     shapes = ((bg, hg, nq), (bg, hg, nq, nk)) * 2 + ((bg, hg, nk), (bg, hg, nk, nq)) * 2
     shapes += ((bg, hg, nq, nk),)
     tables = [torch.from_numpy(a.reshape(s)) for a, s in zip(arrays, shapes)]
@@ -209,8 +226,9 @@ def to_flex_block_mask(plan: "Plan", device: Any = "cpu", mask_mod: str = "auto"
     ones), captured padded to a power-of-two block count, at least twice the q or kv tile count
     per (batch, head) group, so that plans of the same shapes share one compiled kernel;
     ``"auto"`` is analytic on a GPU (or any non-CPU device) unless a ``dense``/``blocks`` leaf (or
-    a band over features beyond ±2^62) needs the bits, and the bits on the CPU, where building the
-    analytic data costs more than it saves.
+    a band over features beyond ±2^62) needs the bits; on the CPU it is the bits while their
+    table is small (below ``HOST_BITS_LIMIT`` bytes of partial blocks, where building the analytic
+    data costs more than it saves), then analytic where the mask has the form.
     """
     dev = torch.device(device)
     key = _key(dev) if mask_mod == "auto" else f"{_key(dev)}|{mask_mod}"
@@ -218,9 +236,7 @@ def to_flex_block_mask(plan: "Plan", device: Any = "cpu", mask_mod: str = "auto"
     if key in kept:
         return kept[key]
     if dev.type == "cpu":
-        # "auto" is the bit table here: building the analytic mask_mod's per-token data costs
-        # 0.15-0.45 ms more per plan at 4K tokens (measured), more than its evaluation saves.
-        bm = host_block_mask(plan, "bits" if mask_mod == "auto" else mask_mod)
+        bm = host_block_mask(plan, _host_auto(plan) if mask_mod == "auto" else mask_mod)
     elif dev.type == "cuda":  # pinned: the copies do not wait for the device (no host sync)
         bm = block_mask_from_compact(compact(plan, mask_mod).pin_memory(), dev, non_blocking=True)
     else:
