@@ -414,25 +414,15 @@ impl PyPlan {
         (usize, usize, usize, usize, usize, usize, usize, usize),
     )> {
         let plan = self.inner.clone();
-        // The two constant blocks first, then the plan's blocks behind them: copied once.
         let (tq, tk) = (plan.tile.q, plan.tile.kv);
-        let row = tq * tk.div_ceil(64);
         let groups = plan.batch_groups * plan.head_groups;
         let floor = bits_floor(groups, plan.q_tiles, plan.kv_tiles, per_tile, max_floor);
-        let expect = (plan.partials.len() + 2).max(floor).next_power_of_two();
-        let mut lead = Vec::with_capacity(if bits { expect * row } else { 0 });
-        if bits {
-            lead.resize(row, 0);
-            lead.resize(2 * row, u64::MAX);
-        }
+        let lead = bits.then(|| lead_blocks(&plan, per_tile, max_floor));
         let (f, codes, bits) = py
-            .detach(|| {
-                if bits {
-                    tessera::export::flex::export_coded_after(&plan, lead)
-                        .map(|(f, c, b)| (f, c, Some(b)))
-                } else {
-                    tessera::export::flex::export_coded(&plan).map(|(f, c)| (f, c, None))
-                }
+            .detach(|| match lead {
+                Some(lead) => tessera::export::flex::export_coded_after(&plan, lead)
+                    .map(|(f, c, b)| (f, c, Some(b))),
+                None => tessera::export::flex::export_coded(&plan).map(|(f, c)| (f, c, None)),
             })
             .map_err(to_py)?;
         let (bg, hg) = f.groups;
@@ -462,27 +452,31 @@ impl PyPlan {
     /// The plan's non-empty tiles, O(active tiles), for a device to expand the `BlockMask`
     /// tables itself: `(cells, codes, bits, dims)` with int32 `cells` (flat index over
     /// `[B', H', nq, nk]`, ascending), int32 `codes` (1 full, `2 + i` partial block `i`), the
-    /// padded bit blocks as in `_flex_tables` and the same `dims`.
+    /// padded bit blocks as in `_flex_tables` (`None` with `bits=False`) and the same `dims`.
     #[allow(clippy::type_complexity)]
+    #[pyo3(signature = (per_tile, max_floor, bits=true))]
     fn _flex_compact<'py>(
         &self,
         py: Python<'py>,
         per_tile: usize,
         max_floor: usize,
+        bits: bool,
     ) -> PyResult<(
         Bound<'py, PyArray1<i32>>,
         Bound<'py, PyArray1<i32>>,
-        Bound<'py, PyAny>,
+        Option<Bound<'py, PyAny>>,
         (usize, usize, usize, usize, usize, usize, usize, usize),
     )> {
         let plan = self.inner.clone();
-        let (c, bits) = py
-            .detach(|| tessera::export::flex::export_compact(&plan))
+        let lead = bits.then(|| lead_blocks(&plan, per_tile, max_floor));
+        let (c, led) = py
+            .detach(|| tessera::export::flex::export_compact_after(&plan, lead))
             .map_err(to_py)?;
         let (bg, hg) = c.groups;
         let (nq, nk) = c.blocks;
         let (tq, tk) = c.block_size;
-        let padded = padded_bits(py, &bits, (bg * hg, nq, nk, tq, tk), per_tile, max_floor)?;
+        let floor = bits_floor(bg * hg, nq, nk, per_tile, max_floor);
+        let padded = led.map(|b| led_bits(py, b, (tq, tk), floor)).transpose()?;
         Ok((
             c.cells.into_pyarray(py),
             c.codes.into_pyarray(py),
@@ -564,27 +558,23 @@ fn bits_floor(groups: usize, nq: usize, nk: usize, per_tile: usize, max_floor: u
         .min(max_floor)
 }
 
-/// Packed partial-block bits as int64 `[capacity, tq, ceil(tk / 64)]`: code 0 all clear, code 1
-/// all set, then the blocks, zero past them; `capacity` is the next power of two of at least the
-/// codes used and of `floor` ([`bits_floor`]).
-fn padded_bits<'py>(
-    py: Python<'py>,
-    bits: &[u64],
-    (groups, nq, nk, tq, tk): (usize, usize, usize, usize, usize),
-    per_tile: usize,
-    max_floor: usize,
-) -> PyResult<Bound<'py, PyAny>> {
-    let row = tq * tk.div_ceil(64);
-    let mut led = Vec::with_capacity(bits.len() + 2 * row);
-    led.resize(row, 0);
-    led.resize(2 * row, u64::MAX);
-    led.extend_from_slice(bits);
-    let floor = bits_floor(groups, nq, nk, per_tile, max_floor);
-    led_bits(py, led, (tq, tk), floor)
+/// The two constant blocks (all clear, all set) a bit table starts with, with room for the
+/// plan's blocks behind them and the padding (so the export copies each block once).
+fn lead_blocks(plan: &tessera::Plan, per_tile: usize, max_floor: usize) -> Vec<u64> {
+    let row = plan.tile.q * plan.tile.kv.div_ceil(64);
+    let groups = plan.batch_groups * plan.head_groups;
+    let floor = bits_floor(groups, plan.q_tiles, plan.kv_tiles, per_tile, max_floor);
+    let expect = (plan.partials.len() + 2).max(floor).next_power_of_two();
+    let mut lead = Vec::with_capacity(expect * row);
+    lead.resize(row, 0);
+    lead.resize(2 * row, u64::MAX);
+    lead
 }
 
-/// [`padded_bits`] of words already led by the two constant blocks, padded in place and
-/// reinterpreted as int64 (torch has no general uint64 support) without a copy.
+/// Packed partial-block bits as int64 `[capacity, tq, ceil(tk / 64)]` from words led by the two
+/// constant blocks (code 0 all clear, code 1 all set, then the blocks, zero past them), padded
+/// in place to `capacity` (the next power of two of at least the codes used and of `floor`,
+/// [`bits_floor`]) and reinterpreted as int64 (torch has no general uint64 support), no copy.
 fn led_bits<'py>(
     py: Python<'py>,
     mut led: Vec<u64>,

@@ -128,6 +128,20 @@ pub struct CompactTiles {
 /// [`export_packed`]; one all-clear block when there is none). Fails when the `[B', H', nq, nk]`
 /// grid has 2^31 cells or more (int32 indices).
 pub fn export_compact(plan: &Plan) -> Result<(CompactTiles, Vec<u64>)> {
+    let (out, packed) = export_compact_after(plan, Some(Vec::new()))?;
+    let mut packed = packed.unwrap_or_default();
+    if packed.is_empty() {
+        packed = vec![0; plan.tile.q * plan.partials.words_per_row];
+    }
+    Ok((out, packed))
+}
+
+/// [`export_compact`] appending the blocks to `lead` (as [`export_coded_after`]: nothing when no
+/// block is partial), or copying none with `lead` None (for a `mask_mod` that reads no bits).
+pub fn export_compact_after(
+    plan: &Plan,
+    mut lead: Option<Vec<u64>>,
+) -> Result<(CompactTiles, Option<Vec<u64>>)> {
     crate::check_budget(plan, "flex export")?;
     let c = Contents::new(plan);
     let (nq, nk) = (plan.q_tiles, plan.kv_tiles);
@@ -153,9 +167,12 @@ pub fn export_compact(plan: &Plan) -> Result<(CompactTiles, Vec<u64>)> {
         cells: Vec::new(),
         codes: Vec::new(),
     };
-    let mut packed = Vec::new();
+    let blocks = match lead.as_mut() {
+        Some(p) => Blocks::Packed(p),
+        None => Blocks::Skip,
+    };
     let mut row_tiles: Vec<(u32, i32)> = Vec::new();
-    visit_rows(plan, &c, Blocks::Packed(&mut packed), |gi, qt, row| {
+    visit_rows(plan, &c, blocks, |gi, qt, row| {
         row_tiles.clear();
         row_tiles.extend_from_slice(row);
         row_tiles.sort_unstable_by_key(|&(t, _)| t);
@@ -164,10 +181,7 @@ pub fn export_compact(plan: &Plan) -> Result<(CompactTiles, Vec<u64>)> {
             out.codes.push(if id < 0 { 1 } else { id + 2 });
         }
     });
-    if packed.is_empty() {
-        packed = vec![0; plan.tile.q * plan.partials.words_per_row];
-    }
-    Ok((out, packed))
+    Ok((out, lead))
 }
 
 /// Where [`visit_rows`] puts each new partial block's contents.

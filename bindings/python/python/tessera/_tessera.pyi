@@ -47,8 +47,8 @@ class Plan:
         self, per_tile: int, max_floor: int, bits: bool = True
     ) -> Tuple[List[np.ndarray], Optional[np.ndarray], Tuple[int, int, int, int, int, int, int, int]]: ...
     def _flex_compact(
-        self, per_tile: int, max_floor: int
-    ) -> Tuple[np.ndarray, np.ndarray, np.ndarray, Tuple[int, int, int, int, int, int, int, int]]: ...
+        self, per_tile: int, max_floor: int, bits: bool = True
+    ) -> Tuple[np.ndarray, np.ndarray, Optional[np.ndarray], Tuple[int, int, int, int, int, int, int, int]]: ...
     def _splash_arrays(
         self,
         head_shards: int = 1,

@@ -58,7 +58,7 @@ def compact(plan: "Plan", mask_mod: str = "auto") -> CompactMask:
     # kv tile and (batch, head) group, at most 2^14 blocks: 32 MiB at 128-token tiles; then the
     # next power of two), so that plans of the same shapes whose partial counts differ a little
     # share one compiled kernel.
-    cells, codes, bits, dims = plan._p._flex_compact(2, 1 << 14)
+    cells, codes, bits, dims = plan._p._flex_compact(2, 1 << 14, prog is None)
     i32 = [cells, codes] + [b for b in bufs if b.dtype == np.int32]
     i64 = ([] if prog is not None else [bits]) + [b for b in bufs if b.dtype == np.int64]
     parts = []  # (buffer, offset, shape) of cells, codes, the bits (or None), then each buf
@@ -71,6 +71,8 @@ def compact(plan: "Plan", mask_mod: str = "auto") -> CompactMask:
         off[a.dtype] += a.size
 
     def flat(arrs, dt):
+        if len(arrs) == 1:  # one array (the bit table alone): wrapped, not copied
+            return torch.from_numpy(np.ascontiguousarray(arrs[0]).ravel())
         return torch.from_numpy(np.concatenate([a.ravel() for a in arrs]) if arrs else np.zeros(0, dt))
 
     kind = "analytic" if prog is not None else "bits"
