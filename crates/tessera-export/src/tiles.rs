@@ -7,7 +7,6 @@
 //! the engines. Its partial block is the in-range rectangle of ones. Empty and Partial tiles are
 //! unchanged (Tessera's partial bitmasks already hold 0 for out-of-range pairs).
 
-use std::collections::HashMap;
 use tessera_plan::{Plan, TileEntry, TileState};
 
 /// How an engine sees one non-empty tile.
@@ -46,10 +45,9 @@ impl<'a> Contents<'a> {
             return c;
         }
         let p = &plan.partials;
-        let mut index: HashMap<&[u64], u32> = HashMap::with_capacity(p.len());
-        for id in 0..p.len() as u32 {
-            index.entry(p.get(id)).or_insert(id);
-        }
+        // At most three rectangles are looked up: a scan comparing masks (which mostly differ in
+        // their first words) costs far less than hashing every mask of the table.
+        let find = |bits: &[u64]| (0..p.len() as u32).find(|&id| p.get(id) == bits);
         let n = p.len() as u32;
         let mut rects = [[u32::MAX; 2]; 2];
         let mut extra: Vec<Vec<u64>> = Vec::new();
@@ -61,8 +59,8 @@ impl<'a> Contents<'a> {
                 let rows = if rq == 1 { plan.shape.q_len % tq } else { tq };
                 let cols = if rk == 1 { plan.shape.kv_len % tk } else { tk };
                 let bits = rectangle(tq, p.words_per_row, rows, cols);
-                *slot = match index.get(bits.as_slice()) {
-                    Some(&id) => id,
+                *slot = match find(&bits) {
+                    Some(id) => id,
                     None => match extra.iter().position(|e| *e == bits) {
                         Some(k) => n + k as u32,
                         None => {

@@ -161,10 +161,12 @@ def _views(c: CompactMask, dev: Any, non_blocking: bool = False):
 
 
 # Bytes of partial blocks from which "auto" on the host builds the analytic mask_mod rather than
-# the bit table: below it, the analytic per-token data costs more to build than the table (0.15-
-# 0.45 ms more per plan at 4K tokens, measured); above it, copying and padding the blocks costs
-# more (a 16K-token tree whose every tile is sparse has 15 MiB of them).
-HOST_BITS_LIMIT = 2 << 20
+# the bit table. Measured (4K tokens, 128-token blocks, Zen 4): below ~450 blocks the table is
+# cheaper (tree-causal, 301 blocks: 0.054 ms against 0.071; a temporal head, 314: 0.09 against
+# 0.10; documents, whose bounds are built per row, 0.025 against 0.115), above it copying and
+# padding the blocks costs more (a whole-sequence tree, 527: 0.086 against 0.072; a temporal
+# head with 100-token frames, 676: 0.14 against 0.13; a 16K tree of sparse tiles: 15 MiB).
+HOST_BITS_LIMIT = 1 << 20
 
 
 def _host_auto(plan: "Plan") -> str:
