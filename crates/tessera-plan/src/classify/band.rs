@@ -276,6 +276,7 @@ impl BandLeaf<'_> {
     }
 
     /// The tile key (see `Node::tile_key`): q shape, kv shape and the shift between them.
+    #[inline]
     pub(super) fn tile_key(&self, qt: usize, kt: usize, key: &mut Vec<i128>) {
         key.push(self.q_shape.id[qt] as i128);
         key.push(self.kv_shape.id[kt] as i128);
