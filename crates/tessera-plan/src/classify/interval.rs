@@ -6,13 +6,15 @@
 //! Contract: the leaf allows exactly the pairs all its bands allow. The query rows are ranked
 //! once by value ([`Ranked`]: a counting sort where the values span a few times the row count,
 //! else a sort), so each key's interval is a *run* of consecutive ranks: the rows it allows.
-//! Stage 1 lists, per q tile, the kv tiles whose merged runs reach one of its rows (tiles no
-//! interval reaches are never visited, however the features scatter); Full is proved from
-//! per-tile interval bounds. Stage 2 takes, per kv-tile column, the cheaper of two exact
-//! paths: walking the runs of the column's keys (work proportional to the pairs they allow:
-//! the sparse tiles of a tree), recorded per partial tile as bit positions; or comparing each
-//! row's value against the tile's intervals in SIMD ([`super::simd::tile_in_intervals32`]) as
-//! u32 offsets where the tile's span fits, else one key at a time. Everything is exact in i64:
+//! Stage 1 lists, per q tile, the kv tiles some run reaches (tiles no interval reaches are never
+//! visited, however the features scatter): a column whose runs are short in all is walked once,
+//! counting its pairs per q tile; a longer one has its runs merged and each merged run tested
+//! against the q tiles. Full is proved from per-tile interval bounds. Stage 2 takes, per
+//! kv-tile column, the cheaper of two exact paths: walking the runs of the column's keys again
+//! (work proportional to the pairs they allow: the sparse tiles of a tree), recorded per partial
+//! tile as bit positions; or comparing each row's value against the tile's intervals in SIMD
+//! ([`super::simd::tile_in_intervals32`]) as u32 offsets where the tile's span fits, else one
+//! key at a time. Everything is exact in i64:
 //! an interval end past i64 stands for no bound or for an empty interval (never a wrapped
 //! value), so features near the ends of i64 do not wrap.
 

@@ -225,6 +225,14 @@ pub(crate) fn tile_in_intervals32(
     }
 }
 
+/// The last, partial word of every row of `rows` (keys from `64 * full` on), as [`tail`].
+fn row_tails32(keys: &[u32], full: usize, rows: &[RowBounds<u32>], wpr: usize, out: &mut [u64]) {
+    for b in rows {
+        let row = &mut out[b.row as usize * wpr..(b.row as usize + 1) * wpr];
+        tail(keys, full, |v: u32| v.wrapping_sub(b.lo) <= b.span, row);
+    }
+}
+
 /// The whole 64-key words of `keys`, one compare per key.
 fn scalar<T: Copy>(keys: &[T], ok: impl Fn(T) -> bool, out: &mut [u64]) {
     for (word, chunk) in out.iter_mut().zip(keys.chunks_exact(64)) {
@@ -361,6 +369,7 @@ mod x86 {
     }
     tile_driver!(tile_avx512, "avx512f", in_range_avx512, i64, |s: i64| s
         as u64);
+
     /// [`super::tile_in_range32`] in AVX-512, word by word: the word's 64 keys held in
     /// registers across the rows (a row costs four compares, no key loads); tails scalar.
     #[target_feature(enable = "avx512f,avx512bw")]
@@ -391,10 +400,7 @@ mod x86 {
                 out[b.row as usize * wpr + k] = w;
             }
         }
-        for b in rows {
-            let row = &mut out[b.row as usize * wpr..(b.row as usize + 1) * wpr];
-            super::tail(keys, full, |v: u32| v.wrapping_sub(b.lo) <= b.span, row);
-        }
+        super::row_tails32(keys, full, rows, wpr, out);
     }
 
     /// [`tile32_avx512`] in AVX2 (unsigned compare by flipping sign bits, as in
@@ -426,10 +432,7 @@ mod x86 {
                 out[b.row as usize * wpr + k] = !over;
             }
         }
-        for b in rows {
-            let row = &mut out[b.row as usize * wpr..(b.row as usize + 1) * wpr];
-            super::tail(keys, full, |v: u32| v.wrapping_sub(b.lo) <= b.span, row);
-        }
+        super::row_tails32(keys, full, rows, wpr, out);
     }
     tile_driver!(tile_avx2, "avx2", in_range_avx2, i64, |s: i64| s as u64);
 
