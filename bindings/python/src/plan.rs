@@ -415,9 +415,8 @@ impl PyPlan {
     )> {
         let plan = self.inner.clone();
         let (tq, tk) = (plan.tile.q, plan.tile.kv);
-        let groups = plan.batch_groups * plan.head_groups;
-        let floor = bits_floor(groups, plan.q_tiles, plan.kv_tiles, per_tile, max_floor);
-        let lead = bits.then(|| lead_blocks(&plan, per_tile, max_floor));
+        let floor = bits_floor(&plan, per_tile, max_floor);
+        let lead = bits.then(|| lead_blocks(&plan, floor));
         let (f, codes, bits) = py
             .detach(|| match lead {
                 Some(lead) => tessera::export::flex::export_coded_after(&plan, lead)
@@ -468,14 +467,14 @@ impl PyPlan {
         (usize, usize, usize, usize, usize, usize, usize, usize),
     )> {
         let plan = self.inner.clone();
-        let lead = bits.then(|| lead_blocks(&plan, per_tile, max_floor));
+        let floor = bits_floor(&plan, per_tile, max_floor);
+        let lead = bits.then(|| lead_blocks(&plan, floor));
         let (c, led) = py
             .detach(|| tessera::export::flex::export_compact_after(&plan, lead))
             .map_err(to_py)?;
         let (bg, hg) = c.groups;
         let (nq, nk) = c.blocks;
         let (tq, tk) = c.block_size;
-        let floor = bits_floor(bg * hg, nq, nk, per_tile, max_floor);
         let padded = led.map(|b| led_bits(py, b, (tq, tk), floor)).transpose()?;
         Ok((
             c.cells.into_pyarray(py),
@@ -549,21 +548,19 @@ impl PyPlan {
     }
 }
 
-/// The least block capacity of a bit table: `min(per_tile * groups * max(nq, nk), max_floor)`
-/// (so that plans of the same shapes share one compiled kernel).
-fn bits_floor(groups: usize, nq: usize, nk: usize, per_tile: usize, max_floor: usize) -> usize {
+/// The least block capacity of `plan`'s bit table: `min(per_tile * B' * H' * max(nq, nk),
+/// max_floor)` (so that plans of the same shapes share one compiled kernel).
+fn bits_floor(plan: &tessera::Plan, per_tile: usize, max_floor: usize) -> usize {
     per_tile
-        .saturating_mul(groups)
-        .saturating_mul(nq.max(nk))
+        .saturating_mul(plan.batch_groups * plan.head_groups)
+        .saturating_mul(plan.q_tiles.max(plan.kv_tiles))
         .min(max_floor)
 }
 
 /// The two constant blocks (all clear, all set) a bit table starts with, with room for the
-/// plan's blocks behind them and the padding (so the export copies each block once).
-fn lead_blocks(plan: &tessera::Plan, per_tile: usize, max_floor: usize) -> Vec<u64> {
+/// plan's blocks behind them and the padding to `floor` (so the export copies each block once).
+fn lead_blocks(plan: &tessera::Plan, floor: usize) -> Vec<u64> {
     let row = plan.tile.q * plan.tile.kv.div_ceil(64);
-    let groups = plan.batch_groups * plan.head_groups;
-    let floor = bits_floor(groups, plan.q_tiles, plan.kv_tiles, per_tile, max_floor);
     let expect = (plan.partials.len() + 2).max(floor).next_power_of_two();
     let mut lead = Vec::with_capacity(expect * row);
     lead.resize(row, 0);

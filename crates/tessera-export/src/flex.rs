@@ -72,7 +72,7 @@ fn ordered_row(active: &[u32], n: usize, out: &mut Vec<i32>) {
 
 /// FlexAttention `BlockMask` tensors of `plan`.
 pub fn export(plan: &Plan) -> Result<FlexArrays> {
-    Ok(export_impl(plan, None, false, true)?.0)
+    Ok(export_impl(plan, BlockOutput::Bools, false)?.0)
 }
 
 /// [`export`] with the partial-block contents as packed bit rows instead of `mask_blocks`
@@ -80,7 +80,7 @@ pub fn export(plan: &Plan) -> Result<FlexArrays> {
 /// when (query `r`, key `c`) of the block is allowed. A `mask_mod` can read these directly (no
 /// `n·tile.q·tile.kv` bool array is built; the live export path of the Python bindings).
 pub fn export_packed(plan: &Plan) -> Result<(FlexArrays, Vec<u64>)> {
-    let (a, _, mut packed) = export_impl(plan, Some(Vec::new()), false, true)?;
+    let (a, _, mut packed) = export_impl(plan, BlockOutput::Packed(Vec::new()), false)?;
     if packed.is_empty() {
         packed = vec![0; plan.tile.q * plan.partials.words_per_row];
     }
@@ -94,14 +94,14 @@ pub fn export_packed(plan: &Plan) -> Result<(FlexArrays, Vec<u64>)> {
 /// empty, 1 full, `2 + i` partial with block `i` (counted from the first appended block): what a
 /// bit-table `mask_mod` indexes, built in the same pass.
 pub fn export_coded_after(plan: &Plan, lead: Vec<u64>) -> Result<(FlexArrays, Vec<i32>, Vec<u64>)> {
-    let (a, codes, packed) = export_impl(plan, Some(lead), true, true)?;
+    let (a, codes, packed) = export_impl(plan, BlockOutput::Packed(lead), true)?;
     Ok((a, codes, packed))
 }
 
 /// [`export_coded_after`] without the blocks' contents: the tables and codes alone, for a
 /// `mask_mod` that does not read the bits (one generated from the mask expression).
 pub fn export_coded(plan: &Plan) -> Result<(FlexArrays, Vec<i32>)> {
-    let (a, codes, _) = export_impl(plan, None, true, false)?;
+    let (a, codes, _) = export_impl(plan, BlockOutput::Skip, true)?;
     Ok((a, codes))
 }
 
@@ -244,15 +244,24 @@ fn visit_rows(
     n_blocks
 }
 
-/// The arrays, with the partial blocks as `mask_blocks` (`packed` None) or appended to `packed`,
-/// and the tile codes of [`export_coded_after`] instead of the states and block ids (`codes`).
+/// What [`export_impl`] does with the partial blocks' contents.
+enum BlockOutput {
+    /// `mask_blocks` (bools).
+    Bools,
+    /// Appended to these words (returned).
+    Packed(Vec<u64>),
+    /// Nothing (the ids alone).
+    Skip,
+}
+
+/// The arrays with the partial blocks' contents as `blocks` says, and the tile codes of
+/// [`export_coded_after`] instead of the states and block ids (`codes`).
 fn export_impl(
     plan: &Plan,
-    packed: Option<Vec<u64>>,
+    blocks: BlockOutput,
     codes: bool,
-    contents: bool,
 ) -> Result<(FlexArrays, Vec<i32>, Vec<u64>)> {
-    let bools = packed.is_none() && contents;
+    let bools = matches!(blocks, BlockOutput::Bools);
     crate::check_budget(plan, "flex export")?;
     let c = Contents::new(plan);
     let (nq, nk) = (plan.q_tiles, plan.kv_tiles);
@@ -294,13 +303,16 @@ fn export_impl(
     let (tq, tk) = (plan.tile.q, plan.tile.kv);
     let (mut part, mut full) = (Vec::new(), Vec::new());
     let mut mask_blocks = Vec::new();
-    let mut packed = packed;
-    let blocks = match (contents, packed.as_mut()) {
-        (false, _) => Blocks::Skip,
-        (true, None) => Blocks::Bools(&mut mask_blocks, tq, tk),
-        (true, Some(p)) => Blocks::Packed(p),
+    let mut packed = Vec::new();
+    let sink = match blocks {
+        BlockOutput::Bools => Blocks::Bools(&mut mask_blocks, tq, tk),
+        BlockOutput::Packed(p) => {
+            packed = p;
+            Blocks::Packed(&mut packed)
+        }
+        BlockOutput::Skip => Blocks::Skip,
     };
-    let n_blocks = visit_rows(plan, &c, blocks, |gi, qt, row| {
+    let n_blocks = visit_rows(plan, &c, sink, |gi, qt, row| {
         part.clear();
         full.clear();
         for &(tile, id) in row {
@@ -350,7 +362,7 @@ fn export_impl(
     if n_blocks == 0 && bools {
         a.mask_blocks = vec![false; tq * tk];
     }
-    Ok((a, code, packed.unwrap_or_default()))
+    Ok((a, code, packed))
 }
 
 fn append_block(out: &mut Vec<bool>, bits: &[u64], tq: usize, tk: usize, wpr: usize) {

@@ -37,25 +37,21 @@ impl Geom {
     }
 }
 
-/// A 64-bit hash of the `len` words `words` yields (the length included), for keys compared
-/// in full on a match: four multiply-rotate lanes (word `i` into lane `i % 4`).
+/// A 64-bit hash of the `len` words `words` yields (the length included), for keys compared in
+/// full on a match: four multiply-rotate lanes (word `i` into lane `i % 4`).
 pub(crate) fn hash_iter(len: usize, words: impl Iterator<Item = u64>) -> u64 {
-    let mut lanes = LANES;
+    const P: u64 = 0x0100_0000_01b3;
+    let step = |a: u64, w: u64| (a ^ w).wrapping_mul(P).rotate_left(29);
+    let mut lanes = [
+        0xcbf2_9ce4_8422_2325u64,
+        0x9e37_79b9_7f4a_7c15,
+        0x6c62_272e_07bb_0142,
+        0x2545_f491_4f6c_dd1d,
+    ];
     for (i, w) in words.enumerate() {
         lanes[i % 4] = step(lanes[i % 4], w);
     }
     lanes.iter().fold(len as u64, |a, &l| step(a, l))
-}
-
-const LANES: [u64; 4] = [
-    0xcbf2_9ce4_8422_2325,
-    0x9e37_79b9_7f4a_7c15,
-    0x6c62_272e_07bb_0142,
-    0x2545_f491_4f6c_dd1d,
-];
-
-fn step(a: u64, w: u64) -> u64 {
-    (a ^ w).wrapping_mul(0x0100_0000_01b3).rotate_left(29)
 }
 
 /// Sets bits [lo, hi) of `row`, clipped to [0, ncols).

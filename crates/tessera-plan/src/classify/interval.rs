@@ -79,6 +79,29 @@ pub(super) enum Stage2 {
     Rows,
 }
 
+impl Stage2 {
+    /// Whether a column is walked, given whether walking it is the cheaper path.
+    fn walks(self, cheaper: bool) -> bool {
+        match self {
+            Stage2::Cheaper => cheaper,
+            #[cfg(test)]
+            Stage2::Runs => true,
+            #[cfg(test)]
+            Stage2::Rows => false,
+        }
+    }
+}
+
+/// Bit `at` of a bitmap.
+fn bit(words: &[u64], at: usize) -> bool {
+    words[at / 64] >> (at % 64) & 1 == 1
+}
+
+/// Sets bit `at` of a bitmap.
+fn set_bit(words: &mut [u64], at: usize) {
+    words[at / 64] |= 1 << (at % 64);
+}
+
 /// The query values ranked: `order` lists the rows by value (ties by row), and [`Ranked::lt`]
 /// counts the values below a bound.
 struct Ranked {
@@ -283,9 +306,9 @@ impl<'a> IntervalLeaf<'a> {
 
     /// Stage 1 of tile (`qt`, `kt`): Empty off the list, Full when every interval of the kv
     /// tile holds the q tile's whole range.
+    #[inline]
     pub(super) fn state(&self, qt: usize, kt: usize) -> TileState {
-        let at = qt * self.nk + kt;
-        if self.reached[at / 64] >> (at % 64) & 1 == 0 {
+        if !bit(&self.reached, qt * self.nk + kt) {
             return TileState::Empty;
         }
         if self.full(qt, kt) {
@@ -293,28 +316,6 @@ impl<'a> IntervalLeaf<'a> {
         } else {
             TileState::Partial
         }
-    }
-
-    /// [`IntervalLeaf::state`] of the tiles `kts` of q tile `qt`, appended to `out` (a row at a
-    /// time: the q tile's range read once).
-    pub(super) fn states(
-        &self,
-        qt: usize,
-        kts: impl Iterator<Item = usize>,
-        out: &mut Vec<TileState>,
-    ) {
-        let (qa, qb) = self.q_sum[qt];
-        out.extend(kts.map(|kt| {
-            let at = qt * self.nk + kt;
-            let (maxl, minr) = self.kv_full[kt];
-            if self.reached[at / 64] >> (at % 64) & 1 == 0 {
-                TileState::Empty
-            } else if maxl <= qa && qb <= minr {
-                TileState::Full
-            } else {
-                TileState::Partial
-            }
-        }));
     }
 
     /// The reached tiles (the bitmap, then per q tile the sorted list) and stage 2's run walks,
@@ -327,7 +328,7 @@ impl<'a> IntervalLeaf<'a> {
     fn stage1(&mut self, g: &Geom, walk: &Walk, runs: &[(u32, u32)], how: Stage2) {
         let mut marked = vec![0u64; (g.nq * g.nk).div_ceil(64)];
         let compare_cost = (g.tq * g.tk.div_ceil(16)) as u64;
-        let mut count = vec![0u32; g.nq + 1];
+        let mut count = vec![0u32; g.nq];
         // Per q tile, the start of its pairs in `bitpos` while its column is placed.
         let mut slot = vec![u32::MAX; g.nq];
         let mut partial: Vec<u32> = Vec::with_capacity(g.nq);
@@ -339,13 +340,7 @@ impl<'a> IntervalLeaf<'a> {
             let (j0, j1) = (kt * g.tk, ((kt + 1) * g.tk).min(g.lkv));
             let col = &runs[j0..j1];
             let steps: u64 = col.iter().map(|&(s, e)| (e - s) as u64).sum();
-            let walkable = match how {
-                Stage2::Cheaper => steps * RUN_STEP_COST < g.nq as u64 * compare_cost,
-                #[cfg(test)]
-                Stage2::Runs => true,
-                #[cfg(test)]
-                Stage2::Rows => false,
-            };
+            let walkable = how.walks(steps * RUN_STEP_COST < g.nq as u64 * compare_cost);
             if !walkable {
                 mark_merged(g, walk, col, kt, &mut segs, &mut marked);
                 continue;
@@ -356,22 +351,15 @@ impl<'a> IntervalLeaf<'a> {
                 }
             }
             partial.clear();
-            for (qt, &n) in count[..g.nq].iter().enumerate() {
+            for (qt, &n) in count.iter().enumerate() {
                 if n > 0 {
-                    let at = qt * g.nk + kt;
-                    marked[at / 64] |= 1 << (at % 64);
+                    set_bit(&mut marked, qt * g.nk + kt);
                     if !self.full(qt, kt) {
                         partial.push(qt as u32);
                     }
                 }
             }
-            let take = match how {
-                Stage2::Cheaper => steps * RUN_STEP_COST < partial.len() as u64 * compare_cost,
-                #[cfg(test)]
-                Stage2::Runs => true,
-                #[cfg(test)]
-                Stage2::Rows => false,
-            };
+            let take = how.walks(steps * RUN_STEP_COST < partial.len() as u64 * compare_cost);
             if take && !partial.is_empty() {
                 self.by_runs[kt] = true;
                 let mut at = self.bitpos.len() as u32;
@@ -606,10 +594,7 @@ fn mark_merged(
     segs: &mut Vec<u64>,
     marked: &mut [u64],
 ) {
-    let mut mark = |qt: usize| {
-        let at = qt * g.nk + kt;
-        marked[at / 64] |= 1 << (at % 64);
-    };
+    let mut mark = |qt: usize| set_bit(marked, qt * g.nk + kt);
     let long = 2 * g.nq;
     segs.clear();
     segs.extend(

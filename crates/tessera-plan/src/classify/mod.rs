@@ -344,17 +344,18 @@ impl<'a> Node<'a> {
         }
     }
 
-    /// Stage 1: sound state of tile (`qt`, `kt`): Empty and Full are certain, Partial may be
-    /// either until refined.
     /// [`Node::classify`] of every tile of `cands` (q-tile `qt`'s candidates) into `out`.
     pub fn classify_row(&self, g: &Geom, qt: usize, cands: &Candidates, out: &mut Vec<TileState>) {
         out.clear();
         match self {
-            Node::Interval(d) => d.states(qt, cands.iter(), out),
+            // The leaf's own state, inlined: no dispatch per tile.
+            Node::Interval(d) => out.extend(cands.iter().map(|kt| d.state(qt, kt))),
             _ => out.extend(cands.iter().map(|kt| self.classify(g, qt, kt))),
         }
     }
 
+    /// Stage 1: sound state of tile (`qt`, `kt`): Empty and Full are certain, Partial may be
+    /// either until refined.
     pub fn classify(&self, g: &Geom, qt: usize, kt: usize) -> TileState {
         use TileState::*;
         let (i0, i1) = g.qr(qt);
