@@ -312,6 +312,8 @@ impl PlanCache {
                 plan.contract, key
             )));
         }
+        // A plan of tile states only is not the contract's plan.
+        plan.require_masks("the plan cache")?;
         let plan = Arc::new(plan);
         self.memory_put(key, plan.clone());
         if let Some(plans) = self.plans_dir(&mut warnings) {

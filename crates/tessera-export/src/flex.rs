@@ -99,7 +99,8 @@ pub fn export_coded_after(plan: &Plan, lead: Vec<u64>) -> Result<(FlexArrays, Ve
 }
 
 /// [`export_coded_after`] without the blocks' contents: the tables and codes alone, for a
-/// `mask_mod` that does not read the bits (one generated from the mask expression).
+/// `mask_mod` that does not read the bits (one generated from the mask expression). Also for a
+/// plan of tile states only (`build_tile_states`), whose partial tiles share one code.
 pub fn export_coded(plan: &Plan) -> Result<(FlexArrays, Vec<i32>)> {
     let (a, codes, _) = export_impl(plan, BlockOutput::Skip, true)?;
     Ok((a, codes))
@@ -137,11 +138,15 @@ pub fn export_compact(plan: &Plan) -> Result<(CompactTiles, Vec<u64>)> {
 }
 
 /// [`export_compact`] appending the blocks to `lead` (as [`export_coded_after`]: nothing when no
-/// block is partial), or copying none with `lead` None (for a `mask_mod` that reads no bits).
+/// block is partial), or copying none with `lead` None (for a `mask_mod` that reads no bits; a
+/// plan of tile states only then works too, as in [`export_coded`]).
 pub fn export_compact_after(
     plan: &Plan,
     mut lead: Option<Vec<u64>>,
 ) -> Result<(CompactTiles, Option<Vec<u64>>)> {
+    if lead.is_some() {
+        plan.require_masks("the partial blocks of a flex export")?;
+    }
     crate::check_budget(plan, "flex export")?;
     let c = Contents::new(plan);
     let (nq, nk) = (plan.q_tiles, plan.kv_tiles);
@@ -262,6 +267,9 @@ fn export_impl(
     codes: bool,
 ) -> Result<(FlexArrays, Vec<i32>, Vec<u64>)> {
     let bools = matches!(blocks, BlockOutput::Bools);
+    if !matches!(blocks, BlockOutput::Skip) {
+        plan.require_masks("the partial blocks of a flex export")?;
+    }
     crate::check_budget(plan, "flex export")?;
     let c = Contents::new(plan);
     let (nq, nk) = (plan.q_tiles, plan.kv_tiles);

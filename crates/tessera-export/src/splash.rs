@@ -169,6 +169,7 @@ pub fn export(plan: &Plan) -> Result<SplashArrays> {
 
 /// Splash arrays of `plan` for the given `process_mask` options.
 pub fn export_with(plan: &Plan, options: &SplashOptions) -> Result<SplashArrays> {
+    plan.require_masks("a splash export")?;
     crate::check_budget(plan, "splash export")?;
     let heads = plan.shape.heads;
     if options.head_shards == 0 || heads % options.head_shards != 0 {

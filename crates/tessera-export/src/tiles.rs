@@ -22,6 +22,9 @@ pub(crate) enum Eff {
 /// Distinct ids always have distinct contents.
 pub(crate) struct Contents<'a> {
     pub plan: &'a Plan,
+    /// Content ids of the plan's own blocks: its table's, or one shared by every partial tile
+    /// of a plan without masks (contents unknown: [`Contents::bits`] must not be asked).
+    own: u32,
     extra: Vec<Vec<u64>>,
     /// Content id of the rectangle for (ragged row?, ragged column?).
     rect: [[u32; 2]; 2],
@@ -34,8 +37,14 @@ impl<'a> Contents<'a> {
         let (tq, tk) = (plan.tile.q, plan.tile.kv);
         let ragged_q = plan.shape.q_len % tq != 0;
         let ragged_kv = plan.shape.kv_len % tk != 0;
+        let own = if plan.has_masks() {
+            plan.partials.len() as u32
+        } else {
+            1
+        };
         let mut c = Contents {
             plan,
+            own,
             extra: Vec::new(),
             rect: [[u32::MAX; 2]; 2],
             ragged_q,
@@ -48,7 +57,7 @@ impl<'a> Contents<'a> {
         // At most three rectangles are looked up: a scan comparing masks (which mostly differ in
         // their first words) costs far less than hashing every mask of the table.
         let find = |bits: &[u64]| (0..p.len() as u32).find(|&id| p.get(id) == bits);
-        let n = p.len() as u32;
+        let n = own;
         let mut rects = [[u32::MAX; 2]; 2];
         let mut extra: Vec<Vec<u64>> = Vec::new();
         for (rq, row) in rects.iter_mut().enumerate() {
@@ -78,12 +87,12 @@ impl<'a> Contents<'a> {
 
     /// Number of content ids.
     pub fn len(&self) -> usize {
-        self.plan.partials.len() + self.extra.len()
+        self.own as usize + self.extra.len()
     }
 
     /// Bitmask words of content `id` (`tile.q` rows of `words_per_row` words).
     pub fn bits(&self, id: u32) -> &[u64] {
-        let n = self.plan.partials.len() as u32;
+        let n = self.own;
         if id < n {
             self.plan.partials.get(id)
         } else {

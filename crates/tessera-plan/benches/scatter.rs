@@ -9,6 +9,8 @@
 //! Besides criterion's times it prints, per mask, stage 1's census (tiles visited, proved empty or
 //! full, left partial), the final partial tiles, and the nanoseconds per token pair of the tiles
 //! stage 2 refines (fastest plan time / (stage-1 partial tiles x tile area)): stage 2's rate.
+//! Each mask is timed twice: the whole plan (`build_plan`) and its tile states alone
+//! (`build_tile_states`, `<case>_states`: what a computed `mask_mod` needs).
 //! `SCATTER_SIZES=4096,65536` picks the sizes, `SCATTER_CASES=tree_causal,temporal_f100` the
 //! masks (default: all).
 //! `TESSERA_PLAN_SIMD=avx2` (or `scalar`) forces a narrower row-compare path.
@@ -20,7 +22,7 @@ use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use rand::SeedableRng;
 use std::time::Instant;
 use tessera_mask::{BandFeatures, Mask, SegmentIds};
-use tessera_plan::{build_plan, stage1_census, PlanShape, TileShape};
+use tessera_plan::{build_plan, build_tile_states, stage1_census, PlanShape, TileShape};
 
 // The allocator the Python package uses (glibc's malloc re-faults a plan's freed pages on every
 // build, which made these times vary by half between runs).
@@ -135,8 +137,11 @@ fn bench(c: &mut Criterion) {
                 s * 1e9 / pairs.max(1.0),
                 wall * 1e3
             );
-            g.bench_with_input(BenchmarkId::new(name, n), &n, |b, _| {
+            g.bench_with_input(BenchmarkId::new(name.as_str(), n), &n, |b, _| {
                 b.iter(|| build_plan(&mask, shape, tile).unwrap())
+            });
+            g.bench_with_input(BenchmarkId::new(format!("{name}_states"), n), &n, |b, _| {
+                b.iter(|| build_tile_states(&mask, shape, tile).unwrap())
             });
         }
     }

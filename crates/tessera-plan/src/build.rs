@@ -27,8 +27,25 @@ const ENTRY_BYTES: u128 = std::mem::size_of::<TileEntry>() as u128;
 /// (bounded by stage 1 before they are built) or partial-mask table would exceed the memory
 /// budget ([`tessera_core::budget`]).
 pub fn build_plan(mask: &Mask, shape: PlanShape, tile: TileShape) -> Result<Plan> {
+    build(mask, shape, tile, true)
+}
+
+/// The plan of `mask` for `shape` and `tile` without its partial tiles' bitmasks: tile states,
+/// work lists, tile counts and allowed pairs exactly as [`build_plan`] gives them, but every
+/// partial entry's mask id is 0 and [`Plan::partials`] is empty (`stats.unique_partial_masks`
+/// 0). For what reads tile states only (a FlexAttention `BlockMask` whose `mask_mod` is
+/// computed, pictures); it costs what stage 2 needs to decide each tile, no more (a walked
+/// interval column is counted, not listed; nothing is hashed or stored). Whatever reads
+/// bitmasks refuses it ([`Plan::has_masks`]; [`Plan::check_consistent`] fails), and it must not
+/// be cached as the contract's plan.
+pub fn build_tile_states(mask: &Mask, shape: PlanShape, tile: TileShape) -> Result<Plan> {
+    build(mask, shape, tile, false)
+}
+
+fn build(mask: &Mask, shape: PlanShape, tile: TileShape, masks: bool) -> Result<Plan> {
     let start = Instant::now();
-    let (g, bg, hg) = checked(mask, shape, tile)?;
+    let (mut g, bg, hg) = checked(mask, shape, tile)?;
+    g.masks = masks;
     let what = || {
         format!(
             "plan for B={} H={} Lq={} Lkv={} tile {tile}",
@@ -84,7 +101,7 @@ pub fn build_plan(mask: &Mask, shape: PlanShape, tile: TileShape) -> Result<Plan
                     let reach: u128 = visit.iter().map(|c| c.len() as u128).sum();
                     lists_bytes += offsets_bytes + 2 * ENTRY_BYTES * reach;
                     budget::check(what, lists_bytes)?;
-                    if cx.table.data.is_empty() {
+                    if masks && cx.table.data.is_empty() {
                         // Room for the partial masks the visited tiles may add (at most
                         // RESERVE_TILES): growing the table by doubling copied it once more.
                         // Untouched room costs address space only.
@@ -180,6 +197,7 @@ fn geom(shape: PlanShape, tile: TileShape) -> Result<Geom> {
         nq: shape.q_len.div_ceil(tile.q),
         nk: shape.kv_len.div_ceil(tile.kv),
         wpr: tile.kv.div_ceil(64),
+        masks: true,
     };
     if g.nq > u32::MAX as usize / 2 || g.nk > u32::MAX as usize / 2 {
         return Err(Error::invalid(
@@ -327,13 +345,24 @@ impl Refine<'_> {
                 return Ok(t);
             }
         }
-        // Stage 2: exact refinement at token level.
-        node.eval(g, qt, kt, &mut self.bits, &mut self.pool);
-        let (n, hash) = digest(g.level, &self.bits);
+        // Stage 2: exact refinement at token level (without masks, the count decides).
+        let (n, hash) = match node.pairs(qt, kt).filter(|_| !g.masks) {
+            Some(n) => (n, 0),
+            None => {
+                node.eval(g, qt, kt, &mut self.bits, &mut self.pool);
+                if g.masks {
+                    digest(g.level, &self.bits)
+                } else {
+                    (self.bits.iter().map(|w| w.count_ones() as u64).sum(), 0)
+                }
+            }
+        };
         let t = if n == 0 {
             None
         } else if n == rows * cols {
             Some((FULL_TILE, n))
+        } else if !g.masks {
+            Some((0, n))
         } else {
             let id = self.dedup.intern(self.table, &self.bits, hash, self.what)?;
             Some((id, n))

@@ -297,6 +297,25 @@ impl Plan {
     pub fn backward_flops(&self, d_qk: usize, d_v: usize) -> f64 {
         self.stats.allowed_pairs as f64 * (6 * d_qk + 4 * d_v) as f64
     }
+    /// Whether the partial tiles' bitmasks are in [`Plan::partials`]: false only for a plan of
+    /// [`build_tile_states`](crate::build_tile_states) that has partial tiles.
+    pub fn has_masks(&self) -> bool {
+        self.stats.partial_tiles == 0 || !self.partials.is_empty()
+    }
+
+    /// `Ok` when the plan has its bitmasks ([`Plan::has_masks`]), else an error saying that
+    /// `what` needs them.
+    pub fn require_masks(&self, what: &str) -> Result<()> {
+        if self.has_masks() {
+            return Ok(());
+        }
+        Err(Error::invalid(
+            "plan",
+            format!("a plan with its partial-tile bitmasks for {what} (build_plan)"),
+            "a plan of tile states only (build_tile_states)",
+        ))
+    }
+
     /// The plan's internal consistency: valid tile and problem shapes; tile counts, batch/head
     /// groups, work lists and the partial-mask table agree; every row of a work list is
     /// strictly ascending; the backward lists are exactly the transpose of the forward ones; the
@@ -304,6 +323,7 @@ impl Plan {
     /// index a plan that passes without going out of range; the plan cache refuses a decoded
     /// entry that fails. Errors name what is inconsistent.
     pub fn check_consistent(&self) -> Result<()> {
+        self.require_masks("its consumers")?;
         let bad = |found: String| Error::invalid("plan", "an internally consistent plan", found);
         let (s, t) = (self.shape, self.tile);
         PlanShape::new(s.batch, s.heads, s.q_len, s.kv_len).map_err(|e| bad(e.to_string()))?;

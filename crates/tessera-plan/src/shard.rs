@@ -357,6 +357,7 @@ fn clusters(tc: &TileCosts) -> Vec<(u32, u32)> {
 /// Shards `plan` over `world_size` ranks with `scheme` (see the module doc for the requirements).
 pub fn shard(plan: &Plan, world_size: usize, scheme: Scheme, model: CostModel) -> Result<Sharding> {
     model.validate()?;
+    plan.require_masks("sharding")?;
     let s = plan.shape;
     if world_size == 0 {
         return Err(Error::invalid("world_size", "a positive rank count", 0));

@@ -1,7 +1,7 @@
 //! Property tests: plan states equal a brute-force token-level classification for random mask
 //! trees (every leaf, `band` over random features included, under `&`, `|`, `!`, `heads`), every
-//! partial bitmask reproduces the token mask, and the backward list is exactly the transpose of
-//! the forward list.
+//! partial bitmask reproduces the token mask, the backward list is exactly the transpose of
+//! the forward list, and the plan of tile states only (no bitmasks) has the same lists and counts.
 
 use proptest::prelude::*;
 use rand::seq::SliceRandom;
@@ -9,7 +9,7 @@ use rand::{Rng, SeedableRng};
 use tessera_mask::{
     BandFeatures, BlockSelection, DenseMask, Mask, SegmentIds, Segments, MAX_TREE_DEPTH,
 };
-use tessera_plan::{build_plan, Plan, PlanShape, TileShape, TileState};
+use tessera_plan::{build_plan, build_tile_states, Plan, PlanShape, TileShape, TileState};
 
 #[path = "common/tree.rs"]
 mod tree;
@@ -334,6 +334,35 @@ fn check(mask: &Mask, plan: &Plan) -> Result<(), TestCaseError> {
             "duplicate partial mask"
         );
     }
+    check_tile_states(mask, plan)
+}
+
+/// The plan of tile states only equals `plan` but for its masks: the same work lists (partial
+/// entries with id 0), counts and allowed pairs, no table, and refused by the consistency check
+/// (what every bitmask reader runs) exactly when it has partial tiles.
+fn check_tile_states(mask: &Mask, plan: &Plan) -> Result<(), TestCaseError> {
+    let states = build_tile_states(mask, plan.shape, plan.tile).unwrap();
+    let unmasked = |l: &[tessera_plan::TileEntry]| -> Vec<(u32, bool)> {
+        l.iter().map(|e| (e.tile, e.is_full())).collect()
+    };
+    prop_assert_eq!(states.head_plans.len(), plan.head_plans.len());
+    prop_assert_eq!(&states.group_plan, &plan.group_plan);
+    for (a, b) in states.head_plans.iter().zip(&plan.head_plans) {
+        prop_assert_eq!(&a.fwd_offsets, &b.fwd_offsets);
+        prop_assert_eq!(&a.bwd_offsets, &b.bwd_offsets);
+        prop_assert_eq!(unmasked(&a.fwd), unmasked(&b.fwd));
+        prop_assert_eq!(unmasked(&a.bwd), unmasked(&b.bwd));
+        prop_assert!(a.fwd.iter().chain(&a.bwd).all(|e| e.is_full() || e.mask == 0));
+        prop_assert_eq!(
+            (a.full_tiles, a.partial_tiles, a.allowed_pairs),
+            (b.full_tiles, b.partial_tiles, b.allowed_pairs)
+        );
+    }
+    prop_assert!(states.partials.is_empty());
+    prop_assert_eq!(states.stats.allowed_pairs, plan.stats.allowed_pairs);
+    let partial = plan.stats.partial_tiles > 0;
+    prop_assert_eq!(states.has_masks(), !partial);
+    prop_assert_eq!(states.check_consistent().is_err(), partial);
     Ok(())
 }
 

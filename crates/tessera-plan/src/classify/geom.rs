@@ -16,6 +16,9 @@ pub(crate) struct Geom {
     pub nq: usize,
     pub nk: usize,
     pub wpr: usize,
+    /// Whether stage 2 builds the partial tiles' bitmasks; without them it finds each tile's
+    /// state and allowed pairs only (a leaf that counts its pairs skips writing them).
+    pub masks: bool,
 }
 
 impl Geom {

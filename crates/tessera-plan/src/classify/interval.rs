@@ -49,9 +49,12 @@ pub(crate) struct IntervalLeaf<'a> {
     /// Per kv tile, whether its column's partial tiles were refined by run walks; then per
     /// entry of `list` in such a column that is not Full, its allowed pairs as bit positions
     /// in the tile (`row * 64 * wpr + column`) at `bitpos[a..b]`, `(a, b) = walked[entry]`.
+    /// Without masks (`Geom::masks` false) only the counts are kept: `b - a` pairs, no
+    /// positions (`lists` false).
     walked: Vec<(u32, u32)>,
     by_runs: Vec<bool>,
     bitpos: Vec<u32>,
+    lists: bool,
     pub(super) q_reach: Vec<Option<(usize, usize)>>,
     /// Stage 2's rows to compare: (row, value - base).
     scratch: std::cell::RefCell<Vec<(u32, u32)>>,
@@ -284,6 +287,7 @@ impl<'a> IntervalLeaf<'a> {
             walked: Vec::new(),
             by_runs: vec![false; g.nk],
             bitpos: Vec::new(),
+            lists: g.masks,
             q_reach: Vec::new(),
             scratch: Default::default(),
         };
@@ -360,7 +364,11 @@ impl<'a> IntervalLeaf<'a> {
                 }
             }
             let take = how.walks(steps * RUN_STEP_COST < partial.len() as u64 * compare_cost);
-            if take && !partial.is_empty() {
+            if !g.masks && !partial.is_empty() {
+                // Without bitmasks a tile's count is all stage 2 needs: no second walk.
+                self.by_runs[kt] = true;
+                walked.extend(partial.iter().map(|&qt| (qt, kt as u32, 0, count[qt as usize])));
+            } else if take && !partial.is_empty() {
                 self.by_runs[kt] = true;
                 let mut at = self.bitpos.len() as u32;
                 for &qt in &partial {
@@ -426,15 +434,26 @@ impl<'a> IntervalLeaf<'a> {
         self.list = list;
     }
 
-    /// The allowed pairs of tile (`qt`, `kt`) as bit positions (`row * 64 * wpr + column`, each
-    /// once) when stage 2 listed them (a partial tile of a walked column).
-    pub(super) fn listed(&self, qt: usize, kt: usize) -> Option<&[u32]> {
+    /// The `walked` range of tile (`qt`, `kt`): a partial tile of a walked column.
+    fn walked(&self, qt: usize, kt: usize) -> Option<(u32, u32)> {
         if !self.by_runs[kt] || self.full(qt, kt) {
             return None;
         }
         let at = self.candidates(qt).binary_search(&(kt as u32)).ok()?;
-        let (a, b) = self.walked[self.off[qt] as usize + at];
+        Some(self.walked[self.off[qt] as usize + at])
+    }
+
+    /// The allowed pairs of tile (`qt`, `kt`) as bit positions (`row * 64 * wpr + column`, each
+    /// once) when stage 1 listed them (a partial tile of a walked column, in a plan with masks).
+    pub(super) fn listed(&self, qt: usize, kt: usize) -> Option<&[u32]> {
+        let (a, b) = self.walked(qt, kt).filter(|_| self.lists)?;
         Some(&self.bitpos[a as usize..b as usize])
+    }
+
+    /// How many pairs of tile (`qt`, `kt`) are allowed when stage 1 counted them (a partial tile
+    /// of a walked column).
+    pub(super) fn pairs(&self, qt: usize, kt: usize) -> Option<u64> {
+        self.walked(qt, kt).map(|(a, b)| (b - a) as u64)
     }
 
     /// Stage 2: writes the tile's allowed pairs into a zeroed `out`.
@@ -659,6 +678,7 @@ mod tests {
         bands: &[(Vec<i64>, i64, i64)],
     ) {
         let g = Geom {
+            masks: true,
             level: simd::Level::detect(),
             lq,
             lkv,
@@ -668,6 +688,9 @@ mod tests {
             nk: lkv.div_ceil(tk),
             wpr: tk.div_ceil(64),
         };
+        // Without masks: the same states, every tile still written exactly (by row compares),
+        // and the counts of the walked tiles are their pairs.
+        let counted = Geom { masks: false, ..g };
         let parts: Vec<(&[i64], i64, i64)> =
             bands.iter().map(|(f, lo, hi)| (&f[..], *lo, *hi)).collect();
         let allowed = |i: usize, j: usize| {
@@ -676,13 +699,23 @@ mod tests {
                 *lo as i128 <= d && d <= *hi as i128
             })
         };
-        for how in [Stage2::Cheaper, Stage2::Runs, Stage2::Rows] {
+        for (g, how) in [
+            (g, Stage2::Cheaper),
+            (g, Stage2::Runs),
+            (g, Stage2::Rows),
+            (counted, Stage2::Cheaper),
+        ] {
             let leaf = IntervalLeaf::with_stage2(&g, q, &parts, how).unwrap();
             for qt in 0..g.nq {
                 for kt in 0..g.nk {
                     let mut out = vec![0u64; tq * g.wpr];
                     leaf.write(&g, qt, kt, &mut out);
                     let state = leaf.state(qt, kt);
+                    let ones: u64 = out.iter().map(|w| w.count_ones() as u64).sum();
+                    if let Some(n) = leaf.pairs(qt, kt) {
+                        assert_eq!(n, ones, "{how:?} tile ({qt}, {kt}): counted pairs");
+                        assert_eq!(state, TileState::Partial);
+                    }
                     let (mut any, mut all) = (false, true);
                     for r in 0..tq {
                         for c in 0..g.wpr * 64 {

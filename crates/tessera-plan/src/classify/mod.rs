@@ -426,6 +426,15 @@ impl<'a> Node<'a> {
         }
     }
 
+    /// The allowed pairs of Partial tile (`qt`, `kt`) when stage 1 counted them (a lone
+    /// interval leaf whose column was walked): stage 2 without masks needs no evaluation.
+    pub fn pairs(&self, qt: usize, kt: usize) -> Option<u64> {
+        match self {
+            Node::Interval(d) => d.pairs(qt, kt),
+            _ => None,
+        }
+    }
+
     /// Appends to `key` values that, with the tile's row and column counts, determine this
     /// node's bitmask on tile (`qt`, `kt`) (so two tiles of equal keys have equal bitmasks and
     /// stage 2 runs once for both); `false` where no such key is cheap (documents, dense data,
