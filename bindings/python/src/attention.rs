@@ -276,7 +276,7 @@ pub fn attention_forward(
         max_logit: f32_out("max_logit", max_logit)?,
     };
     let opts = options(scale, softcap, sinks);
-    let prepared = plan.prepared()?;
+    let prepared = plan.prepared(py)?;
     let be = CpuBackend::new();
     let mut ws = take_workspace();
     let r = py.detach(|| be.forward_into(prepared, &inputs, &opts, out, &mut ws, Par::Current));
@@ -342,7 +342,7 @@ pub fn attention_backward(
         },
     };
     let opts = options(scale, softcap, sinks);
-    let prepared = plan.prepared()?;
+    let prepared = plan.prepared(py)?;
     let be = CpuBackend::new();
     let mut ws = take_workspace();
     let r = py.detach(|| be.backward_into(prepared, &inputs, &opts, out, &mut ws, Par::Current));
@@ -479,7 +479,7 @@ pub fn attention_forward_logged(
         std::slice::from_raw_parts_mut((*stats.as_array_ptr()).fields.data as *mut f64, span)
     };
     let opts = options(scale, softcap, sinks);
-    let p = &plan.inner;
+    let p = plan.whole(py)?;
     // The inputs' batch size: a batch-invariant plan built for one row serves any batch.
     let (batch, kv_len) = (inputs.q.shape[0], p.shape.kv_len);
     let flags = match (&sink_flags, &plan.mask) {
@@ -513,7 +513,7 @@ pub fn attention_forward_logged(
     )
     .map_err(to_py)?;
     let tel = tessera::attn::TelemetryInput::new(&flags, 0, 0, &config);
-    let prepared = plan.prepared()?;
+    let prepared = plan.prepared(py)?;
     let be = CpuBackend::new();
     let mut ws = take_workspace();
     let r = py.detach(|| {
@@ -636,7 +636,7 @@ pub fn telemetry_sink_flags<'py>(
             "plan: a rank's local plan of a sharding has no mask; take the flags of the global plan",
         ));
     };
-    let kv_len = plan.inner.shape.kv_len;
+    let kv_len = plan.tiles().shape.kv_len;
     let flags =
         sink_key_flags(document_kv_segments(mask), batch, kv_len, sink_tokens).map_err(to_py)?;
     flags.into_pyarray(py).reshape([batch, kv_len])

@@ -200,9 +200,9 @@ fn fresh_handle() -> i64 {
 
 /// Registers `plan` for the FFI handlers; returns its handle (one per call).
 #[pyfunction]
-pub fn ffi_register(plan: PyRef<'_, PyPlan>) -> PyResult<i64> {
+pub fn ffi_register(py: Python<'_>, plan: PyRef<'_, PyPlan>) -> PyResult<i64> {
     insert(Entry {
-        plan: plan.inner.clone(),
+        plan: plan.whole(py)?.clone(),
         mask: plan.mask.clone(),
         prepared: plan.prepared.clone(),
         kv_positions: None,
@@ -217,7 +217,7 @@ pub fn ffi_register_local(
     global_plan: PyRef<'_, PyPlan>,
     kv_positions: Vec<i64>,
 ) -> PyResult<i64> {
-    let (lkv, gkv) = (local.inner.shape.kv_len, global_plan.inner.shape.kv_len);
+    let (lkv, gkv) = (local.tiles().shape.kv_len, global_plan.tiles().shape.kv_len);
     if kv_positions.len() != lkv {
         return Err(PyValueError::new_err(format!(
             "kv_positions: expected {lkv} positions (the local plan's keys), got {}",
@@ -238,7 +238,7 @@ pub fn ffi_register_local(
         })
         .collect::<PyResult<Vec<_>>>()?;
     insert(Entry {
-        plan: local.inner.clone(),
+        plan: local.tiles().clone(),
         mask: global_plan.mask.clone(),
         prepared: local.prepared.clone(),
         kv_positions: Some((positions, gkv)),

@@ -65,7 +65,9 @@ impl PyMask {
     /// The expression tree as nested tuples, for code generation (the flex engine's analytic
     /// `mask_mod`): `("full",)`, `("causal", offset)`, `("window", left, right)`,
     /// `("chunk", size)`, `("prefix", len)`, `("document", q_ids, kv_ids)` and
-    /// `("band", f, g, lo, hi)` with int64 arrays `[rows, L]` (`rows` 1 or B), `("dense",)` and
+    /// `("band", f, g, lo, hi, (min, max))` with read-only int64 arrays `[rows, L]` (`rows` 1 or
+    /// B) viewing the mask's data (the band's least and greatest feature value after them),
+    /// `("dense",)` and
     /// `("blocks",)` (their data stays native: the plan's bit table covers them),
     /// `("and", (..))`, `("or", (..))`, `("not", child)`, `("heads", (..))`. Trees deeper
     /// than the planner accepts are refused (the walk recurses).
@@ -85,13 +87,32 @@ impl PyMask {
     }
 }
 
-/// `ids` as an int64 numpy array `[rows, L]`.
-fn rows_array<'py>(py: Python<'py>, ids: &SegmentIds) -> PyResult<Bound<'py, PyAny>> {
-    let flat: Vec<i64> = (0..ids.rows())
-        .flat_map(|b| ids.row(b).iter().copied())
-        .collect();
-    let arr = flat.into_pyarray(py);
-    Ok(arr.reshape([ids.rows(), ids.len()])?.into_any())
+/// Keeps alive the mask data that read-only numpy views of [`PyMask::_tree`] borrow.
+#[pyclass(frozen)]
+struct Held(#[allow(dead_code)] Arc<dyn std::any::Any + Send + Sync>);
+
+/// `ids` as a read-only int64 numpy array `[rows, L]` viewing the mask's own data (no copy),
+/// kept alive by `owner` (a [`Held`] of the `Arc` that owns `ids`).
+fn rows_array<'py>(ids: &SegmentIds, owner: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+    let view = numpy::ndarray::ArrayView2::from_shape((ids.rows(), ids.len()), ids.ids())
+        .map_err(|e| PyValueError::new_err(format!("mask: ids of the wrong size: {e}")))?;
+    // SAFETY: `owner` holds the `Arc` owning `ids`, which is immutable while it lives; the view
+    // is made read-only below, so numpy never writes to it.
+    let arr = unsafe { numpy::PyArray2::borrow_from_array(&view, owner.clone()) };
+    // SAFETY: clearing a flag of the array just created (no other reference to it yet).
+    unsafe { (*arr.as_array_ptr()).fields.flags &= !numpy::npyffi::flags::NPY_ARRAY_WRITEABLE };
+    Ok(arr.into_any())
+}
+
+/// `(min, max)` over both features of a band ((0, 0) when empty).
+fn feature_span(f: &BandFeatures) -> (i64, i64) {
+    f.q.ids()
+        .iter()
+        .chain(f.kv.ids())
+        .fold(None, |acc: Option<(i64, i64)>, &v| {
+            Some(acc.map_or((v, v), |(a, b)| (a.min(v), b.max(v))))
+        })
+        .unwrap_or((0, 0))
 }
 
 /// One node of [`PyMask::_tree`]; depth is bounded by the caller's check.
@@ -110,16 +131,21 @@ fn tree<'py>(py: Python<'py>, m: &Mask) -> PyResult<Bound<'py, PyTuple>> {
         Mask::Chunk { size } => ("chunk", *size).into_pyobject(py)?,
         Mask::Prefix { len } => ("prefix", *len).into_pyobject(py)?,
         Mask::Document(s) => {
-            ("document", rows_array(py, &s.q)?, rows_array(py, &s.kv)?).into_pyobject(py)?
+            let owner = Bound::new(py, Held(s.clone()))?.into_any();
+            ("document", rows_array(&s.q, &owner)?, rows_array(&s.kv, &owner)?).into_pyobject(py)?
         }
-        Mask::Band { features, lo, hi } => (
-            "band",
-            rows_array(py, &features.q)?,
-            rows_array(py, &features.kv)?,
-            *lo,
-            *hi,
-        )
-            .into_pyobject(py)?,
+        Mask::Band { features, lo, hi } => {
+            let owner = Bound::new(py, Held(features.clone()))?.into_any();
+            (
+                "band",
+                rows_array(&features.q, &owner)?,
+                rows_array(&features.kv, &owner)?,
+                *lo,
+                *hi,
+                feature_span(features),
+            )
+                .into_pyobject(py)?
+        }
         Mask::Dense(_) => PyTuple::new(py, ["dense"])?,
         Mask::Blocks(_) => PyTuple::new(py, ["blocks"])?,
         Mask::And(v) => ("and", kids(v)?).into_pyobject(py)?,

@@ -9,8 +9,8 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use std::sync::{Arc, OnceLock};
 use tessera::{
-    build_plan, Backend, CacheConfig, CpuBackend, CpuPlan, Mask, Plan, PlanCache, PlanShape,
-    TileShape,
+    build_plan, build_tile_states, Backend, CacheConfig, CpuBackend, CpuPlan, Mask, Plan,
+    PlanCache, PlanShape, TileShape,
 };
 
 use crate::errors::to_py;
@@ -27,7 +27,11 @@ pub fn cache() -> &'static PlanCache {
 /// kernels walk.
 #[pyclass(name = "Plan", module = "tessera._tessera", frozen)]
 pub struct PyPlan {
-    pub(crate) inner: Arc<Plan>,
+    /// The plan as built: whole, or its tile states only (planned without the plan cache),
+    /// whose partial bitmasks [`PyPlan::whole`] builds on first need.
+    tiles: Arc<Plan>,
+    /// The whole plan of a tile-states `tiles`, once something read the bitmasks.
+    built: OnceLock<Arc<Plan>>,
     /// The planned mask; `None` for a rank's local plan of a sharding (its rows and K/V are a
     /// permutation of the global ones: no mask expression describes it).
     pub(crate) mask: Option<Mask>,
@@ -41,16 +45,42 @@ pub struct PyPlan {
 impl PyPlan {
     pub(crate) fn new(inner: Arc<Plan>, mask: Option<Mask>, source: &'static str) -> Self {
         PyPlan {
-            inner,
+            tiles: inner,
+            built: OnceLock::new(),
             mask,
             source,
             prepared: Arc::new(OnceLock::new()),
         }
     }
 
+    /// The plan's tile states, work lists and counts (whole or not: the same).
+    pub(crate) fn tiles(&self) -> &Arc<Plan> {
+        &self.tiles
+    }
+
+    /// The whole plan, its partial bitmasks included: built now (GIL released) when only its
+    /// tile states were, then kept.
+    pub(crate) fn whole(&self, py: Python<'_>) -> PyResult<&Arc<Plan>> {
+        if self.tiles.has_masks() {
+            return Ok(&self.tiles);
+        }
+        if let Some(p) = self.built.get() {
+            return Ok(p);
+        }
+        let Some(mask) = &self.mask else {
+            return Err(PyValueError::new_err("plan: a plan without its bitmasks and mask"));
+        };
+        let t = &self.tiles;
+        let p = py
+            .detach(|| build_plan(mask, t.shape, t.tile))
+            .map_err(to_py)?;
+        Ok(self.built.get_or_init(|| Arc::new(p)))
+    }
+
     /// The plan prepared for the CPU kernels (built on first use, then reused by every call).
-    pub(crate) fn prepared(&self) -> PyResult<&CpuPlan> {
-        prepare_once(&self.prepared, &self.inner).map_err(to_py)
+    pub(crate) fn prepared(&self, py: Python<'_>) -> PyResult<&CpuPlan> {
+        let whole = self.whole(py)?;
+        prepare_once(&self.prepared, whole).map_err(to_py)
     }
 }
 
@@ -95,9 +125,11 @@ fn block_shape(block: &Bound<'_, PyAny>) -> PyResult<TileShape> {
     TileShape::new(q, kv).map_err(|e| PyValueError::new_err(format!("block: {e}")))
 }
 
-/// Plans `mask` for `[batch, heads, q_len, kv_len]` at tile `block`.
+/// Plans `mask` for `[batch, heads, q_len, kv_len]` at tile `block`: through the plan cache, or
+/// without it (`cache=False`) now whole (`masks=True`) or as its tile states, the bitmasks built
+/// on first need.
 #[pyfunction]
-#[pyo3(signature = (mask, q_len, kv_len=None, heads=None, batch=None, block=None, cache=true))]
+#[pyo3(signature = (mask, q_len, kv_len=None, heads=None, batch=None, block=None, cache=true, masks=true))]
 #[allow(clippy::too_many_arguments)]
 pub fn plan(
     py: Python<'_>,
@@ -108,6 +140,7 @@ pub fn plan(
     batch: Option<usize>,
     block: Option<&Bound<'_, PyAny>>,
     cache: bool,
+    masks: bool,
 ) -> PyResult<PyPlan> {
     let m = mask.inner.clone();
     let (b0, h0) = implied_dims(&m);
@@ -128,8 +161,10 @@ pub fn plan(
                 self::cache()
                     .get_or_build(&m, shape, tile)
                     .map(|l| (l.plan, l.source.name()))
-            } else {
+            } else if masks {
                 build_plan(&m, shape, tile).map(|p| (Arc::new(p), "built"))
+            } else {
+                build_tile_states(&m, shape, tile).map(|p| (Arc::new(p), "built"))
             }
         })
         .map_err(to_py)?;
@@ -178,18 +213,18 @@ impl PyPlan {
     /// `(B, H, Lq, Lkv)` the plan is for.
     #[getter]
     fn shape(&self) -> (usize, usize, usize, usize) {
-        let s = self.inner.shape;
+        let s = self.tiles.shape;
         (s.batch, s.heads, s.q_len, s.kv_len)
     }
     /// `(q, kv)` tile sides.
     #[getter]
     fn block(&self) -> (usize, usize) {
-        (self.inner.tile.q, self.inner.tile.kv)
+        (self.tiles.tile.q, self.tiles.tile.kv)
     }
     /// `(B', H')`: 1 where the mask does not vary along batch rows / heads.
     #[getter]
     fn groups(&self) -> (usize, usize) {
-        (self.inner.batch_groups, self.inner.head_groups)
+        (self.tiles.batch_groups, self.tiles.head_groups)
     }
     /// The planned mask (`None` for a rank's local plan of a sharding).
     #[getter]
@@ -213,7 +248,7 @@ impl PyPlan {
         head: usize,
         title: Option<String>,
     ) -> PyResult<()> {
-        let s = self.inner.shape;
+        let s = self.tiles.shape;
         if batch >= s.batch || head >= s.heads {
             return Err(PyValueError::new_err(format!(
                 "batch/head: expected batch < {} and head < {}, got ({batch}, {head})",
@@ -223,22 +258,29 @@ impl PyPlan {
         let title = title.unwrap_or_else(|| {
             format!(
                 "{}  [B={} H={} Lq={} Lkv={}]",
-                self.inner.mask, s.batch, s.heads, s.q_len, s.kv_len
+                self.tiles.mask, s.batch, s.heads, s.q_len, s.kv_len
             )
         });
-        let plan = self.inner.clone();
+        let plan = self.tiles.clone();
         py.detach(|| tessera::viz::write_plan_png(&plan, batch, head, &title, &path))
             .map_err(to_py)
+    }
+    /// Whether the partial tiles' bitmasks are built (a plan made without the plan cache has
+    /// its tile states first; whatever reads the bitmasks builds them).
+    #[getter]
+    fn has_masks(&self) -> bool {
+        self.tiles.has_masks() || self.built.get().is_some()
     }
     /// Hex contract key (what the plan cache is keyed by).
     #[getter]
     fn contract(&self) -> String {
-        self.inner.contract.to_string()
+        self.tiles.contract.to_string()
     }
     /// Statistics: tiles by state, unique partial masks, allowed pairs, density, ...
     #[getter]
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let s = &self.inner.stats;
+        // The whole plan's (its unique masks and bytes).
+        let s = &self.whole(py)?.stats;
         let d = PyDict::new(py);
         d.set_item("tiles", s.tiles)?;
         d.set_item("empty_tiles", s.empty_tiles)?;
@@ -275,7 +317,7 @@ impl PyPlan {
     }
     /// Tile states `uint8 [B', H', Tq, Tk]`: 0 empty, 1 partial, 2 full.
     fn states<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray4<u8>>> {
-        let (shape, v) = self.inner.states();
+        let (shape, v) = self.tiles.states();
         let v: Vec<u8> = v.into_iter().map(|x| x as u8).collect();
         v.into_pyarray(py).reshape(shape)
     }
@@ -284,13 +326,13 @@ impl PyPlan {
     fn flops(&self, d_qk: usize, d_v: Option<usize>, backward: bool) -> f64 {
         let dv = d_v.unwrap_or(d_qk);
         if backward {
-            self.inner.backward_flops(d_qk, dv)
+            self.tiles.backward_flops(d_qk, dv)
         } else {
-            self.inner.forward_flops(d_qk, dv)
+            self.tiles.forward_flops(d_qk, dv)
         }
     }
     fn __repr__(&self) -> String {
-        let p = &self.inner;
+        let p = &self.tiles;
         let s = p.shape;
         let (nq, nk) = (p.q_tiles, p.kv_tiles);
         let (_, states) = p.states();
@@ -336,7 +378,7 @@ impl PyPlan {
     /// contents are `mask_bits` (int64 `[n, tq, ⌈tk/64⌉]` bit rows) instead of `mask_blocks`.
     #[pyo3(signature = (packed=false))]
     fn _flex_arrays<'py>(&self, py: Python<'py>, packed: bool) -> PyResult<Bound<'py, PyDict>> {
-        let plan = self.inner.clone();
+        let plan = self.whole(py)?.clone();
         let (f, bits) = py
             .detach(|| {
                 if packed {
@@ -413,7 +455,7 @@ impl PyPlan {
         Option<Bound<'py, PyAny>>,
         (usize, usize, usize, usize, usize, usize, usize, usize),
     )> {
-        let plan = self.inner.clone();
+        let plan = if bits { self.whole(py)? } else { self.tiles() }.clone();
         let (tq, tk) = (plan.tile.q, plan.tile.kv);
         let floor = bits_floor(&plan, per_tile, max_floor);
         let lead = bits.then(|| lead_blocks(&plan, floor));
@@ -466,7 +508,7 @@ impl PyPlan {
         Option<Bound<'py, PyAny>>,
         (usize, usize, usize, usize, usize, usize, usize, usize),
     )> {
-        let plan = self.inner.clone();
+        let plan = if bits { self.whole(py)? } else { self.tiles() }.clone();
         let floor = bits_floor(&plan, per_tile, max_floor);
         let lead = bits.then(|| lead_blocks(&plan, floor));
         let (c, led) = py
@@ -505,7 +547,7 @@ impl PyPlan {
             shrink_grid_dkv,
             downcast_smem_data,
         };
-        let plan = self.inner.clone();
+        let plan = self.whole(py)?.clone();
         let s = py.detach(|| export_with(&plan, &opts)).map_err(to_py)?;
         let ints = |a: IntArray| -> PyResult<Bound<'py, PyAny>> {
             let sh = a.shape;

@@ -45,7 +45,7 @@ pub fn shard(
         backward,
         balance_cap,
     };
-    let p = plan.inner.clone();
+    let p = plan.whole(py)?.clone();
     let s = py
         .detach(|| tessera::shard(&p, world_size, scheme, model))
         .map_err(to_py)?;

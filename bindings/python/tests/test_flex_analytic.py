@@ -167,9 +167,10 @@ def _captured_bits(bm):
 
 
 def test_host_auto_builds_the_analytic_mask_mod_for_a_large_bit_table(monkeypatch):
-    """On the CPU, "auto" keeps the bit table while it is small and builds the analytic mask_mod
-    once the partial blocks pass ``HOST_BITS_LIMIT`` (no block copied then); a mask without an
-    analytic form keeps the bits at any size. Both exact on every element."""
+    """On the CPU, "auto" for a plan whose bitmasks are built keeps the bit table while it is
+    small and builds the analytic mask_mod once the partial blocks pass ``HOST_BITS_LIMIT`` (no
+    block copied then); a mask without an analytic form keeps the bits at any size. Both exact on
+    every element."""
     g = np.random.default_rng(41)
     f = g.permutation(300).astype(np.int64)
     lq = 300
@@ -178,13 +179,46 @@ def test_host_auto_builds_the_analytic_mask_mod_for_a_large_bit_table(monkeypatc
     for m, analytic in ((scattered, True), (no_form, False)):
         want = torch.from_numpy(np.array(np.broadcast_to(m.dense(1, 1, lq, lq), (1, 1, lq, lq))))
         plan = tessera.plan(m.t, q_len=lq, block=32, cache=False)
+        assert plan.stats["unique_partial_masks"] > 0  # reading them builds the bitmasks
         assert _captured_bits(plan.to_flex_block_mask())  # small: the bits
         monkeypatch.setattr(flex_tables, "HOST_BITS_LIMIT", 0)
         plan = tessera.plan(m.t, q_len=lq, block=32, cache=False)
+        plan.stats
         bm = plan.to_flex_block_mask()
         assert _captured_bits(bm) != analytic, str(m.t)
         assert torch.equal(grid_eval(bm.mask_mod, 1, 1, lq, lq), want), str(m.t)
         monkeypatch.undo()
+
+
+def test_a_plan_of_tile_states_builds_its_bitmasks_on_first_need():
+    """``cache=False`` plans tile states first: the BlockMask with the analytic mask_mod needs no
+    bitmasks (none are built), a mask without an analytic form builds them for the bit table,
+    and so do the CPU kernels and ``stats``; every result equals the whole plan's."""
+    g = np.random.default_rng(43)
+    lq = 333
+    pre = g.permutation(lq).astype(np.int64)
+    scattered = band(pre, pre, -30, 17) | causal(-200)
+    no_form = scattered & dense(g.random((lq, lq)) < 0.8)
+    for m, analytic in ((scattered, True), (no_form, False)):
+        want = torch.from_numpy(np.array(np.broadcast_to(m.dense(1, 1, lq, lq), (1, 1, lq, lq))))
+        whole = tessera.plan(m.t, q_len=lq, block=32, cache=False)
+        whole.stats
+        plan = tessera.plan(m.t, q_len=lq, block=32, cache=False)
+        assert not plan._p.has_masks
+        np.testing.assert_array_equal(plan.states(), whole.states())
+        assert plan.flops(64) == whole.flops(64)
+        bm = plan.to_flex_block_mask()
+        assert _captured_bits(bm) != analytic
+        assert plan._p.has_masks != analytic  # the bit table needed them; the analytic form not
+        assert torch.equal(grid_eval(bm.mask_mod, 1, 1, lq, lq), want), str(m.t)
+        ref = whole.to_flex_block_mask(mask_mod="bits")
+        for t in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"):
+            assert torch.equal(getattr(bm, t), getattr(ref, t)), t
+        q, k, v = (torch.randn(1, 1, lq, 16) for _ in range(3))
+        out = tessera.torch.attention(q, k, v, plan)  # the CPU kernel builds the bitmasks
+        assert plan._p.has_masks
+        assert plan.stats == {**whole.stats, "build_ms": plan.stats["build_ms"]}
+        torch.testing.assert_close(out, tessera.torch.attention(q, k, v, whole))
 
 
 @pytest.mark.parametrize("recipe", ["causal_lm", "sliding_window", "prefix_lm", "document_causal",

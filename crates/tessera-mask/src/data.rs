@@ -87,6 +87,11 @@ impl SegmentIds {
         self.len == 0
     }
 
+    /// Every stored id, row after row (`rows() x len()`).
+    pub fn ids(&self) -> &[i64] {
+        &self.ids
+    }
+
     /// The ids of batch row `b` (row 0 when the ids are shared).
     pub fn row(&self, b: usize) -> &[i64] {
         let r = if self.rows == 1 { 0 } else { b };

@@ -66,8 +66,8 @@ class _Builder:
         if kind == "document":
             return self.document(t[1], t[2])
         if kind == "band":
-            f, g, lo, hi = t[1:]
-            if not all(a.max(initial=0) < _BAND_LIMIT and a.min(initial=0) > -_BAND_LIMIT for a in (f, g)):
+            f, g, lo, hi, (least, greatest) = t[1:]
+            if greatest >= _BAND_LIMIT or least <= -_BAND_LIMIT:
                 return "a band feature beyond ±2^62 (its difference could wrap in int64)"
             return ("band", self.buf(f), self.buf(g), f.shape[0], g.shape[0], int(lo), int(hi))
         if kind in ("dense", "blocks"):

@@ -6,6 +6,7 @@ public entry, ``tessera.torch.to_flex_block_mask``, checks the argument's type).
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -171,7 +172,10 @@ HOST_BITS_LIMIT = 1 << 20
 
 def _host_auto(plan: "Plan") -> str:
     """What ``"auto"`` is on the host for ``plan``: ``"bits"`` for a small bit table, else
-    ``"auto"`` (analytic where the mask has the form, the bits otherwise)."""
+    ``"auto"`` (analytic where the mask has the form, the bits otherwise); ``"auto"`` too while
+    the plan's bitmasks are not built (building them costs more than the analytic data)."""
+    if not plan._p.has_masks:
+        return "auto"
     tq, tk = plan.block
     block_bytes = tq * ((tk + 63) // 64) * 8
     big = plan.stats["unique_partial_masks"] * block_bytes > HOST_BITS_LIMIT
@@ -195,10 +199,19 @@ def host_block_mask(plan: "Plan", mask_mod: str):
     tables = [torch.from_numpy(a.reshape(s)) for a, s in zip(arrays, shapes)]
     codes = tables.pop()
     if prog is not None:
-        fn = flex_mask.make_mask_mod(prog, [torch.from_numpy(b) for b in bufs])
+        fn = flex_mask.make_mask_mod(prog, _host_tensors(bufs))
     else:
         fn = _bits_mask_mod(codes, torch.from_numpy(bits), bg, hg, tq, tk)
     return BlockMask((lq, lkv), *tables, BLOCK_SIZE=(tq, tk), mask_mod=fn)
+
+
+def _host_tensors(bufs):
+    """The analytic ``mask_mod``'s buffers as host tensors sharing their memory: a band's
+    features are read-only views of the mask's own data, which the ``mask_mod`` only reads
+    (torch's one-time warning about tensors of read-only arrays is silenced)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "The given NumPy array is not writable", UserWarning)
+        return [torch.from_numpy(b) for b in bufs]
 
 
 def _bits_mask_mod(codes, bits, bg, hg, tq, tk):

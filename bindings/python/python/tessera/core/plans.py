@@ -213,7 +213,17 @@ def plan(
     """Plans ``mask`` for ``[batch, heads, q_len, kv_len]`` at tile ``block`` (an int or a
     ``(q, kv)`` pair). ``batch``/``heads`` default to what the mask's data implies (segment id
     rows, dense mask dims, ``heads(...)`` count), else 1. Plans come from the plan cache (memory,
-    then disk) unless ``cache=False``; planning releases the GIL."""
+    then disk) unless ``cache=False``; planning releases the GIL.
+
+    With ``cache=False`` the plan is built as its tile states first (work lists, counts, exact
+    states): the partial tiles' bitmasks are built on first need (the CPU kernels, Splash
+    ``MaskInfo``, sharding, ``stats``, a bit-table ``mask_mod``), so a FlexAttention
+    ``BlockMask`` with a computed ``mask_mod`` never pays for them."""
+    return _plan(mask, q_len, kv_len, heads, batch, block, cache, masks=False)
+
+
+def _plan(mask, q_len, kv_len, heads, batch, block, cache, masks) -> Plan:
+    """:func:`plan`, with the bitmasks built now (``masks``) or on first need when uncached."""
     if not isinstance(mask, Mask):
         raise TypeError(f"mask: expected a tessera.Mask, got {type(mask).__name__}")
     for name, value in (("q_len", q_len), ("kv_len", kv_len), ("heads", heads), ("batch", batch)):
@@ -223,7 +233,7 @@ def plan(
             raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
         if value < 1:
             raise ValueError(f"{name}: expected a positive int, got {value}")
-    return Plan(_tessera.plan(mask, int(q_len), kv_len, heads, batch, block, cache))
+    return Plan(_tessera.plan(mask, int(q_len), kv_len, heads, batch, block, cache, masks))
 
 
 def plan_from_blocks(
@@ -261,7 +271,8 @@ def plan_from_blocks(
         raise TypeError(f"mask: expected a tessera.Mask, got {type(mask).__name__}")
     sb = _block_pair(*(("block", block) if selection_block is None else ("selection_block", selection_block)))
     sel = _tessera.blocks(_kv_tiles("kv_tiles", kv_tiles), *sb)
-    return plan(mask & sel, q_len, kv_len, heads, batch, block, cache)
+    # Whole at once: a selection's plan is run straight away (the CPU kernels read the masks).
+    return _plan(mask & sel, q_len, kv_len, heads, batch, block, cache, masks=True)
 
 
 def cache_stats() -> Dict[str, Any]:
