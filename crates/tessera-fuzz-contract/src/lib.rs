@@ -28,7 +28,7 @@ use std::sync::{Arc, OnceLock};
 use tessera_core::{Error, Result};
 use tessera_export::{flex, splash, FlexArrays, SplashArrays};
 use tessera_mask::{parse, BlockSelection, DenseMask, Mask, Resolver, SegmentIds, Segments};
-use tessera_plan::{build_plan, Plan, PlanShape, TileShape, TileState};
+use tessera_plan::{build_plan, build_tile_states, Plan, PlanShape, TileShape, TileState};
 
 // ---------------------------------------------------------------------------------------------
 // Allocation tracking.
@@ -332,8 +332,45 @@ pub fn mask_plan(data: &[u8]) {
     assert_eq!(again.to_string(), printed, "printing is not a fixpoint");
     assert_eq!(again, mask.clone(), "re-parsed tree differs");
     match build_plan(&mask, shape, tile) {
-        Ok(plan) => check_plan_against_mask(&plan, &mask),
+        Ok(plan) => {
+            check_plan_against_mask(&plan, &mask);
+            check_tile_states(&plan, &mask);
+        }
         Err(e) => user_error("build_plan", &e),
+    }
+}
+
+/// The plan of tile states only has `plan`'s work lists, counts and allowed pairs, partial ids
+/// 0, no bitmasks; the bitmask readers refuse it and the no-bits FlexAttention export of both
+/// gives the same tables.
+pub fn check_tile_states(plan: &Plan, mask: &Mask) {
+    let states = build_tile_states(mask, plan.shape, plan.tile).expect("tile states of a plan");
+    let unmasked = |l: &[tessera_plan::TileEntry]| -> Vec<(u32, bool)> {
+        l.iter().map(|e| (e.tile, e.is_full())).collect()
+    };
+    assert_eq!(states.group_plan, plan.group_plan, "tile states: groups");
+    for (a, b) in states.head_plans.iter().zip(&plan.head_plans) {
+        assert_eq!(a.fwd_offsets, b.fwd_offsets, "tile states: forward offsets");
+        assert_eq!(unmasked(&a.fwd), unmasked(&b.fwd), "tile states: forward list");
+        assert_eq!(unmasked(&a.bwd), unmasked(&b.bwd), "tile states: backward list");
+        assert!(a.fwd.iter().all(|e| e.is_full() || e.mask == 0));
+        assert_eq!(
+            (a.full_tiles, a.partial_tiles, a.allowed_pairs),
+            (b.full_tiles, b.partial_tiles, b.allowed_pairs),
+            "tile states: counts"
+        );
+    }
+    assert!(states.partials.is_empty(), "tile states: no bitmasks");
+    let partial = plan.stats.partial_tiles > 0;
+    assert_eq!(states.has_masks(), !partial);
+    assert_eq!(states.check_consistent().is_err(), partial);
+    if partial {
+        assert!(flex::export_packed(&states).is_err() && splash::export(&states).is_err());
+    }
+    if let (Ok((fa, ca)), Ok((fb, cb))) = (flex::export_coded(&states), flex::export_coded(plan)) {
+        assert_eq!(fa, fb, "tile states: flex tables");
+        let kinds = |c: &[i32]| -> Vec<i32> { c.iter().map(|&x| x.min(2)).collect() };
+        assert_eq!(kinds(&ca), kinds(&cb), "tile states: flex codes");
     }
 }
 
