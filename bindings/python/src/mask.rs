@@ -8,7 +8,7 @@
 //! features) arrive as int64 numpy arrays `[L]` or `[B, L]`, block selections as int64
 //! `[B, H, Tq, k]` (or `[H, Tq, k]`, `[Tq, k]`); the Python layer converts torch tensors and lists.
 
-use numpy::{IntoPyArray, PyArrayMethods, PyReadonlyArrayDyn, PyUntypedArrayMethods};
+use numpy::{PyReadonlyArrayDyn, PyUntypedArrayMethods};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
