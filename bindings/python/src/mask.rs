@@ -8,7 +8,7 @@
 //! features) arrive as int64 numpy arrays `[L]` or `[B, L]`, block selections as int64
 //! `[B, H, Tq, k]` (or `[H, Tq, k]`, `[Tq, k]`); the Python layer converts torch tensors and lists.
 
-use numpy::{PyReadonlyArrayDyn, PyUntypedArrayMethods};
+use numpy::{IntoPyArray, PyArrayMethods, PyReadonlyArrayDyn, PyUntypedArrayMethods};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
@@ -64,7 +64,9 @@ impl PyMask {
     }
     /// The expression tree as nested tuples, for code generation (the flex engine's analytic
     /// `mask_mod`): `("full",)`, `("causal", offset)`, `("window", left, right)`,
-    /// `("chunk", size)`, `("prefix", len)`, `("document", q_ids, kv_ids)` and
+    /// `("chunk", size)`, `("prefix", len)`, `("document", q_ids, kv_ids, bounds)` (`bounds`
+    /// the q-indexed key bounds `(starts, ends)`, int32 `[rows, Lq]`, when every id is one run
+    /// of keys in every row, else `None`) and
     /// `("band", f, g, lo, hi, (min, max))` with read-only int64 arrays `[rows, L]` (`rows` 1 or
     /// B) viewing the mask's data (the band's least and greatest feature value after them),
     /// `("dense",)` and
@@ -104,6 +106,53 @@ fn rows_array<'py>(ids: &SegmentIds, owner: &Bound<'py, PyAny>) -> PyResult<Boun
     Ok(arr.into_any())
 }
 
+/// Per batch row of a `document` leaf (`rows` = the larger side's), each query's document as
+/// key bounds `[start, end)` (int32 `[rows, Lq]`, row-major; `(0, 0)` for padding queries and
+/// ids no key has): `Some((rows, starts, ends))` when, in every key row, each id is one
+/// contiguous run of keys (and the keys fit int32), else `None` (the ids must be compared).
+fn document_bounds(s: &Segments) -> Option<(usize, Vec<i32>, Vec<i32>)> {
+    let rows = s.rows();
+    let (lq, lkv) = (s.q.len(), s.kv.len());
+    if i32::try_from(lkv).is_err() {
+        return None;
+    }
+    let (mut starts, mut ends) = (vec![0i32; rows * lq], vec![0i32; rows * lq]);
+    let mut run_of: HashMap<i64, (i32, i32)> = HashMap::new();
+    for r in 0..rows {
+        run_of.clear();
+        let kv = s.kv.row(r);
+        let mut j = 0;
+        while j < lkv {
+            let id = kv[j];
+            let start = j;
+            while j < lkv && kv[j] == id {
+                j += 1;
+            }
+            if id >= 0 && run_of.insert(id, (start as i32, j as i32)).is_some() {
+                return None; // an id in two runs
+            }
+        }
+        let (st, en) = (&mut starts[r * lq..(r + 1) * lq], &mut ends[r * lq..(r + 1) * lq]);
+        let q = s.q.row(r);
+        let mut i = 0;
+        while i < lq {
+            // One lookup per run of equal query ids.
+            let id = q[i];
+            let (a, b) = if id >= 0 {
+                run_of.get(&id).copied().unwrap_or((0, 0))
+            } else {
+                (0, 0)
+            };
+            while i < lq && q[i] == id {
+                st[i] = a;
+                en[i] = b;
+                i += 1;
+            }
+        }
+    }
+    Some((rows, starts, ends))
+}
+
 /// `(min, max)` over both features of a band ((0, 0) when empty).
 fn feature_span(f: &BandFeatures) -> (i64, i64) {
     f.q.ids()
@@ -132,7 +181,17 @@ fn tree<'py>(py: Python<'py>, m: &Mask) -> PyResult<Bound<'py, PyTuple>> {
         Mask::Prefix { len } => ("prefix", *len).into_pyobject(py)?,
         Mask::Document(s) => {
             let owner = Bound::new(py, Held(s.clone()))?.into_any();
-            ("document", rows_array(&s.q, &owner)?, rows_array(&s.kv, &owner)?).into_pyobject(py)?
+            let bounds = match document_bounds(s) {
+                Some((rows, starts, ends)) => {
+                    let len = s.q.len();
+                    let starts = starts.into_pyarray(py).reshape([rows, len])?;
+                    let ends = ends.into_pyarray(py).reshape([rows, len])?;
+                    (starts, ends).into_pyobject(py)?.into_any()
+                }
+                None => py.None().into_bound(py),
+            };
+            let (q, kv) = (rows_array(&s.q, &owner)?, rows_array(&s.kv, &owner)?);
+            ("document", q, kv, bounds).into_pyobject(py)?
         }
         Mask::Band { features, lo, hi } => {
             let owner = Bound::new(py, Held(features.clone()))?.into_any();

@@ -64,7 +64,7 @@ class _Builder:
                 return ("const", True)
             return ("const", False) if t[1] == 0 else ("prefix", int(t[1]))
         if kind == "document":
-            return self.document(t[1], t[2])
+            return self.document(*t[1:])
         if kind == "band":
             f, g, lo, hi, (least, greatest) = t[1:]
             if greatest >= _BAND_LIMIT or least <= -_BAND_LIMIT:
@@ -85,29 +85,13 @@ class _Builder:
             return kids[0] if len(kids) == 1 else ("heads", tuple(kids))
         return _fold(kind, kids)
 
-    def document(self, qi: np.ndarray, ki: np.ndarray) -> Node:
-        rows = max(qi.shape[0], ki.shape[0])
-        starts = np.zeros((rows, self.lq), dtype=np.int32)
-        ends = np.zeros((rows, self.lq), dtype=np.int32)
-        for r in range(rows):
-            kv = ki[r if ki.shape[0] > 1 else 0]
-            q = qi[r if qi.shape[0] > 1 else 0]
-            first = np.flatnonzero(np.r_[True, kv[1:] != kv[:-1]])
-            last = np.r_[first[1:], kv.size]
-            ids = kv[first]
-            keep = ids >= 0
-            ids, first, last = ids[keep], first[keep], last[keep]
-            order = np.argsort(ids, kind="stable")
-            ids, first, last = ids[order], first[order], last[order]
-            if ids.size > 1 and (ids[1:] == ids[:-1]).any():  # an id in two runs: compare ids
-                return ("docid", self.buf(qi), self.buf(ki), qi.shape[0], ki.shape[0])
-            if ids.size == 0:  # no key in any document: empty bounds
-                continue
-            pos = np.minimum(np.searchsorted(ids, q), ids.size - 1)
-            hit = ids[pos] == q  # ids are >= 0: padding queries never hit
-            starts[r] = np.where(hit, first[pos], 0)
-            ends[r] = np.where(hit, last[pos], 0)
-        return ("docb", self.buf(starts), self.buf(ends), rows)
+    def document(self, qi: np.ndarray, ki: np.ndarray, bounds: Any) -> Node:
+        """q-indexed bounds (computed natively with the tree) when each id is one run of keys in
+        every row, else the id comparison."""
+        if bounds is None:  # an id in two runs: compare ids
+            return ("docid", self.buf(qi), self.buf(ki), qi.shape[0], ki.shape[0])
+        starts, ends = bounds
+        return ("docb", self.buf(starts), self.buf(ends), starts.shape[0])
 
 
 def _not(k: Node) -> Node:
@@ -252,7 +236,7 @@ def _causal_documents(plan: Any) -> Tuple[Any, str]:
     kids = t[1] if t[0] == "and" else ()
     if sorted(k[0] for k in kids) != ["causal", "document"] or any(k[0] == "causal" and k[1] != 0 for k in kids):
         return None, "the mask is not exactly causal & document"
-    _, qi, ki = next(k for k in kids if k[0] == "document")
+    _, qi, ki, _ = next(k for k in kids if k[0] == "document")
     if qi.shape != ki.shape or not np.array_equal(qi, ki):
         return None, "query and key documents differ (cross attention)"
     if (qi < 0).any():

@@ -209,6 +209,8 @@ def _host_tensors(bufs):
     """The analytic ``mask_mod``'s buffers as host tensors sharing their memory: a band's
     features are read-only views of the mask's own data, which the ``mask_mod`` only reads
     (torch's one-time warning about tensors of read-only arrays is silenced)."""
+    if all(b.flags.writeable for b in bufs):
+        return [torch.from_numpy(b) for b in bufs]
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "The given NumPy array is not writable", UserWarning)
         return [torch.from_numpy(b) for b in bufs]
