@@ -301,11 +301,11 @@ impl Refine<'_> {
     /// ([`FULL_TILE`] when full) and allowed pairs.
     fn tile(&mut self, node: &Node, qt: usize, kt: usize) -> Result<Option<(u32, u64)>> {
         let state = node.classify(self.g, qt, kt);
-        self.stage2(node, qt, kt, state)
+        self.stage2(node, qt, kt, state, None)
     }
 
-    /// [`Refine::tile`] given the tile's stage-1 state (inlined: most tiles of a large plan are
-    /// Empty or Full).
+    /// [`Refine::tile`] given the tile's stage-1 state and, when known, its place `at` among
+    /// the node's candidates of row `qt` (inlined: most tiles of a large plan are Empty or Full).
     #[inline]
     fn stage2(
         &mut self,
@@ -313,6 +313,7 @@ impl Refine<'_> {
         qt: usize,
         kt: usize,
         state: TileState,
+        at: Option<usize>,
     ) -> Result<Option<(u32, u64)>> {
         let g = self.g;
         let rows = (g.lq - qt * g.tq).min(g.tq) as u64;
@@ -320,16 +321,15 @@ impl Refine<'_> {
         Ok(match state {
             TileState::Empty => None,
             TileState::Full => Some((FULL_TILE, rows * cols)),
-            TileState::Partial => self.refine(node, qt, kt, rows, cols)?,
+            TileState::Partial => self.refine(node, (qt, kt, at), rows, cols)?,
         })
     }
 
-    /// Stage 2 of a Partial tile of `rows` x `cols` pairs.
+    /// Stage 2 of a Partial tile of `rows` x `cols` pairs (`at` as in [`Refine::stage2`]).
     fn refine(
         &mut self,
         node: &Node,
-        qt: usize,
-        kt: usize,
+        (qt, kt, at): (usize, usize, Option<usize>),
         rows: u64,
         cols: u64,
     ) -> Result<Option<(u32, u64)>> {
@@ -346,7 +346,7 @@ impl Refine<'_> {
             }
         }
         // Stage 2: exact refinement at token level (without masks, the count decides).
-        let (n, hash) = match node.pairs(qt, kt).filter(|_| !g.masks) {
+        let (n, hash) = match node.pairs(qt, kt, at).filter(|_| !g.masks) {
             Some(n) => (n, 0),
             None => {
                 node.eval(g, qt, kt, &mut self.bits, &mut self.pool);
@@ -428,7 +428,7 @@ fn plan_head(
         for (at, kt) in cands.iter().enumerate() {
             let t = match share.as_mut() {
                 Some((shared, id)) => cx.split_tile(node, (shared, *id), qt, kt)?,
-                None => cx.stage2(node, qt, kt, states[at])?,
+                None => cx.stage2(node, qt, kt, states[at], Some(at))?,
             };
             let Some((mask, n)) = t else { continue };
             if mask == FULL_TILE {

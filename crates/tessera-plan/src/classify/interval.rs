@@ -434,26 +434,31 @@ impl<'a> IntervalLeaf<'a> {
         self.list = list;
     }
 
-    /// The `walked` range of tile (`qt`, `kt`): a partial tile of a walked column.
-    fn walked(&self, qt: usize, kt: usize) -> Option<(u32, u32)> {
+    /// The `walked` range of tile (`qt`, `kt`): a partial tile of a walked column. `at`: its
+    /// place among the row's [`candidates`](Self::candidates) if known (checked), else searched.
+    fn walked(&self, qt: usize, kt: usize, at: Option<usize>) -> Option<(u32, u32)> {
         if !self.by_runs[kt] || self.full(qt, kt) {
             return None;
         }
-        let at = self.candidates(qt).binary_search(&(kt as u32)).ok()?;
+        let row = self.candidates(qt);
+        let at = match at {
+            Some(a) if row.get(a) == Some(&(kt as u32)) => a,
+            _ => row.binary_search(&(kt as u32)).ok()?,
+        };
         Some(self.walked[self.off[qt] as usize + at])
     }
 
     /// The allowed pairs of tile (`qt`, `kt`) as bit positions (`row * 64 * wpr + column`, each
     /// once) when stage 1 listed them (a partial tile of a walked column, in a plan with masks).
     pub(super) fn listed(&self, qt: usize, kt: usize) -> Option<&[u32]> {
-        let (a, b) = self.walked(qt, kt).filter(|_| self.lists)?;
+        let (a, b) = self.walked(qt, kt, None).filter(|_| self.lists)?;
         Some(&self.bitpos[a as usize..b as usize])
     }
 
     /// How many pairs of tile (`qt`, `kt`) are allowed when stage 1 counted them (a partial tile
-    /// of a walked column).
-    pub(super) fn pairs(&self, qt: usize, kt: usize) -> Option<u64> {
-        self.walked(qt, kt).map(|(a, b)| (b - a) as u64)
+    /// of a walked column; `at` as in [`IntervalLeaf::walked`]).
+    pub(super) fn pairs(&self, qt: usize, kt: usize, at: Option<usize>) -> Option<u64> {
+        self.walked(qt, kt, at).map(|(a, b)| (b - a) as u64)
     }
 
     /// Stage 2: writes the tile's allowed pairs into a zeroed `out`.
@@ -712,7 +717,11 @@ mod tests {
                     leaf.write(&g, qt, kt, &mut out);
                     let state = leaf.state(qt, kt);
                     let ones: u64 = out.iter().map(|w| w.count_ones() as u64).sum();
-                    if let Some(n) = leaf.pairs(qt, kt) {
+                    // A known place in the row reads the same count; a wrong one is searched.
+                    let at = leaf.candidates(qt).iter().position(|&k| k as usize == kt);
+                    assert_eq!(leaf.pairs(qt, kt, at), leaf.pairs(qt, kt, None));
+                    assert_eq!(leaf.pairs(qt, kt, Some(0)), leaf.pairs(qt, kt, None));
+                    if let Some(n) = leaf.pairs(qt, kt, None) {
                         assert_eq!(n, ones, "{how:?} tile ({qt}, {kt}): counted pairs");
                         assert_eq!(state, TileState::Partial);
                     }

@@ -427,10 +427,11 @@ impl<'a> Node<'a> {
     }
 
     /// The allowed pairs of Partial tile (`qt`, `kt`) when stage 1 counted them (a lone
-    /// interval leaf whose column was walked): stage 2 without masks needs no evaluation.
-    pub fn pairs(&self, qt: usize, kt: usize) -> Option<u64> {
+    /// interval leaf whose column was walked): stage 2 without masks needs no evaluation. `at`:
+    /// the tile's place among [`Node::candidates`] of row `qt`, when the caller knows it.
+    pub fn pairs(&self, qt: usize, kt: usize, at: Option<usize>) -> Option<u64> {
         match self {
-            Node::Interval(d) => d.pairs(qt, kt),
+            Node::Interval(d) => d.pairs(qt, kt, at),
             _ => None,
         }
     }
