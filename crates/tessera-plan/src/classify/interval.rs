@@ -416,11 +416,17 @@ impl<'a> IntervalLeaf<'a> {
             }
         }
         off.push(list.len() as u32);
+        // `walked` is in column order, so each row's entries come with ascending kv tiles, as
+        // in the row: one cursor per row finds them all in a pass.
         self.walked = vec![(0, 0); list.len()];
+        let mut cursor: Vec<u32> = off[..g.nq].to_vec();
         for &(qt, kt, a, b) in &walked {
-            let row = &list[off[qt as usize] as usize..off[qt as usize + 1] as usize];
-            if let Ok(p) = row.binary_search(&kt) {
-                self.walked[off[qt as usize] as usize + p] = (a, b);
+            let (c, end) = (&mut cursor[qt as usize], off[qt as usize + 1]);
+            while *c < end && list[*c as usize] < kt {
+                *c += 1;
+            }
+            if *c < end && list[*c as usize] == kt {
+                self.walked[*c as usize] = (a, b);
             }
         }
         self.q_reach = (0..g.nq)
