@@ -132,7 +132,10 @@ fn document_bounds(s: &Segments) -> Option<(usize, Vec<i32>, Vec<i32>)> {
                 return None; // an id in two runs
             }
         }
-        let (st, en) = (&mut starts[r * lq..(r + 1) * lq], &mut ends[r * lq..(r + 1) * lq]);
+        let (st, en) = (
+            &mut starts[r * lq..(r + 1) * lq],
+            &mut ends[r * lq..(r + 1) * lq],
+        );
         let q = s.q.row(r);
         let mut i = 0;
         while i < lq {

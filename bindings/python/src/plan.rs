@@ -68,7 +68,9 @@ impl PyPlan {
             return Ok(p);
         }
         let Some(mask) = &self.mask else {
-            return Err(PyValueError::new_err("plan: a plan without its bitmasks and mask"));
+            return Err(PyValueError::new_err(
+                "plan: a plan without its bitmasks and mask",
+            ));
         };
         let t = &self.tiles;
         let p = py

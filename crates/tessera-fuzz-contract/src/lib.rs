@@ -351,8 +351,16 @@ pub fn check_tile_states(plan: &Plan, mask: &Mask) {
     assert_eq!(states.group_plan, plan.group_plan, "tile states: groups");
     for (a, b) in states.head_plans.iter().zip(&plan.head_plans) {
         assert_eq!(a.fwd_offsets, b.fwd_offsets, "tile states: forward offsets");
-        assert_eq!(unmasked(&a.fwd), unmasked(&b.fwd), "tile states: forward list");
-        assert_eq!(unmasked(&a.bwd), unmasked(&b.bwd), "tile states: backward list");
+        assert_eq!(
+            unmasked(&a.fwd),
+            unmasked(&b.fwd),
+            "tile states: forward list"
+        );
+        assert_eq!(
+            unmasked(&a.bwd),
+            unmasked(&b.bwd),
+            "tile states: backward list"
+        );
         assert!(a.fwd.iter().all(|e| e.is_full() || e.mask == 0));
         assert_eq!(
             (a.full_tiles, a.partial_tiles, a.allowed_pairs),

@@ -352,7 +352,11 @@ fn check_tile_states(mask: &Mask, plan: &Plan) -> Result<(), TestCaseError> {
         prop_assert_eq!(&a.bwd_offsets, &b.bwd_offsets);
         prop_assert_eq!(unmasked(&a.fwd), unmasked(&b.fwd));
         prop_assert_eq!(unmasked(&a.bwd), unmasked(&b.bwd));
-        prop_assert!(a.fwd.iter().chain(&a.bwd).all(|e| e.is_full() || e.mask == 0));
+        prop_assert!(a
+            .fwd
+            .iter()
+            .chain(&a.bwd)
+            .all(|e| e.is_full() || e.mask == 0));
         prop_assert_eq!(
             (a.full_tiles, a.partial_tiles, a.allowed_pairs),
             (b.full_tiles, b.partial_tiles, b.allowed_pairs)

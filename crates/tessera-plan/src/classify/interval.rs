@@ -367,7 +367,11 @@ impl<'a> IntervalLeaf<'a> {
             if !g.masks && !partial.is_empty() {
                 // Without bitmasks a tile's count is all stage 2 needs: no second walk.
                 self.by_runs[kt] = true;
-                walked.extend(partial.iter().map(|&qt| (qt, kt as u32, 0, count[qt as usize])));
+                walked.extend(
+                    partial
+                        .iter()
+                        .map(|&qt| (qt, kt as u32, 0, count[qt as usize])),
+                );
             } else if take && !partial.is_empty() {
                 self.by_runs[kt] = true;
                 let mut at = self.bitpos.len() as u32;
