@@ -9,7 +9,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use std::sync::{Arc, OnceLock};
 use tessera::{
-    build_plan, build_tile_states, Backend, CacheConfig, CpuBackend, CpuPlan, Mask, Plan,
+    build_plan, build_plan_within, Backend, CacheConfig, CpuBackend, CpuPlan, Mask, Plan,
     PlanCache, PlanShape, TileShape,
 };
 
@@ -127,9 +127,15 @@ fn block_shape(block: &Bound<'_, PyAny>) -> PyResult<TileShape> {
     TileShape::new(q, kv).map_err(|e| PyValueError::new_err(format!("block: {e}")))
 }
 
+/// The partial masks a plan made without the cache keeps (64 blocks of 128 x 128): below it a
+/// bit table is cheaper to hand out than the data of a computed `mask_mod` (a few masks, one
+/// unique mask for a whole neighbourhood), above it the masks cost more than they save (a tree's
+/// hundreds of distinct sparse tiles).
+const KEEP_MASK_BYTES: usize = 128 << 10;
+
 /// Plans `mask` for `[batch, heads, q_len, kv_len]` at tile `block`: through the plan cache, or
-/// without it (`cache=False`) now whole (`masks=True`) or as its tile states, the bitmasks built
-/// on first need.
+/// without it (`cache=False`) now whole (`masks=True`) or whole while its partial masks are few
+/// (`KEEP_MASK_BYTES`), else as its tile states, the bitmasks built on first need.
 #[pyfunction]
 #[pyo3(signature = (mask, q_len, kv_len=None, heads=None, batch=None, block=None, cache=true, masks=true))]
 #[allow(clippy::too_many_arguments)]
@@ -166,7 +172,7 @@ pub fn plan(
             } else if masks {
                 build_plan(&m, shape, tile).map(|p| (Arc::new(p), "built"))
             } else {
-                build_tile_states(&m, shape, tile).map(|p| (Arc::new(p), "built"))
+                build_plan_within(&m, shape, tile, KEEP_MASK_BYTES).map(|p| (Arc::new(p), "built"))
             }
         })
         .map_err(to_py)?;

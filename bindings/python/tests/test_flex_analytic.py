@@ -191,19 +191,23 @@ def test_host_auto_builds_the_analytic_mask_mod_for_a_large_bit_table(monkeypatc
 
 
 def test_a_plan_of_tile_states_builds_its_bitmasks_on_first_need():
-    """``cache=False`` plans tile states first: the BlockMask with the analytic mask_mod needs no
-    bitmasks (none are built), a mask without an analytic form builds them for the bit table,
-    and so do the CPU kernels and ``stats``; every result equals the whole plan's."""
+    """``cache=False`` keeps a small table of partial masks (the bit-table mask_mod then), but
+    plans only tile states once the masks pass ``KEEP_MASK_BYTES`` (128 KiB): the BlockMask
+    with the analytic mask_mod needs no bitmasks (none are built), a mask without an analytic
+    form builds them for the bit table, and so do the CPU kernels and ``stats``; every result
+    equals the whole plan's."""
     g = np.random.default_rng(43)
-    lq = 333
+    small = tessera.plan(causal(-3).t & window(40, 0).t, q_len=333, block=32, cache=False)
+    assert small._p.has_masks and _captured_bits(small.to_flex_block_mask())
+    lq, block = 1500, 64  # 576 tiles of 512 B masks, most partial and distinct: > 128 KiB
     pre = g.permutation(lq).astype(np.int64)
-    scattered = band(pre, pre, -30, 17) | causal(-200)
+    scattered = band(pre, pre, -300, 170) | causal(-1200)
     no_form = scattered & dense(g.random((lq, lq)) < 0.8)
     for m, analytic in ((scattered, True), (no_form, False)):
         want = torch.from_numpy(np.array(np.broadcast_to(m.dense(1, 1, lq, lq), (1, 1, lq, lq))))
-        whole = tessera.plan(m.t, q_len=lq, block=32, cache=False)
-        whole.stats
-        plan = tessera.plan(m.t, q_len=lq, block=32, cache=False)
+        whole = tessera.plan(m.t, q_len=lq, block=block, cache=False)
+        assert whole.stats["unique_partial_masks"] * block * 8 > 128 << 10
+        plan = tessera.plan(m.t, q_len=lq, block=block, cache=False)
         assert not plan._p.has_masks
         np.testing.assert_array_equal(plan.states(), whole.states())
         assert plan.flops(64) == whole.flops(64)

@@ -28,7 +28,9 @@ use std::sync::{Arc, OnceLock};
 use tessera_core::{Error, Result};
 use tessera_export::{flex, splash, FlexArrays, SplashArrays};
 use tessera_mask::{parse, BlockSelection, DenseMask, Mask, Resolver, SegmentIds, Segments};
-use tessera_plan::{build_plan, build_tile_states, Plan, PlanShape, TileShape, TileState};
+use tessera_plan::{
+    build_plan, build_plan_within, build_tile_states, Plan, PlanShape, TileShape, TileState,
+};
 
 // ---------------------------------------------------------------------------------------------
 // Allocation tracking.
@@ -374,6 +376,14 @@ pub fn check_tile_states(plan: &Plan, mask: &Mask) {
     assert_eq!(states.check_consistent().is_err(), partial);
     if partial {
         assert!(flex::export_packed(&states).is_err() && splash::export(&states).is_err());
+    }
+    // Within a budget: the whole plan exactly when its table fits, else the tile states.
+    let table = plan.partials.data.len() * 8;
+    for limit in [table / 2, table] {
+        let w = build_plan_within(mask, plan.shape, plan.tile, limit).expect("plan within");
+        let want = if table <= limit { plan } else { &states };
+        assert_eq!(w.head_plans, want.head_plans, "plan within {limit}: lists");
+        assert_eq!(w.partials, want.partials, "plan within {limit}: masks");
     }
     if let (Ok((fa, ca)), Ok((fb, cb))) = (flex::export_coded(&states), flex::export_coded(plan)) {
         assert_eq!(fa, fb, "tile states: flex tables");

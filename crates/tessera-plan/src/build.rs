@@ -27,7 +27,7 @@ const ENTRY_BYTES: u128 = std::mem::size_of::<TileEntry>() as u128;
 /// (bounded by stage 1 before they are built) or partial-mask table would exceed the memory
 /// budget ([`tessera_core::budget`]).
 pub fn build_plan(mask: &Mask, shape: PlanShape, tile: TileShape) -> Result<Plan> {
-    build(mask, shape, tile, true)
+    build(mask, shape, tile, None)
 }
 
 /// The plan of `mask` for `shape` and `tile` without its partial tiles' bitmasks: tile states,
@@ -39,13 +39,27 @@ pub fn build_plan(mask: &Mask, shape: PlanShape, tile: TileShape) -> Result<Plan
 /// bitmasks refuses it ([`Plan::has_masks`]; [`Plan::check_consistent`] fails), and it must not
 /// be cached as the contract's plan.
 pub fn build_tile_states(mask: &Mask, shape: PlanShape, tile: TileShape) -> Result<Plan> {
-    build(mask, shape, tile, false)
+    build(mask, shape, tile, Some(0))
 }
 
-fn build(mask: &Mask, shape: PlanShape, tile: TileShape, masks: bool) -> Result<Plan> {
+/// [`build_plan`] while the partial masks take at most `mask_bytes`, else [`build_tile_states`]
+/// ([`Plan::has_masks`] says which): a caller that needs only tile states unless the masks are
+/// cheap (a small table is cheaper to hand out than anything computed from the mask) pays for
+/// at most `mask_bytes` of masks before they are dropped.
+pub fn build_plan_within(
+    mask: &Mask,
+    shape: PlanShape,
+    tile: TileShape,
+    mask_bytes: usize,
+) -> Result<Plan> {
+    build(mask, shape, tile, Some(mask_bytes))
+}
+
+/// The plan, with every partial mask (`keep` None) or while they take at most `keep` bytes.
+fn build(mask: &Mask, shape: PlanShape, tile: TileShape, keep: Option<usize>) -> Result<Plan> {
     let start = Instant::now();
     let (mut g, bg, hg) = checked(mask, shape, tile)?;
-    g.masks = masks;
+    g.masks = keep != Some(0);
     let what = || {
         format!(
             "plan for B={} H={} Lq={} Lkv={} tile {tile}",
@@ -70,6 +84,8 @@ fn build(mask: &Mask, shape: PlanShape, tile: TileShape, masks: bool) -> Result<
         table: &mut partials,
         dedup: &mut dedup,
         what: &what,
+        keep: keep.map(|b| b / 8),
+        masks: g.masks,
     };
     let mut head_plans: Vec<HeadPlan> = Vec::new();
     let mut by_key: HashMap<String, u32> = HashMap::new();
@@ -101,11 +117,12 @@ fn build(mask: &Mask, shape: PlanShape, tile: TileShape, masks: bool) -> Result<
                     let reach: u128 = visit.iter().map(|c| c.len() as u128).sum();
                     lists_bytes += offsets_bytes + 2 * ENTRY_BYTES * reach;
                     budget::check(what, lists_bytes)?;
-                    if masks && cx.table.data.is_empty() {
+                    if cx.masks && cx.table.data.is_empty() {
                         // Room for the partial masks the visited tiles may add (at most
-                        // RESERVE_TILES): growing the table by doubling copied it once more.
-                        // Untouched room costs address space only.
-                        let tiles = (reach as usize).min(RESERVE_TILES);
+                        // RESERVE_TILES, or what may be kept): growing the table by doubling
+                        // copied it once more. Untouched room costs address space only.
+                        let kept = cx.keep.map_or(usize::MAX, |w| w / (g.tq * g.wpr) + 1);
+                        let tiles = (reach as usize).min(RESERVE_TILES).min(kept);
                         cx.table.data.reserve(tiles * g.tq * g.wpr);
                         cx.dedup.reserve(tiles);
                     }
@@ -123,6 +140,7 @@ fn build(mask: &Mask, shape: PlanShape, tile: TileShape, masks: bool) -> Result<
         }
     }
 
+    let masks_kept = cx.masks;
     // Counts saturate: B·H·Lq·Lkv can exceed u64 for shapes whose plan is small.
     let groups = group_plan.len() as u64;
     let tiles = groups.saturating_mul((g.nq as u64).saturating_mul(g.nk as u64));
@@ -165,6 +183,16 @@ fn build(mask: &Mask, shape: PlanShape, tile: TileShape, masks: bool) -> Result<
         head_plans,
         partials,
     };
+    if !masks_kept {
+        plan.partials.data = Vec::new();
+        for hp in &mut plan.head_plans {
+            for e in hp.fwd.iter_mut().chain(hp.bwd.iter_mut()) {
+                if !e.is_full() {
+                    e.mask = 0;
+                }
+            }
+        }
+    }
     plan.stats.unique_partial_masks = plan.partials.len() as u64;
     plan.stats.plan_bytes = plan.heap_bytes();
     let elapsed = start.elapsed();
@@ -294,6 +322,10 @@ struct Refine<'a> {
     table: &'a mut PartialMasks,
     dedup: &'a mut PartialDedup,
     what: &'a dyn Fn() -> String,
+    /// The most table words kept (None: all); past it the masks are dropped.
+    keep: Option<usize>,
+    /// Whether partial masks are still being built (false once dropped, or never built).
+    masks: bool,
 }
 
 impl Refine<'_> {
@@ -346,11 +378,11 @@ impl Refine<'_> {
             }
         }
         // Stage 2: exact refinement at token level (without masks, the count decides).
-        let (n, hash) = match node.pairs(qt, kt, at).filter(|_| !g.masks) {
+        let (n, hash) = match node.pairs(qt, kt, at).filter(|_| !self.masks) {
             Some(n) => (n, 0),
             None => {
                 node.eval(g, qt, kt, &mut self.bits, &mut self.pool);
-                if g.masks {
+                if self.masks {
                     digest(g.level, &self.bits)
                 } else {
                     (self.bits.iter().map(|w| w.count_ones() as u64).sum(), 0)
@@ -361,10 +393,15 @@ impl Refine<'_> {
             None
         } else if n == rows * cols {
             Some((FULL_TILE, n))
-        } else if !g.masks {
+        } else if !self.masks {
             Some((0, n))
         } else {
             let id = self.dedup.intern(self.table, &self.bits, hash, self.what)?;
+            if self.keep.is_some_and(|words| self.table.data.len() > words) {
+                // Too many to keep: tile states from here on (the ids so far are reset at
+                // the end of the build).
+                self.masks = false;
+            }
             Some((id, n))
         };
         if keyed && self.memo.len() < MEMO_TILES {

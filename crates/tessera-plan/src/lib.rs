@@ -33,7 +33,7 @@ mod plan;
 mod shape;
 pub mod shard;
 
-pub use build::{build_plan, build_tile_states, stage1_census};
+pub use build::{build_plan, build_plan_within, build_tile_states, stage1_census};
 pub use contract::{contract_key, contract_key_of_canonical, ContractKey, PLAN_FORMAT_VERSION};
 pub use plan::{HeadPlan, PartialMasks, Plan, PlanStats, TileEntry, TileState, FULL_TILE};
 pub use shape::{PlanShape, TileShape};

@@ -9,7 +9,9 @@ use rand::{Rng, SeedableRng};
 use tessera_mask::{
     BandFeatures, BlockSelection, DenseMask, Mask, SegmentIds, Segments, MAX_TREE_DEPTH,
 };
-use tessera_plan::{build_plan, build_tile_states, Plan, PlanShape, TileShape, TileState};
+use tessera_plan::{
+    build_plan, build_plan_within, build_tile_states, Plan, PlanShape, TileShape, TileState,
+};
 
 #[path = "common/tree.rs"]
 mod tree;
@@ -367,6 +369,14 @@ fn check_tile_states(mask: &Mask, plan: &Plan) -> Result<(), TestCaseError> {
     let partial = plan.stats.partial_tiles > 0;
     prop_assert_eq!(states.has_masks(), !partial);
     prop_assert_eq!(states.check_consistent().is_err(), partial);
+    // Within a budget: the whole plan exactly when its table fits, else the tile states.
+    let table = plan.partials.data.len() * 8;
+    for limit in [0, table / 2, table.saturating_sub(1), table, 1 << 40] {
+        let w = build_plan_within(mask, plan.shape, plan.tile, limit).unwrap();
+        let want = if table <= limit { plan } else { &states };
+        prop_assert_eq!(&w.head_plans, &want.head_plans, "within {}", limit);
+        prop_assert_eq!(&w.partials, &want.partials, "within {}", limit);
+    }
     Ok(())
 }
 

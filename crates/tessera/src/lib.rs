@@ -62,6 +62,6 @@ pub use tessera_cache::{CacheConfig, CacheWarning, Lookup, PlanCache, PlanSource
 pub use tessera_core::{DType, Error, Result, Tensor, TensorData};
 pub use tessera_mask::{parse, BlockSelection, DenseMask, Mask, SegmentIds, Segments};
 pub use tessera_plan::{
-    build_plan, build_tile_states, shard, CostModel, KvLayout, Plan, PlanShape, PlanStats,
-    RankCost, Scheme, Sharding, TileShape, TileState,
+    build_plan, build_plan_within, build_tile_states, shard, CostModel, KvLayout, Plan, PlanShape,
+    PlanStats, RankCost, Scheme, Sharding, TileShape, TileState,
 };

@@ -215,10 +215,11 @@ def plan(
     rows, dense mask dims, ``heads(...)`` count), else 1. Plans come from the plan cache (memory,
     then disk) unless ``cache=False``; planning releases the GIL.
 
-    With ``cache=False`` the plan is built as its tile states first (work lists, counts, exact
-    states): the partial tiles' bitmasks are built on first need (the CPU kernels, Splash
-    ``MaskInfo``, sharding, ``stats``, a bit-table ``mask_mod``), so a FlexAttention
-    ``BlockMask`` with a computed ``mask_mod`` never pays for them."""
+    With ``cache=False`` the plan keeps its partial tiles' bitmasks while they are few (up to
+    128 KiB); past that it is built as its tile states (work lists, counts, exact states) and
+    the bitmasks are built on first need (the CPU kernels, Splash ``MaskInfo``, sharding,
+    ``stats``, a bit-table ``mask_mod``), so a FlexAttention ``BlockMask`` with a computed
+    ``mask_mod`` never pays for them."""
     return _plan(mask, q_len, kv_len, heads, batch, block, cache, masks=False)
 
 
