@@ -27,8 +27,8 @@ pub fn cache() -> &'static PlanCache {
 /// kernels walk.
 #[pyclass(name = "Plan", module = "tessera._tessera", frozen)]
 pub struct PyPlan {
-    /// The plan as built: whole, or its tile states only (planned without the plan cache),
-    /// whose partial bitmasks [`PyPlan::whole`] builds on first need.
+    /// The plan as built: whole, or its tile states only (planned without the plan cache, its
+    /// masks past `KEEP_MASK_BYTES`), whose bitmasks [`PyPlan::whole`] builds on first need.
     tiles: Arc<Plan>,
     /// The whole plan of a tile-states `tiles`, once something read the bitmasks.
     built: OnceLock<Arc<Plan>>,
@@ -273,8 +273,8 @@ impl PyPlan {
         py.detach(|| tessera::viz::write_plan_png(&plan, batch, head, &title, &path))
             .map_err(to_py)
     }
-    /// Whether the partial tiles' bitmasks are built (a plan made without the plan cache has
-    /// its tile states first; whatever reads the bitmasks builds them).
+    /// Whether the partial tiles' bitmasks are built (a plan made without the plan cache may
+    /// have its tile states only; whatever reads the bitmasks builds them).
     #[getter]
     fn has_masks(&self) -> bool {
         self.tiles.has_masks() || self.built.get().is_some()
