@@ -442,7 +442,8 @@ impl PyPlan {
     /// - nine int32 arrays, flat: `kv_num_blocks`, `kv_indices`, `full_kv_num_blocks`,
     ///   `full_kv_indices`, `q_num_blocks`, `q_indices`, `full_q_num_blocks`, `full_q_indices`
     ///   (shapes as in `_flex_arrays`), then `[B', H', nq, nk]` block codes: 0 for an empty
-    ///   tile, 1 for a full one, `2 + i` for partial block `i`;
+    ///   tile, 1 for a full one, `2 + i` for partial block `i` (empty with `bits=False`, for a
+    ///   `mask_mod` that reads neither);
     /// - int64 `[capacity, tq, ceil(tk / 64)]` packed bit rows per code (bit `c % 64` of word
     ///   `c / 64`): code 0 all clear, code 1 all set, then the plan's partial blocks, zero past
     ///   them. `capacity` is the next power of two of at least the codes used and of
@@ -471,7 +472,7 @@ impl PyPlan {
             .detach(|| match lead {
                 Some(lead) => tessera::export::flex::export_coded_after(&plan, lead)
                     .map(|(f, c, b)| (f, c, Some(b))),
-                None => tessera::export::flex::export_coded(&plan).map(|(f, c)| (f, c, None)),
+                None => tessera::export::flex::export_tables(&plan).map(|f| (f, Vec::new(), None)),
             })
             .map_err(to_py)?;
         let (bg, hg) = f.groups;

@@ -72,7 +72,7 @@ fn ordered_row(active: &[u32], n: usize, out: &mut Vec<i32>) {
 
 /// FlexAttention `BlockMask` tensors of `plan`.
 pub fn export(plan: &Plan) -> Result<FlexArrays> {
-    Ok(export_impl(plan, BlockOutput::Bools, false)?.0)
+    Ok(export_impl(plan, BlockOutput::Bools, Cells::States)?.0)
 }
 
 /// [`export`] with the partial-block contents as packed bit rows instead of `mask_blocks`
@@ -80,7 +80,7 @@ pub fn export(plan: &Plan) -> Result<FlexArrays> {
 /// when (query `r`, key `c`) of the block is allowed. A `mask_mod` can read these directly (no
 /// `n·tile.q·tile.kv` bool array is built; the live export path of the Python bindings).
 pub fn export_packed(plan: &Plan) -> Result<(FlexArrays, Vec<u64>)> {
-    let (a, _, mut packed) = export_impl(plan, BlockOutput::Packed(Vec::new()), false)?;
+    let (a, _, mut packed) = export_impl(plan, BlockOutput::Packed(Vec::new()), Cells::States)?;
     if packed.is_empty() {
         packed = vec![0; plan.tile.q * plan.partials.words_per_row];
     }
@@ -94,7 +94,7 @@ pub fn export_packed(plan: &Plan) -> Result<(FlexArrays, Vec<u64>)> {
 /// empty, 1 full, `2 + i` partial with block `i` (counted from the first appended block): what a
 /// bit-table `mask_mod` indexes, built in the same pass.
 pub fn export_coded_after(plan: &Plan, lead: Vec<u64>) -> Result<(FlexArrays, Vec<i32>, Vec<u64>)> {
-    let (a, codes, packed) = export_impl(plan, BlockOutput::Packed(lead), true)?;
+    let (a, codes, packed) = export_impl(plan, BlockOutput::Packed(lead), Cells::Codes)?;
     Ok((a, codes, packed))
 }
 
@@ -102,8 +102,14 @@ pub fn export_coded_after(plan: &Plan, lead: Vec<u64>) -> Result<(FlexArrays, Ve
 /// `mask_mod` that does not read the bits (one generated from the mask expression). Also for a
 /// plan of tile states only (`build_tile_states`), whose partial tiles share one code.
 pub fn export_coded(plan: &Plan) -> Result<(FlexArrays, Vec<i32>)> {
-    let (a, codes, _) = export_impl(plan, BlockOutput::Skip, true)?;
+    let (a, codes, _) = export_impl(plan, BlockOutput::Skip, Cells::Codes)?;
     Ok((a, codes))
+}
+
+/// The eight `BlockMask` tables alone (no per-cell states, block ids or codes, no blocks): what
+/// a `mask_mod` computed from the mask needs on the host. Any plan, tile states only included.
+pub fn export_tables(plan: &Plan) -> Result<FlexArrays> {
+    Ok(export_impl(plan, BlockOutput::Skip, Cells::Neither)?.0)
 }
 
 /// The active tiles of a plan in row-major order over `[B', H', nq, nk]`, O(active tiles): what
@@ -259,12 +265,23 @@ enum BlockOutput {
     Skip,
 }
 
-/// The arrays with the partial blocks' contents as `blocks` says, and the tile codes of
-/// [`export_coded_after`] instead of the states and block ids (`codes`).
+/// What [`export_impl`] writes per `[B', H', nq, nk]` cell.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Cells {
+    /// `mask_tile_states` and `mask_block_ids`.
+    States,
+    /// The tile codes of [`export_coded_after`] (returned).
+    Codes,
+    /// Nothing: the eight tables alone.
+    Neither,
+}
+
+/// The arrays with the partial blocks' contents as `blocks` says, and per cell what `cells`
+/// says.
 fn export_impl(
     plan: &Plan,
     blocks: BlockOutput,
-    codes: bool,
+    cells_out: Cells,
 ) -> Result<(FlexArrays, Vec<i32>, Vec<u64>)> {
     let bools = matches!(blocks, BlockOutput::Bools);
     if !matches!(blocks, BlockOutput::Skip) {
@@ -284,7 +301,11 @@ fn export_impl(
     }
     let cells = g * nq * nk;
     // Index rows are appended whole; the per-cell tables are written where a tile is.
-    let (per_cell, code_cells) = if codes { (0, cells) } else { (cells, 0) };
+    let (per_cell, code_cells) = match cells_out {
+        Cells::States => (cells, 0),
+        Cells::Codes => (0, cells),
+        Cells::Neither => (0, 0),
+    };
     let mut a = FlexArrays {
         shape: [
             plan.shape.batch,
@@ -330,13 +351,14 @@ fn export_impl(
             } else {
                 part.push(tile);
             }
-            if codes {
-                code[cell] = if id < 0 { 1 } else { id.saturating_add(2) };
-            } else if id < 0 {
-                a.mask_tile_states[cell] = 2;
-            } else {
-                a.mask_tile_states[cell] = 1;
-                a.mask_block_ids[cell] = id;
+            match cells_out {
+                Cells::Codes => code[cell] = if id < 0 { 1 } else { id.saturating_add(2) },
+                Cells::States if id < 0 => a.mask_tile_states[cell] = 2,
+                Cells::States => {
+                    a.mask_tile_states[cell] = 1;
+                    a.mask_block_ids[cell] = id;
+                }
+                Cells::Neither => {}
             }
         }
         let r = gi * nq + qt;

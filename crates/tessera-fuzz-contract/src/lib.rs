@@ -389,6 +389,12 @@ pub fn check_tile_states(plan: &Plan, mask: &Mask) {
         assert_eq!(fa, fb, "tile states: flex tables");
         let kinds = |c: &[i32]| -> Vec<i32> { c.iter().map(|&x| x.min(2)).collect() };
         assert_eq!(kinds(&ca), kinds(&cb), "tile states: flex codes");
+        // The tables alone are the same tables.
+        assert_eq!(
+            flex::export_tables(&states).ok(),
+            Some(fa),
+            "tile states: tables alone"
+        );
     }
 }
 

@@ -192,15 +192,14 @@ def host_block_mask(plan: "Plan", mask_mod: str):
     from . import flex_mask
 
     prog, bufs, _ = _analytic(plan, mask_mod)
-    # The analytic mask_mod reads no bits: the blocks are not copied.
+    # The analytic mask_mod reads no bits: neither the blocks nor the tile codes are exported.
     arrays, bits, (bg, hg, nq, nk, tq, tk, lq, lkv) = plan._p._flex_tables(2, 1 << 14, prog is None)
     shapes = ((bg, hg, nq), (bg, hg, nq, nk)) * 2 + ((bg, hg, nk), (bg, hg, nk, nq)) * 2
-    shapes += ((bg, hg, nq, nk),)
     tables = [torch.from_numpy(a.reshape(s)) for a, s in zip(arrays, shapes)]
-    codes = tables.pop()
     if prog is not None:
         fn = flex_mask.make_mask_mod(prog, _host_tensors(bufs))
     else:
+        codes = torch.from_numpy(arrays[8].reshape(bg, hg, nq, nk))
         fn = _bits_mask_mod(codes, torch.from_numpy(bits), bg, hg, tq, tk)
     return BlockMask((lq, lkv), *tables, BLOCK_SIZE=(tq, tk), mask_mod=fn)
 
