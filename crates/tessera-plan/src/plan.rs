@@ -3,7 +3,9 @@
 //! Contract: a plan is plain data (serde-serializable) that kernels and exporters read without
 //! knowing the mask. A tile absent from a row's work list is Empty. Memory is proportional to
 //! active tiles plus unique partial tiles; a dense `[nq, nk]` state grid is only materialized on
-//! request ([`Plan::states`]).
+//! request ([`Plan::states`]). A plan of tile states only (`build_tile_states`) has the same
+//! lists and counts without the partial bitmasks; whatever reads them refuses it
+//! ([`Plan::has_masks`]).
 
 use crate::contract::ContractKey;
 use crate::shape::{PlanShape, TileShape};
