@@ -158,13 +158,8 @@ fn document_bounds(s: &Segments) -> Option<(usize, Vec<i32>, Vec<i32>)> {
 
 /// `(min, max)` over both features of a band ((0, 0) when empty).
 fn feature_span(f: &BandFeatures) -> (i64, i64) {
-    f.q.ids()
-        .iter()
-        .chain(f.kv.ids())
-        .fold(None, |acc: Option<(i64, i64)>, &v| {
-            Some(acc.map_or((v, v), |(a, b)| (a.min(v), b.max(v))))
-        })
-        .unwrap_or((0, 0))
+    let values = || f.q.ids().iter().chain(f.kv.ids()).copied();
+    (values().min().unwrap_or(0), values().max().unwrap_or(0))
 }
 
 /// One node of [`PyMask::_tree`]; depth is bounded by the caller's check.

@@ -12,11 +12,11 @@
 //! against the q tiles. Full is proved from per-tile interval bounds. Stage 2 takes, per
 //! kv-tile column, the cheaper of two exact paths: walking the runs of the column's keys again
 //! (work proportional to the pairs they allow: the sparse tiles of a tree), recorded per partial
-//! tile as bit positions; or comparing each row's value against the tile's intervals in SIMD
+//! tile as bit positions (a plan without masks keeps the first walk's counts instead); or
+//! comparing each row's value against the tile's intervals in SIMD
 //! ([`super::simd::tile_in_intervals32`]) as u32 offsets where the tile's span fits, else one
-//! key at a time. Everything is exact in i64:
-//! an interval end past i64 stands for no bound or for an empty interval (never a wrapped
-//! value), so features near the ends of i64 do not wrap.
+//! key at a time. Everything is exact in i64: an interval end past i64 stands for no bound or
+//! for an empty interval (never a wrapped value), so features near the ends of i64 do not wrap.
 
 use super::geom::Geom;
 use super::simd;
@@ -50,11 +50,10 @@ pub(crate) struct IntervalLeaf<'a> {
     /// entry of `list` in such a column that is not Full, its allowed pairs as bit positions
     /// in the tile (`row * 64 * wpr + column`) at `bitpos[a..b]`, `(a, b) = walked[entry]`.
     /// Without masks (`Geom::masks` false) only the counts are kept: `b - a` pairs, no
-    /// positions (`lists` false).
+    /// positions.
     walked: Vec<(u32, u32)>,
     by_runs: Vec<bool>,
     bitpos: Vec<u32>,
-    lists: bool,
     pub(super) q_reach: Vec<Option<(usize, usize)>>,
     /// Stage 2's rows to compare: (row, value - base).
     scratch: std::cell::RefCell<Vec<(u32, u32)>>,
@@ -287,7 +286,6 @@ impl<'a> IntervalLeaf<'a> {
             walked: Vec::new(),
             by_runs: vec![false; g.nk],
             bitpos: Vec::new(),
-            lists: g.masks,
             q_reach: Vec::new(),
             scratch: Default::default(),
         };
@@ -460,8 +458,8 @@ impl<'a> IntervalLeaf<'a> {
 
     /// The allowed pairs of tile (`qt`, `kt`) as bit positions (`row * 64 * wpr + column`, each
     /// once) when stage 1 listed them (a partial tile of a walked column, in a plan with masks).
-    pub(super) fn listed(&self, qt: usize, kt: usize) -> Option<&[u32]> {
-        let (a, b) = self.walked(qt, kt, None).filter(|_| self.lists)?;
+    pub(super) fn listed(&self, g: &Geom, qt: usize, kt: usize) -> Option<&[u32]> {
+        let (a, b) = self.walked(qt, kt, None).filter(|_| g.masks)?;
         Some(&self.bitpos[a as usize..b as usize])
     }
 
@@ -475,7 +473,7 @@ impl<'a> IntervalLeaf<'a> {
     pub(super) fn write(&self, g: &Geom, qt: usize, kt: usize, out: &mut [u64]) {
         // A partial tile of a walked column has its pairs listed; any other tile (Full, or off
         // the list) is compared below.
-        if let Some(pos) = self.listed(qt, kt) {
+        if let Some(pos) = self.listed(g, qt, kt) {
             for &p in pos {
                 out[p as usize / 64] |= 1 << (p % 64);
             }
