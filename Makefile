@@ -20,13 +20,15 @@ test-python: python-package
 
 # The package, built from this checkout into the venv (maturin from the venv: no build isolation).
 python-package: $(VENV)/.deps
-	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m pip install -q --no-build-isolation ./bindings/python
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m pip install -q --no-cache-dir --no-build-isolation ./bindings/python
 
-# Re-run when this file changes (a new test dependency reaches existing venvs too).
+# Re-run when this file changes (a new test dependency reaches existing venvs too). No pip cache:
+# torch's wheels with their CUDA libraries are ~4 GB, and a cached copy beside the installed one
+# filled a CI machine's disk.
 $(VENV)/.deps: Makefile
 	python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q $(PY_DEPS)
+	$(PY) -m pip install -q --no-cache-dir --upgrade pip
+	$(PY) -m pip install -q --no-cache-dir $(PY_DEPS)
 	touch $@
 
 demo:
