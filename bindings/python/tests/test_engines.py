@@ -57,32 +57,45 @@ def test_auto_priority_on_a_faked_gpu(gpu, rng):
     assert sel.select("auto", inputs(doc)) == "flex_flash"
     rec = tt.last_dispatch()
     assert rec["engine"] == "flex_flash" and rec["skipped"] == {} and rec["requested"] == "auto"
-    # 64x64 tiles on Hopper: FLASH declines, varlen takes the causal documents
-    assert sel.select("auto", inputs(doc64)) == "varlen"
+    # 64x64 tiles on Hopper: FLASH declines, the Triton kernel runs (varlen, slower on an H200,
+    # is not on auto's list even for causal documents it could run)
+    assert sel.select("auto", inputs(doc64)) == "flex"
+    assert list(tt.last_dispatch()["skipped"]) == ["flex_flash"]
     assert "128x128" in " ".join(tt.last_dispatch()["skipped"]["flex_flash"])
-    # not documents: the Triton kernel, both others skipped with their reasons
     assert sel.select("auto", inputs(win)) == "flex"
-    sk = tt.last_dispatch()["skipped"]
-    assert "not exactly causal & document" in " ".join(sk["varlen"]) and "flex_flash" in sk
     # Blackwell takes any tile; Ampere none; no flash_attn.cute: said so
     gpu["cap"] = (10, 0)
     assert sel.select("auto", inputs(doc64)) == "flex_flash"
     gpu["cap"] = (8, 0)
-    assert sel.select("auto", inputs(doc)) == "varlen"
+    assert sel.select("auto", inputs(doc)) == "flex"
     assert "sm80" in " ".join(tt.last_dispatch()["skipped"]["flex_flash"])
     gpu["cap"], gpu["flash"] = (9, 0), False
-    assert sel.select("auto", inputs(doc)) == "varlen"
-    assert "not importable" in " ".join(tt.last_dispatch()["skipped"]["flex_flash"])
-    gpu["varlen"] = False
     assert sel.select("auto", inputs(doc)) == "flex"
-    assert tt.last_dispatch()["skipped"]["varlen"] == ["no varlen_attn"]
+    assert "not importable" in " ".join(tt.last_dispatch()["skipped"]["flex_flash"])
+    # varlen by name: chosen when it can run, recorded as requested
+    assert sel.select("varlen", inputs(doc)) == "varlen"
+    assert tt.last_dispatch()["requested"] == "varlen"
+    gpu["varlen"] = False
+    with pytest.raises(RuntimeError, match="engine='varlen'.*no varlen_attn"):
+        sel.select("varlen", inputs(doc))
+
+
+def _varlen_why(i) -> str:
+    """varlen's reasons for ``i``, checked to be what naming it raises with."""
+    why = sel.REASONS["varlen"](i)
+    if why:
+        with pytest.raises(RuntimeError, match="engine='varlen' cannot run"):
+            sel.select("varlen", i)
+    else:
+        assert sel.select("varlen", i) == "varlen"
+    return " ".join(why)
 
 
 def test_varlen_declines_what_it_cannot_do_exactly(gpu, rng):
     gpu["flash"] = False
     ids = contiguous_docs(rng, 1, 300)
     doc = tessera.plan(tessera.causal() & tessera.document(ids), q_len=300, heads=2, block=64)
-    assert sel.select("auto", inputs(doc)) == "varlen"
+    assert _varlen_why(inputs(doc)) == ""
     cases = {
         "softcap": inputs(doc, softcap=30.0),
         "telemetry": inputs(doc, logging=True),
@@ -90,20 +103,18 @@ def test_varlen_declines_what_it_cannot_do_exactly(gpu, rng):
         "bfloat16 or float16": inputs(doc, dtype=torch.float32),
     }
     for word, i in cases.items():
-        assert sel.select("auto", i) == "flex", word
-        assert word in " ".join(tt.last_dispatch()["skipped"]["varlen"]), word
+        assert word in _varlen_why(i), word
     # sinks without gradients are exact from the LSE: accepted
-    assert sel.select("auto", inputs(doc, sinks=torch.zeros(2, device="meta"))) == "varlen"
-    assert sel.select("auto", inputs(doc, hkv=1, scale=0.3)) == "varlen"
+    assert _varlen_why(inputs(doc, sinks=torch.zeros(2, device="meta"))) == ""
+    assert _varlen_why(inputs(doc, hkv=1, scale=0.3)) == ""
     # torch 2.10's varlen_attn (is_causal, return_aux; no scale, no enable_gqa): only what it can do
     gpu["params"] = frozenset({"is_causal", "return_aux"})
-    assert sel.select("auto", inputs(doc)) == "varlen"
+    assert _varlen_why(inputs(doc)) == ""
     for i, word in ((inputs(doc, hkv=1), "enable_gqa"), (inputs(doc, scale=0.3), "no scale")):
-        assert sel.select("auto", i) == "flex", word
-        assert word in " ".join(tt.last_dispatch()["skipped"]["varlen"]), word
+        assert word in _varlen_why(i), word
     gpu["params"] = frozenset({"scale"})
-    assert sel.select("auto", inputs(doc)) == "flex"
-    assert "neither window_size nor is_causal" in " ".join(tt.last_dispatch()["skipped"]["varlen"])
+    assert "neither window_size nor is_causal" in _varlen_why(inputs(doc))
+    gpu["params"] = frozenset({"return_aux", "scale", "window_size", "enable_gqa"})
     padded = ids.copy()
     padded[:, -20:] = -1  # padding at the tail
     for mask, word in (
@@ -114,8 +125,8 @@ def test_varlen_declines_what_it_cannot_do_exactly(gpu, rng):
          "two runs"),
     ):
         p = tessera.plan(mask, q_len=300, block=64)
+        assert word in _varlen_why(inputs(p)), word
         assert sel.select("auto", inputs(p)) == "flex"
-        assert word in " ".join(tt.last_dispatch()["skipped"]["varlen"]), word
 
 
 def test_named_engines_and_bad_names(rng):
@@ -179,3 +190,19 @@ def test_flash_backend_reaches_flex_attention_kernel_options(monkeypatch):
         _flex.attention(q, q, q, plan, scale=0.25, softcap=None, sinks=None, return_lse=False,
                         telemetry=None, layer=0, backend="FLASH")
     assert seen == [{"BACKEND": "FLASH"}] and _flex._BACKEND is None
+
+
+def test_autocast_runs_mixed_inputs_in_its_dtype():
+    """Under torch.autocast the op casts q, k, v to the autocast dtype (as SDPA does): float32
+    rotary q/k beside a bfloat16 v run in bfloat16, equal to casting them by hand; outside
+    autocast mixed dtypes are refused naming the arguments."""
+    plan = tessera.plan(tessera.causal(), q_len=128, heads=2, block=64)
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(1, 2, 128, 16, generator=g) for _ in range(2))
+    v = torch.randn(1, 2, 128, 16, generator=g).bfloat16()
+    with pytest.raises(TypeError, match="k, v"):
+        tt.attention(q, k, v, plan)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        o = tt.attention(q, k, v, plan)
+    assert o.dtype == torch.bfloat16
+    assert torch.equal(o, tt.attention(q.bfloat16(), k.bfloat16(), v, plan))

@@ -104,24 +104,41 @@ def _analytic(plan: "Plan", mask_mod: str):
     return prog, bufs, reason
 
 
+def _tables(grid):
+    """The eight ``BlockMask`` tables of the tile-code grid ``[B', H', nq, nk]`` (0 empty, 1 full,
+    2+ partial) in a few device ops: the partial and full levels (and, for the q side, their
+    transposes) stacked into one tensor and ordered at once by :func:`_ordered`. On a GPU the
+    launches, not the data, cost at these sizes: ordering each table apart took ~50 of them,
+    1.0-1.4 ms on an H200."""
+    lv = torch.stack((grid >= 2, grid == 1))  # [2, B', H', nq, nk]: partial, full
+    sides = (lv, lv.transpose(-1, -2))
+    if lv.shape[-1] == lv.shape[-2]:  # square: the kv and q sides in one tensor
+        sides = (torch.cat(sides),)
+    out = []
+    for m in sides:
+        num, idx = _ordered(m)
+        out += [t for i in range(m.shape[0]) for t in (num[i], idx[i])]
+    return out
+
+
 def _ordered(m):
     """``(count, indices)`` of the true entries along the last dim of bool ``m``, as
     ``argsort(m, descending=True, stable=True)`` orders them (true ascending, then the rest
     ascending), with a cumulative sum and one scatter: no sort, no host sync."""
     n = m.shape[-1]
     c = m.to(torch.int32).cumsum(-1, dtype=torch.int32)
-    num = c[..., -1].contiguous()
+    num = c[..., -1]
     ar = torch.arange(n, dtype=torch.int32, device=m.device)
-    pos = torch.where(m, c - 1, num.unsqueeze(-1) + ar - c)
+    pos = torch.where(m, c - 1, (num.unsqueeze(-1) - c) + ar)
     idx = torch.empty(m.shape, dtype=torch.int32, device=m.device)
     idx.scatter_(-1, pos.long(), ar.expand(m.shape))
-    return num, idx
+    return num.contiguous(), idx
 
 
 def block_mask_from_compact(c: CompactMask, device: Any = "cpu", non_blocking: bool = False):
     """The ``BlockMask`` of ``c`` on ``device``: at most two host-to-device copies (``non_blocking``
     from pinned memory), then every table expanded by device ops (a scatter of the tile codes
-    into the ``[B', H', nq, nk]`` grid; per table a cumulative sum and a scatter)."""
+    into the ``[B', H', nq, nk]`` grid, then :func:`_tables`)."""
     from torch.nn.attention.flex_attention import BlockMask
 
     from . import flex_mask
@@ -132,12 +149,7 @@ def block_mask_from_compact(c: CompactMask, device: Any = "cpu", non_blocking: b
     grid = torch.zeros(bg * hg * nq * nk, dtype=torch.int32, device=dev)
     grid.scatter_(0, cells.long(), codes)
     grid = grid.view(bg, hg, nq, nk)
-    partial, full = grid >= 2, grid == 1
-    tables = []
-    for m in (partial, full):
-        tables += _ordered(m)
-    for m in (partial, full):
-        tables += _ordered(m.transpose(-1, -2))
+    tables = _tables(grid)
     if c.prog is not None:
         mask_mod = flex_mask.make_mask_mod(c.prog, bufs)
     else:
@@ -264,15 +276,16 @@ def to_flex_block_mask(plan: "Plan", device: Any = "cpu", mask_mod: str = "auto"
     return bm
 
 
-def prepare(plan: "Plan", device: Any) -> None:
+def prepare(plan: "Plan", device: Any, sequences: bool = False) -> None:
     """What engine selection asks about ``plan`` on ``device``, read now (outside any compiled
-    step): the capability probes, whether the plan is plain causal documents, and then its
-    sequence boundaries on the device (for ``varlen_attn``)."""
+    step): the capability probes, and with ``sequences`` whether the plan is plain causal
+    documents and then its sequence boundaries on the device (what the ``varlen`` engine reads;
+    ``auto`` does not pick it, so the BlockMask build skips this)."""
     from . import flex_mask, probes
 
     dev = torch.device(device)
     if dev.type == "cpu" or plan._p is None or plan._p.mask is None:
         return
     probes.warm(dev)
-    if flex_mask.causal_documents(plan)[0] is not None:
+    if sequences and flex_mask.causal_documents(plan)[0] is not None:
         flex_mask.cu_seqlens(plan, plan.shape[0], dev)

@@ -4,15 +4,19 @@ fixed priority list and takes the first engine with none. The choice and every s
 reasons are kept as a readable record (:func:`last_dispatch`).
 
 Priority for tensors on a GPU: ``flex_flash`` (FlexAttention's FlashAttention-4 backend), then
-``varlen`` (``torch.nn.attention.varlen.varlen_attn``: packed causal documents from
-``cu_seqlens``, no mask), then ``flex`` (FlexAttention's Triton kernel). For CPU tensors:
-``tessera`` (Tessera's CPU kernels). Every engine keeps SPEC §4 exactly or declines.
+``flex`` (FlexAttention's Triton kernel over the plan's BlockMask, with the analytic
+``mask_mod``). ``varlen`` (``torch.nn.attention.varlen.varlen_attn``: packed causal documents
+from ``cu_seqlens``, no mask) runs when named: measured on an H200 (torch 2.11, doc-causal,
+H = 16, D = 128, bf16, fwd+bwd), it took 1.17x the flex engine's time at 8K tokens and 1.21x at
+32K (BENCHMARKS.md, session 18), so ``auto`` does not pick it. For CPU tensors: ``tessera``
+(Tessera's CPU kernels). Every engine keeps SPEC §4 exactly or declines.
 
 Capability probes (``tessera.core.probes``) are called through this module's names
 (:func:`flash_importable`, :func:`varlen_importable`, :func:`device_capability`), so tests fake a
 device by replacing them here. Everything selection reads inside a compiled step is kept eagerly
-first (probes, the plan's document verdict and sequence boundaries: ``plan.to_flex_block_mask``
-does it), and is a small value, so that new plans of the same kind reuse the graph.
+first (the probes: ``plan.to_flex_block_mask`` reads them; for a named ``varlen``, the plan's
+document verdict and sequence boundaries: ``PlanPrefetcher`` or one eager call keeps them), and
+is a small value, so that new plans of the same kind reuse the graph.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from ..core.flex_mask import causal_documents, kept_cu_seqlens
 from ..core.probes import device_capability, flash_importable, varlen_importable, varlen_params, warm  # noqa: F401
 
 ENGINES = ("auto", "tessera", "flex", "flex_flash", "varlen")
-GPU_PRIORITY = ("flex_flash", "varlen", "flex")
+GPU_PRIORITY = ("flex_flash", "flex")
 CPU_PRIORITY = ("tessera",)
 
 _LAST: Dict[str, Any] = {}
@@ -132,14 +136,14 @@ def _varlen_reasons(i: Inputs) -> List[str]:
     if verdict is None:
         if torch.compiler.is_compiling():
             verdict = ("the plan's documents were not read before the compiled step "
-                       "(call plan.to_flex_block_mask(device) first)")
+                       "(make the plan through PlanPrefetcher, or run one eager call with engine='varlen')")
         else:
             verdict = causal_documents(i.plan)[1]
     if verdict:
         r.append(verdict)
     elif torch.compiler.is_compiling() and not kept_cu_seqlens(i.plan, i.q.shape[0], i.q.device):
         r.append("the plan's sequence boundaries were not built before the compiled step "
-                 "(call plan.to_flex_block_mask(device) first)")
+                 "(make the plan through PlanPrefetcher, or run one eager call with engine='varlen')")
     return r
 
 

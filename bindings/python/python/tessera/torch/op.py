@@ -102,6 +102,21 @@ def _check(q: Tensor, k: Tensor, v: Tensor, plan: Any, sinks: Optional[Tensor], 
             raise ValueError(f"sinks: tensor on {sinks.device}; expected one on {q.device if flex else 'cpu'}")
 
 
+def _autocast(q: Any, k: Any, v: Any) -> Tuple[Any, Any, Any]:
+    """q, k, v in the autocast dtype of q's device while autocast is on there (else unchanged)."""
+    if not all(isinstance(t, Tensor) for t in (q, k, v)):
+        return q, k, v
+    dev = q.device.type
+    try:
+        on = torch.is_autocast_enabled(dev)
+    except RuntimeError:  # a device type without autocast (meta)
+        return q, k, v
+    if not on:
+        return q, k, v
+    dt = torch.get_autocast_dtype(dev)
+    return q.to(dt), k.to(dt), v.to(dt)
+
+
 def _scale_softcap(q: Tensor, scale: Any, softcap: Any) -> Tuple[float, Optional[float]]:
     """The checked scale (default ``1/sqrt(Dqk)``) and softcap: finite and positive."""
     if scale is None:
@@ -142,20 +157,25 @@ def attention(
 
     ``engine``: ``"auto"`` runs Tessera's kernels on CPU tensors; on a GPU the first engine of
     ``flex_flash`` (FlexAttention's FlashAttention-4 backend: ``flash_attn.cute`` importable,
-    Hopper or Blackwell, 128x128 plan tiles on Hopper, bf16/fp16, no telemetry step), ``varlen``
-    (``varlen_attn``: the plan is exactly causal documents, contiguous and unpadded; no softcap,
-    no telemetry step; sinks or a differentiable LSE only without gradients) and ``flex``
+    Hopper or Blackwell, 128x128 plan tiles on Hopper, bf16/fp16, no telemetry step) and ``flex``
     (FlexAttention's Triton kernel over the plan's BlockMask, see ``tessera.engines.flex``) that
-    can run the call exactly. Each name forces that engine: ``"flex"`` on CPU tensors is forward
-    only (FlexAttention has no CPU backward), ``"tessera"`` runs Tessera's CPU kernels, and
-    ``"flex_flash"`` / ``"varlen"`` raise ``RuntimeError`` with the reasons when they cannot run
-    the call. :func:`last_dispatch` says which engine ran and why the others were skipped. On the
-    GPU engines float16 is accepted too; sink values are not checked (that would read them on
-    the host).
+    can run the call exactly. Each name forces that engine: ``"varlen"`` (``varlen_attn``: the
+    plan is exactly causal documents, contiguous and unpadded; no softcap, no telemetry step;
+    sinks or a differentiable LSE only without gradients; slower than ``flex`` on an H200, so
+    ``auto`` leaves it), ``"flex"`` on CPU tensors is forward only (FlexAttention has no CPU
+    backward), ``"tessera"`` runs Tessera's CPU kernels, and ``"flex_flash"`` / ``"varlen"``
+    raise ``RuntimeError`` with the reasons when they cannot run the call. :func:`last_dispatch`
+    says which engine ran and why the others were skipped. On the GPU engines float16 is
+    accepted too; sink values are not checked (that would read them on the host).
+
+    Under ``torch.autocast`` q, k and v are cast to the autocast dtype of their device first (as
+    ``scaled_dot_product_attention`` is), so mixed inputs (float32 rotary q/k beside a bfloat16
+    v) run in that dtype.
     """
     if not isinstance(engine, str) or engine not in _select.ENGINES:
         raise ValueError(f"engine: expected one of {_select.ENGINES}, got {engine!r}")
     on_cpu = not isinstance(q, Tensor) or q.device.type == "cpu"
+    q, k, v = _autocast(q, k, v)
     _check(q, k, v, plan, sinks, flex=engine != "tessera" and (engine != "auto" or not on_cpu))
     if telemetry is not None:
         layer = _int_arg("attention", "layer", layer, 0, 2**32)

@@ -87,5 +87,5 @@ class PlanPrefetcher:
                     kept = plan._flex.setdefault("bm", {})
                     if key not in kept:
                         kept[key] = flex_tables.block_mask_from_compact(c, self.device, non_blocking=True)
-                    flex_tables.prepare(plan, self.device)
+                    flex_tables.prepare(plan, self.device, sequences=True)
                 yield batch, plan
