@@ -148,7 +148,9 @@ def attention(lens, reps, dev, window, block, heads, dim, dtype, only=None):
     grad = dev.type != "cpu"  # FlexAttention has no CPU backward
     cbm = torch.compile(create_block_mask)
     # on CPU (the smoke run) FlexAttention's unfused path, as the engine's own CPU path
-    cflex = flex_attention if dev.type == "cpu" else torch.compile(flex_attention)
+    # Static shapes, as the flex engine compiles: with dynamo's default, the second length
+    # recompiles into a dynamic-shape kernel (session 18: 32K's baseline ran one, ~1.4x slower).
+    cflex = flex_attention if dev.type == "cpu" else torch.compile(flex_attention, dynamic=False)
     rows = []
     for n in lens:
         for name, ids, mask in masks(n, window):
