@@ -129,6 +129,30 @@ impl DocLeaf<'_> {
         }
     }
 
+    /// Appends a key that determines the tile's bitmask with its row and column counts: the
+    /// runs of valid ids of both sides (within the tile) and which query run matches which key
+    /// run; self-delimiting (run counts first). `false` past [`KEY_RUNS`] runs.
+    pub(super) fn tile_key(&self, qt: usize, kt: usize, key: &mut Vec<i128>) -> bool {
+        let kv = &self.kv_runs[self.kv_run_off[kt] as usize..self.kv_run_off[kt + 1] as usize];
+        let q = &self.q_runs[self.q_run_off[qt] as usize..self.q_run_off[qt + 1] as usize];
+        if q.len() + kv.len() > KEY_RUNS {
+            return false;
+        }
+        key.push(((q.len() as i128) << 32) | kv.len() as i128);
+        let mut matches: i128 = 0;
+        for (i, &(a, b, id)) in q.iter().enumerate() {
+            key.push(((a as i128) << 32) | b as i128);
+            for (j, run) in kv.iter().enumerate() {
+                if run.2 == id {
+                    matches |= 1 << (i * KEY_RUNS + j);
+                }
+            }
+        }
+        key.extend(kv.iter().map(|&(c, e, _)| ((c as i128) << 32) | e as i128));
+        key.push(matches);
+        true
+    }
+
     /// Stage 2: ORs the tile's allowed pairs into `out` (`tq` rows of `wpr` words).
     pub(super) fn write(&self, g: &Geom, qt: usize, kt: usize, out: &mut [u64]) {
         let (j0, j1) = g.kr(kt);
@@ -169,6 +193,11 @@ impl DocLeaf<'_> {
 
 /// Runs of equal ids up to which a key tile is written run by run (past it, by row compares).
 const DOC_RUNS: usize = 8;
+
+/// Runs (query and key sides together) up to which a tile has a [`DocLeaf::tile_key`]: the key
+/// stays short (at most 10 values) and the match bits (query run `i`, key run `j` at bit
+/// `8i + j`) fit one value.
+const KEY_RUNS: usize = 8;
 
 /// Words of the widest tile row (tiles are at most 4096 keys wide).
 pub(super) const MAX_WPR: usize = crate::shape::MAX_TILE / 64;

@@ -438,8 +438,8 @@ impl<'a> Node<'a> {
 
     /// Appends to `key` values that, with the tile's row and column counts, determine this
     /// node's bitmask on tile (`qt`, `kt`) (so two tiles of equal keys have equal bitmasks and
-    /// stage 2 runs once for both); `false` where no such key is cheap (documents, dense data,
-    /// block selections, wide unions). Keys of one prepared node are comparable with each other
+    /// stage 2 runs once for both); `false` where no such key is cheap (documents of many runs
+    /// in the tile, dense data, block selections, wide unions). Keys of one prepared node are comparable with each other
     /// only: band leaves number their tile shapes per node.
     pub fn tile_key(&self, g: &Geom, qt: usize, kt: usize, key: &mut Vec<i128>) -> bool {
         let (i0, j0) = (g.qr(qt).0 as i128, g.kr(kt).0 as i128);
@@ -471,8 +471,18 @@ impl<'a> Node<'a> {
                 d.tile_key(qt, kt, key);
                 true
             }
-            Node::Doc(_) | Node::Dense(_) | Node::Blocks(_) | Node::Interval(_) => false,
-            Node::And(v) => v.iter().all(|n| n.tile_key(g, qt, kt, key)),
+            Node::Doc(d) => d.tile_key(qt, kt, key),
+            Node::Dense(_) | Node::Blocks(_) | Node::Interval(_) => false,
+            // An operand Full on the tile leaves the `&` unchanged there: a marker instead of
+            // its key (a document's interior under a causal diagonal is keyed by the diagonal).
+            Node::And(v) => v.iter().all(|n| {
+                if n.classify(g, qt, kt) == TileState::Full {
+                    key.push(i128::MIN);
+                    return true;
+                }
+                key.push(i128::MAX);
+                n.tile_key(g, qt, kt, key)
+            }),
             Node::Or(o) => {
                 o.kids.len() <= MAX_KEYED_OPERANDS
                     && o.kids.iter().all(|n| n.tile_key(g, qt, kt, key))
