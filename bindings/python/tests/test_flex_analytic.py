@@ -259,7 +259,10 @@ def host_tables(plan):
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_device_built_tables_equal_the_host_export_and_create_block_mask(seed):
+@pytest.mark.parametrize("dense", [False, True])
+def test_device_built_tables_equal_the_host_export_and_create_block_mask(seed, dense):
+    """Both device uploads (the non-empty tiles expanded by tensor ops, or the host's tables
+    copied as they are) give create_block_mask's tables and an exact mask_mod, analytic and bits."""
     r = np.random.default_rng(3900 + seed)
     for _ in range(6):
         lq = int(r.integers(1, 260))
@@ -268,26 +271,30 @@ def test_device_built_tables_equal_the_host_export_and_create_block_mask(seed):
         block = tuple(int(x) for x in r.choice([16, 32, 64, 128], 2))
         m = random_mask(r, lq, lkv, b, h, depth=3)
         plan = tessera.plan(m.t, q_len=lq, kv_len=lkv, heads=h, batch=b, block=block, cache=False)
-        c = flex_tables.compact(plan)
-        states = plan.states()
-        # O(active tiles): one cell and one code per non-empty tile
-        assert c.parts[0][2] == c.parts[1][2] == (int((states != 0).sum()),)
-        bm = flex_tables.block_mask_from_compact(c, "cpu")
         gb, gh = plan.groups
         allowed_t = torch.from_numpy(np.array(np.broadcast_to(m.dense(b, h, lq, lkv), (b, h, lq, lkv))))
         ref = flex.create_block_mask(lambda bb, hh, q, kv: allowed_t[bb, hh, q, kv], gb, gh, lq, lkv,
                                      device="cpu", BLOCK_SIZE=block)
-        for name, host in zip(TABLES, host_tables(plan)):
-            t = getattr(bm, name)
-            assert t.dtype == torch.int32 and t.is_contiguous(), name
-            assert torch.equal(t, host) and torch.equal(t, getattr(ref, name)), (name, str(m.t))
+        states = plan.states()
+        for mask_mod in ("auto", "bits"):
+            c = flex_tables.compact(plan, mask_mod, dense=dense)
+            assert c.dense == dense
+            if not dense:  # O(active tiles): one cell and one code per non-empty tile
+                assert c.parts[0][2] == c.parts[1][2] == (int((states != 0).sum()),)
+            bm = flex_tables.block_mask_from_compact(c, "cpu")
+            for name, host in zip(TABLES, host_tables(plan)):
+                t = getattr(bm, name)
+                assert t.dtype == torch.int32 and t.is_contiguous(), name
+                assert torch.equal(t, host) and torch.equal(t, getattr(ref, name)), (name, str(m.t))
+            got = flex.create_mask(bm.mask_mod, b, h, lq, lkv, device="cpu")
+            assert torch.equal(got, allowed_t), (mask_mod, str(m.t))
 
 
 def test_device_build_on_meta_reads_nothing_and_compact_pickles():
     g = np.random.default_rng(8)
     ids = packed_ids(g, 2, 1000, 200)
     plan = tessera.plan((causal() & document(ids)).t, q_len=1000, block=64, cache=False)
-    c = flex_tables.compact(plan)
+    c = flex_tables.compact(plan, dense=False)
     # meta tensors have no data: any host read (a sync on a GPU) would raise
     bm = flex_tables.block_mask_from_compact(c, "meta")
     for name, host in zip(TABLES, host_tables(plan)):

@@ -24,18 +24,19 @@ MASK_MODS = ("auto", "analytic", "bits")
 
 
 class CompactMask:
-    """A plan's ``BlockMask`` as host arrays of O(active tiles) plus the ``mask_mod``'s data: the
-    flat index and code of each non-empty tile (int32), the analytic ``mask_mod``'s per-token
-    arrays, or the packed bit blocks of the bit-table one. Two flat buffers (int32, int64), so a
-    device gets them in at most two copies; :func:`block_mask_from_compact` expands every table on
-    the device. Picklable; ``pin_memory()`` pins both buffers (a ``DataLoader`` with
-    ``pin_memory=True`` calls it)."""
+    """A plan's ``BlockMask`` as host arrays for a device, in two flat buffers (int32, int64), so
+    the device gets them in at most two copies: either O(active tiles) (the flat index and code
+    of each non-empty tile, expanded into the tables on the device by
+    :func:`block_mask_from_compact`) or, for small grids (``dense``), the eight tables themselves
+    (no device work but the copy); plus the ``mask_mod``'s data (the analytic one's per-token
+    arrays, or the packed bit blocks and tile codes of the bit-table one). Picklable;
+    ``pin_memory()`` pins both buffers (a ``DataLoader`` with ``pin_memory=True`` calls it)."""
 
-    __slots__ = ("dims", "i32", "i64", "parts", "prog", "kind", "reason")
+    __slots__ = ("dims", "i32", "i64", "parts", "prog", "kind", "reason", "dense")
 
-    def __init__(self, dims, i32, i64, parts, prog, kind, reason):
+    def __init__(self, dims, i32, i64, parts, prog, kind, reason, dense=False):
         self.dims, self.i32, self.i64, self.parts = dims, i32, i64, parts
-        self.prog, self.kind, self.reason = prog, kind, reason
+        self.prog, self.kind, self.reason, self.dense = prog, kind, reason, dense
 
     def __getstate__(self):
         return {k: getattr(self, k) for k in self.__slots__}
@@ -45,39 +46,72 @@ class CompactMask:
             setattr(self, k, v)
 
     def pin_memory(self) -> "CompactMask":
-        pin = (lambda t: t.pin_memory()) if torch.cuda.is_available() else (lambda t: t)
+        def pin(t):
+            return t if not torch.cuda.is_available() or t.is_pinned() else t.pin_memory()
+
         return CompactMask(self.dims, pin(self.i32), pin(self.i64), self.parts, self.prog, self.kind,
-                           self.reason)
+                           self.reason, self.dense)
 
 
-def compact(plan: "Plan", mask_mod: str = "auto") -> CompactMask:
+# Grids of at most this many blocks (B' * H' * nq * nk: 32K tokens at 128-token blocks) go to a
+# device as their eight tables, written by the host (1 MiB of tables at the limit, ~0.05 ms on
+# the CPU here), rather than as the non-empty tiles expanded there: on an H200 the expansion's
+# ~17 launches took 0.6-0.9 ms whatever the size (session 18), one copy of the tables should
+# take ~0.1 ms (predicted, not yet measured on a GPU). Larger grids keep the O(active tiles)
+# upload: the tables grow with the square of the length.
+DEVICE_DENSE_CELLS = 1 << 16
+
+
+def compact(plan: "Plan", mask_mod: str = "auto", dense: Any = None, pin: bool = False) -> CompactMask:
     """The plan's :class:`CompactMask`. ``mask_mod``: ``"analytic"`` (generated from the mask
     tree; ``ValueError`` with the reason when a leaf has none), ``"bits"`` (the plan's bit table)
-    or ``"auto"`` (analytic where possible)."""
+    or ``"auto"`` (analytic where possible). ``dense``: the tables themselves (True), the
+    non-empty tiles (False) or by size (None: up to ``DEVICE_DENSE_CELLS`` blocks). ``pin``: the
+    buffers written straight into pinned memory (needs CUDA)."""
     prog, bufs, reason = _analytic(plan, mask_mod)
+    b, h, lq, lkv = plan.shape
+    gb, gh = plan.groups
+    tq, tk = plan.block
+    if dense is None:
+        dense = gb * gh * -(-lq // tq) * -(-lkv // tk) <= DEVICE_DENSE_CELLS
     # Capacity of the captured bit blocks from the shapes alone for the usual masks (2 per q or
     # kv tile and (batch, head) group, at most 2^14 blocks: 32 MiB at 128-token tiles; then the
     # next power of two), so that plans of the same shapes whose partial counts differ a little
     # share one compiled kernel.
-    cells, codes, bits, dims = plan._p._flex_compact(2, 1 << 14, prog is None)
-    i32 = [cells, codes] + [b for b in bufs if b.dtype == np.int32]
-    i64 = ([] if prog is not None else [bits]) + [b for b in bufs if b.dtype == np.int64]
-    parts = []  # (buffer, offset, shape) of cells, codes, the bits (or None), then each buf
-    off = {np.dtype(np.int32): 0, np.dtype(np.int64): 0}
-    for a in [cells, codes, None if prog is not None else bits] + bufs:
+    if dense:
+        arrays, bits, dims = plan._p._flex_tables(2, 1 << 14, prog is None)
+        bg, hg, nq, nk = dims[:4]
+        shapes = ((bg, hg, nq), (bg, hg, nq, nk)) * 2 + ((bg, hg, nk), (bg, hg, nk, nq)) * 2
+        head = [a.reshape(sh) for a, sh in zip(arrays, shapes)]
+        if prog is None:  # the bit table's tile codes
+            head.append(arrays[8].reshape(bg, hg, nq, nk))
+    else:
+        cells, codes, bits, dims = plan._p._flex_compact(2, 1 << 14, prog is None)
+        head = [cells, codes]
+    if prog is not None:
+        bits = None
+    # (buffer, offset, shape) of the head arrays, the bits (or None), then each buf
+    parts, off, groups = [], {32: 0, 64: 0}, {32: [], 64: []}
+    for a in head + [bits] + bufs:
         if a is None:
             parts.append(None)
             continue
-        parts.append((32 if a.dtype == np.int32 else 64, off[a.dtype], a.shape))
-        off[a.dtype] += a.size
+        kind = 32 if a.dtype == np.int32 else 64
+        parts.append((kind, off[kind], a.shape))
+        off[kind] += a.size
+        groups[kind].append(a)
 
-    def flat(arrs, dt):
-        if len(arrs) == 1:  # one array (the bit table alone): wrapped, not copied
+    def flat(arrs, dt, n):
+        if len(arrs) == 1 and not pin:  # one array (the bit table alone): wrapped, not copied
             return torch.from_numpy(np.ascontiguousarray(arrs[0]).ravel())
-        return torch.from_numpy(np.concatenate([a.ravel() for a in arrs]) if arrs else np.zeros(0, dt))
+        out = torch.empty(n, dtype=torch.int32 if dt == np.int32 else torch.int64, pin_memory=pin and n > 0)
+        if arrs:
+            np.concatenate([a.ravel() for a in arrs], out=out.numpy())
+        return out
 
     kind = "analytic" if prog is not None else "bits"
-    return CompactMask(dims, flat(i32, np.int32), flat(i64, np.int64), parts, prog, kind, reason)
+    return CompactMask(dims, flat(groups[32], np.int32, off[32]), flat(groups[64], np.int64, off[64]), parts,
+                       prog, kind, reason, dense)
 
 
 def _analytic(plan: "Plan", mask_mod: str):
@@ -145,11 +179,18 @@ def block_mask_from_compact(c: CompactMask, device: Any = "cpu", non_blocking: b
 
     dev = torch.device(device)
     bg, hg, nq, nk, tq, tk, lq, lkv = c.dims
-    cells, codes, bits, bufs = _views(c, dev, non_blocking)
-    grid = torch.zeros(bg * hg * nq * nk, dtype=torch.int32, device=dev)
-    grid.scatter_(0, cells.long(), codes)
-    grid = grid.view(bg, hg, nq, nk)
-    tables = _tables(grid)
+    views = _views(c, dev, non_blocking)
+    if c.dense:  # the tables themselves (and the bit table's code grid)
+        head = 8 if c.prog is not None else 9
+        tables, grid = views[:8], views[8] if head == 9 else None
+    else:
+        head = 2
+        cells, codes = views[:2]
+        grid = torch.zeros(bg * hg * nq * nk, dtype=torch.int32, device=dev)
+        grid.scatter_(0, cells.long(), codes)
+        grid = grid.view(bg, hg, nq, nk)
+        tables = _tables(grid)
+    bits, bufs = views[head], views[head + 1:]
     if c.prog is not None:
         mask_mod = flex_mask.make_mask_mod(c.prog, bufs)
     else:
@@ -158,8 +199,8 @@ def block_mask_from_compact(c: CompactMask, device: Any = "cpu", non_blocking: b
 
 
 def _views(c: CompactMask, dev: Any, non_blocking: bool = False):
-    """``(cells, codes, bits, mask_mod buffers)`` of ``c`` on ``dev``: the two flat buffers copied
-    once (not at all on the host), the rest views of them."""
+    """The arrays of ``c.parts`` on ``dev`` (``None`` where a part is absent): the two flat
+    buffers copied once (not at all on the host), the rest views of them."""
     i32 = c.i32.to(dev, non_blocking=non_blocking)
     i64 = c.i64.to(dev, non_blocking=non_blocking) if c.i64.numel() else None
     views = []
@@ -170,7 +211,7 @@ def _views(c: CompactMask, dev: Any, non_blocking: bool = False):
         kind, off, shape = p
         src = i32 if kind == 32 else i64
         views.append(src[off:off + int(np.prod(shape))].view(shape))
-    return views[0], views[1], views[2], views[3:]
+    return views
 
 
 # Bytes of partial blocks from which "auto" on the host builds the analytic mask_mod rather than
@@ -268,7 +309,7 @@ def to_flex_block_mask(plan: "Plan", device: Any = "cpu", mask_mod: str = "auto"
     if dev.type == "cpu":
         bm = host_block_mask(plan, _host_auto(plan) if mask_mod == "auto" else mask_mod)
     elif dev.type == "cuda":  # pinned: the copies do not wait for the device (no host sync)
-        bm = block_mask_from_compact(compact(plan, mask_mod).pin_memory(), dev, non_blocking=True)
+        bm = block_mask_from_compact(compact(plan, mask_mod, pin=True), dev, non_blocking=True)
     else:
         bm = block_mask_from_compact(compact(plan, mask_mod), dev)
     kept[key] = bm

@@ -63,8 +63,7 @@ class PlanPrefetcher:
             return batch, plan, None
         if plan._p.mask is not None:
             causal_documents(plan)  # what engine selection asks, read on this thread
-        c = flex_tables.compact(plan, self.mask_mod)
-        return batch, plan, c.pin_memory() if self.device.type == "cuda" else c
+        return batch, plan, flex_tables.compact(plan, self.mask_mod, pin=self.device.type == "cuda")
 
     def __iter__(self) -> Iterator[Tuple[Any, Any]]:
         pending: collections.deque = collections.deque()
