@@ -273,6 +273,9 @@ impl<'a> Node<'a> {
     /// (ranges expanded) when one of them has a list. Each subtree is walked once for its
     /// list and at most once for its reach.
     fn list(&self, g: &Geom, qt: usize) -> Option<Vec<u32>> {
+        if !self.listed() {
+            return None; // no operand lists (nothing allocated per row)
+        }
         match self {
             Node::Blocks(s) => Some(s.candidates(g, qt)),
             Node::Interval(d) => Some(d.candidates(qt).to_vec()),
@@ -321,6 +324,16 @@ impl<'a> Node<'a> {
         }
     }
 
+    /// Whether [`Node::list`] can give a list: a `blocks` or fused interval leaf in the subtree.
+    fn listed(&self) -> bool {
+        match self {
+            Node::Blocks(_) | Node::Interval(_) => true,
+            Node::And(v) => v.iter().any(Node::listed),
+            Node::Or(o) => o.kids.iter().any(Node::listed),
+            _ => false,
+        }
+    }
+
     /// Stage 1: kv tiles (inclusive range) that may hold an allowed pair for q-tile `qt`.
     pub fn reach(&self, g: &Geom, qt: usize) -> Option<(usize, usize)> {
         let (i0, i1) = g.qr(qt);
@@ -350,6 +363,21 @@ impl<'a> Node<'a> {
         match self {
             // The leaf's own state, inlined: no dispatch per tile.
             Node::Interval(d) => out.extend(cands.iter().map(|kt| d.state(qt, kt))),
+            // The first operand's row at once, then each other operand on the tiles still
+            // possible (an Empty tile stays Empty, a Partial operand makes the tile Partial).
+            Node::And(v) if !v.is_empty() => {
+                v[0].classify_row(g, qt, cands, out);
+                for n in &v[1..] {
+                    for (s, kt) in out.iter_mut().zip(cands.iter()) {
+                        if *s != TileState::Empty {
+                            match n.classify(g, qt, kt) {
+                                TileState::Full => {}
+                                other => *s = other,
+                            }
+                        }
+                    }
+                }
+            }
             _ => out.extend(cands.iter().map(|kt| self.classify(g, qt, kt))),
         }
     }
