@@ -4,10 +4,12 @@
 Masks: causal within documents (lognormal document lengths, seeded) and a sliding window, one row,
 at `--lens` tokens (default 8K, 32K, 128K), H = 16, D = 128, bf16, BLOCK_SIZE 128.
 
-1. BlockMask: Tessera plans from scratch (`cache=False`) and builds the device BlockMask from the
-   plan's compact arrays (`plan.to_flex_block_mask(device)`: one or two copies, tables expanded on
-   the device; `mask_mod` generated from the expression), and separately the device build alone
-   from a made plan; torch runs `torch.compile(create_block_mask)` on the GPU with the same mask's
+1. BlockMask: Tessera plans from scratch (`cache=False`) and builds the device BlockMask
+   (`plan.to_flex_block_mask(device)`: one or two copies; the tables written by the host for grids
+   up to 2^16 blocks, else expanded on the device from the non-empty tiles; `mask_mod` generated
+   from the expression), and separately: the plan alone, the host arrays alone, the device build
+   alone from a made plan, and the device build through each upload (`from tiles`, `from
+   tables`) at every size, to place the threshold; torch runs `torch.compile(create_block_mask)` on the GPU with the same mask's
    mask_mod (its compilation excluded). Tables checked equal. Medians of `--reps`, each ended by
    a device sync.
 2. Attention forward + backward per engine (`tessera.torch.attention(engine=...)`: auto, flex_flash,
@@ -125,19 +127,29 @@ def block_masks(lens, reps, dev, window, block):
             def compact_only():
                 return flex_tables.compact(made, "auto")
 
+            def upload(dense):  # the device build through one upload or the other
+                def go():
+                    c = flex_tables.compact(made, "auto", dense=dense, pin=dev.type == "cuda")
+                    return flex_tables.block_mask_from_compact(c, dev, non_blocking=True)
+                return go
+
             ours(), build_only(), theirs()  # compiles
             t_ours, bm = timed(ours, reps, dev)
             t_build, _ = timed(build_only, reps, dev)
             t_theirs, ref = timed(theirs, reps, dev)
             t_plan, _ = timed(plan_only, reps, dev)
             t_compact, _ = timed(compact_only, reps, dev)
+            t_tiles, _ = timed(upload(False), reps, dev)
+            t_dense, _ = timed(upload(True), reps, dev)
             equal = all(torch.equal(getattr(bm, t), getattr(ref, t)) for t in TABLES)
             rows.append({"mask": name, "tokens": n, "tessera_ms": t_ours * 1e3, "device_build_ms": t_build * 1e3,
                          "plan_ms": t_plan * 1e3, "compact_ms": t_compact * 1e3,
+                         "build_from_tiles_ms": t_tiles * 1e3, "build_from_tables_ms": t_dense * 1e3,
                          "create_block_mask_ms": t_theirs * 1e3, "speedup": t_theirs / t_ours,
                          "tables_equal": equal})
             print(f"{name:>15} {n:>7} tokens: plan+BlockMask {t_ours * 1e3:8.2f} ms (plan {t_plan * 1e3:6.2f}, host "
-                  f"arrays {t_compact * 1e3:6.2f}, device build {t_build * 1e3:6.2f})  create_block_mask "
+                  f"arrays {t_compact * 1e3:6.2f}, device build {t_build * 1e3:6.2f}: from tiles {t_tiles * 1e3:6.2f}, "
+                  f"from tables {t_dense * 1e3:6.2f})  create_block_mask "
                   f"{t_theirs * 1e3:9.2f} ms  {t_theirs / t_ours:6.1f}x  tables equal: {equal}")
     return rows
 

@@ -368,16 +368,17 @@ impl<'a> Node<'a> {
             Node::And(v) if !v.is_empty() => {
                 v[0].classify_row(g, qt, cands, out);
                 for n in &v[1..] {
-                    for (s, kt) in out.iter_mut().zip(cands.iter()) {
-                        if *s != TileState::Empty {
-                            match n.classify(g, qt, kt) {
-                                TileState::Full => {}
-                                other => *s = other,
-                            }
+                    match n {
+                        Node::Doc(d) => and_row(out, cands, |kt| d.state(qt, kt)),
+                        Node::Causal(off) => {
+                            and_row(out, cands, |kt| causal_state(g, qt, kt, *off))
                         }
+                        _ => and_row(out, cands, |kt| n.classify(g, qt, kt)),
                     }
                 }
             }
+            Node::Doc(d) => out.extend(cands.iter().map(|kt| d.state(qt, kt))),
+            Node::Causal(off) => out.extend(cands.iter().map(|kt| causal_state(g, qt, kt, *off))),
             _ => out.extend(cands.iter().map(|kt| self.classify(g, qt, kt))),
         }
     }
@@ -401,7 +402,7 @@ impl<'a> Node<'a> {
         };
         match self {
             Node::Full => Full,
-            Node::Causal(off) => verdict(dmax <= *off, dmin > *off),
+            Node::Causal(off) => causal_state(g, qt, kt, *off),
             Node::Window(l, r) => {
                 let nl = l.saturating_neg();
                 verdict(dmin >= nl && dmax <= *r, dmax < nl || dmin > *r)
@@ -655,6 +656,35 @@ impl<'a> Node<'a> {
                         *o = if r < rows { !*o & m } else { 0 };
                     }
                 }
+            }
+        }
+    }
+}
+
+/// A `causal(off)` leaf's state on tile (`qt`, `kt`): Full when every pair has `j - i <= off`,
+/// Empty when none has.
+#[inline]
+fn causal_state(g: &Geom, qt: usize, kt: usize, off: i64) -> TileState {
+    let (i0, i1) = g.qr(qt);
+    let (j0, j1) = g.kr(kt);
+    if j0 - i1 > off {
+        TileState::Empty
+    } else if j1 - i0 <= off {
+        TileState::Full
+    } else {
+        TileState::Partial
+    }
+}
+
+/// `&` of the row states `out` with one more operand's (`state` of each candidate tile), read
+/// only where the tile is not Empty yet.
+#[inline]
+fn and_row(out: &mut [TileState], cands: &Candidates, state: impl Fn(usize) -> TileState) {
+    for (s, kt) in out.iter_mut().zip(cands.iter()) {
+        if *s != TileState::Empty {
+            match state(kt) {
+                TileState::Full => {}
+                other => *s = other,
             }
         }
     }
