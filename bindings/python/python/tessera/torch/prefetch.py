@@ -3,11 +3,11 @@
 Wraps any iterable of batches (a ``DataLoader`` with worker processes included). For each batch
 it calls ``make_plan(batch)`` on a background thread ``depth`` batches ahead: planning and the
 BlockMask export release the GIL, so they overlap the training step's Python and kernels. The
-thread also builds the plan's compact BlockMask arrays (O(active tiles), ``CompactMask``) in
-pinned memory when CUDA is available. When the batch is handed out, the arrays go to the device
-with ``non_blocking=True`` (at most two copies) and the tables are expanded there
-(``block_mask_from_compact``), then kept on the plan: the step's ``tessera.torch.attention``
-finds its BlockMask built, without a host sync.
+thread also builds the plan's BlockMask arrays (``CompactMask``: the tables themselves for small
+grids, else the non-empty tiles) in pinned memory when CUDA is available. When the batch is
+handed out, the arrays go to the device with ``non_blocking=True`` (at most two copies; a large
+grid's tables are expanded there, ``block_mask_from_compact``), then kept on the plan: the
+step's ``tessera.torch.attention`` finds its BlockMask built, without a host sync.
 
 Plans are made in this process, not in the loader's workers: a plan is a native object (with its
 mask) that does not pickle, and a thread gives the same overlap since the planner holds no GIL.
@@ -33,7 +33,7 @@ class PlanPrefetcher:
     ``make_plan(batch) -> tessera.Plan`` runs on a background thread ``depth`` batches ahead
     (exceptions surface when that batch is reached). On a non-CPU ``device`` each plan's
     FlexAttention BlockMask (``mask_mod`` as in :func:`tessera.torch.to_flex_block_mask`) is
-    built from pinned compact arrays moved with ``non_blocking=True`` and kept on the plan; on
+    built from pinned host arrays moved with ``non_blocking=True`` and kept on the plan; on
     CPU nothing more is done (Tessera's kernels read the plan itself) unless ``block_masks=True``
     (the flex engine on CPU tensors)."""
 
