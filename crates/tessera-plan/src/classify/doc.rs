@@ -84,9 +84,16 @@ fn tile_runs(ids: &[i64], tile: usize) -> (Vec<(u32, u32, i64)>, Vec<u32>) {
 }
 
 impl<'a> DocLeaf<'a> {
-    pub(super) fn new(g: &Geom, q: &[i64], kv: &'a [i64]) -> Self {
+    /// The leaf over query ids `q` and key ids `kv`; `shared`: the two are equal (self-attention),
+    /// so the key side's runs and summaries are the query side's when the tiles are square.
+    pub(super) fn new(g: &Geom, q: &[i64], kv: &'a [i64], shared: bool) -> Self {
+        let same = shared && g.tq == g.tk && q.len() == kv.len();
         let (q_runs, q_run_off) = tile_runs(q, g.tq);
-        let (kv_runs, kv_run_off) = tile_runs(kv, g.tk);
+        let (kv_runs, kv_run_off) = if same {
+            (q_runs.clone(), q_run_off.clone())
+        } else {
+            tile_runs(kv, g.tk)
+        };
         // First and last kv tile of every id: bounds the kv tiles a q tile can reach.
         let mut span: HashMap<i64, (usize, usize)> = HashMap::new();
         for kt in 0..g.nk {
@@ -102,10 +109,12 @@ impl<'a> DocLeaf<'a> {
                     .reduce(|(x, y), (a, b)| (x.min(a), y.max(b)))
             })
             .collect();
+        let q_sum = summarize(q, g.tq);
+        let kv_sum = if same { q_sum.clone() } else { summarize(kv, g.tk) };
         DocLeaf {
             kv,
-            q_sum: summarize(q, g.tq),
-            kv_sum: summarize(kv, g.tk),
+            q_sum,
+            kv_sum,
             q_runs,
             q_run_off,
             kv_runs,

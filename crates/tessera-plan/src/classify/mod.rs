@@ -187,7 +187,11 @@ impl<'a> Node<'a> {
             Mask::Window { left, right } => Node::Window(*left, *right),
             Mask::Chunk { size } => Node::Chunk((*size).min(i64::MAX as u64) as i64),
             Mask::Prefix { len } => Node::Prefix((*len).min(i64::MAX as u64) as i64),
-            Mask::Document(s) => Node::Doc(DocLeaf::new(g, s.q.row(b), s.kv.row(b))),
+            Mask::Document(s) => {
+                // Self-attention rows (equal digests, hence equal ids) summarize one side once.
+                let shared = s.q.row_digest(b) == s.kv.row_digest(b);
+                Node::Doc(DocLeaf::new(g, s.q.row(b), s.kv.row(b), shared))
+            }
             Mask::Band { features, lo, hi } => Node::Band(Box::new(BandLeaf::new(
                 g,
                 features.q.row(b),
