@@ -110,7 +110,11 @@ impl<'a> DocLeaf<'a> {
             })
             .collect();
         let q_sum = summarize(q, g.tq);
-        let kv_sum = if same { q_sum.clone() } else { summarize(kv, g.tk) };
+        let kv_sum = if same {
+            q_sum.clone()
+        } else {
+            summarize(kv, g.tk)
+        };
         DocLeaf {
             kv,
             q_sum,
