@@ -309,3 +309,15 @@ def test_device_build_on_meta_reads_nothing_and_compact_pickles():
     assert c.i32.numel() < 2 * 2 * nq * nk + 2 * 2 * 1000 + 1
     with pytest.raises(ValueError, match="mask_mod"):
         flex_tables.compact(plan, "fast")
+
+
+def test_device_upload_is_the_tables_up_to_the_grid_limit_then_the_tiles():
+    """Grids of up to DEVICE_DENSE_CELLS blocks travel as the host's eight tables (no device
+    work but the copy), larger ones as their non-empty tiles (O(active tiles))."""
+    limit = flex_tables.DEVICE_DENSE_CELLS
+    side = int(limit ** 0.5)  # a square grid of exactly the limit
+    at = tessera.plan(tessera.causal(), q_len=side * 128, block=128, cache=False)
+    past = tessera.plan(tessera.causal(), q_len=(side + 1) * 128, block=128, cache=False)
+    c_at, c_past = flex_tables.compact(at), flex_tables.compact(past)
+    assert c_at.dense and c_at.parts[1][2] == (1, 1, side, side)
+    assert not c_past.dense and c_past.parts[0][2] == (int((past.states() != 0).sum()),)
