@@ -206,3 +206,9 @@ def test_autocast_runs_mixed_inputs_in_its_dtype():
         o = tt.attention(q, k, v, plan)
     assert o.dtype == torch.bfloat16
     assert torch.equal(o, tt.attention(q.bfloat16(), k.bfloat16(), v, plan))
+
+    def step(q, k, v):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return tt.attention(q, k, v, plan)
+
+    assert torch.equal(torch.compile(step, fullgraph=True)(q, k, v), o)
