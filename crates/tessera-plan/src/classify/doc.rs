@@ -4,7 +4,9 @@
 //! Contract: stage 1 ([`DocLeaf::state`], `q_reach`) is sound from per-tile id ranges and
 //! padding flags; stage 2 ([`DocLeaf::write`]) ORs exactly the tile's allowed pairs into `out`
 //! (so it serves unions in place). A key tile of few runs of equal ids is written run by run;
-//! one whose ids scatter (many runs) by SIMD row compares against each query run's id.
+//! one whose ids scatter (many runs) by SIMD row compares against each query run's id. A tile of
+//! few runs has a key ([`DocLeaf::tile_key`]: the runs' places and which meet), so stage 2 runs
+//! once for all tiles of one pattern (a document's interior, each boundary).
 
 use super::geom::{set_range, Geom};
 use super::simd;

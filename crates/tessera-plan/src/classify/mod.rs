@@ -472,8 +472,8 @@ impl<'a> Node<'a> {
     /// Appends to `key` values that, with the tile's row and column counts, determine this
     /// node's bitmask on tile (`qt`, `kt`) (so two tiles of equal keys have equal bitmasks and
     /// stage 2 runs once for both); `false` where no such key is cheap (documents of many runs
-    /// in the tile, dense data, block selections, wide unions). Keys of one prepared node are comparable with each other
-    /// only: band leaves number their tile shapes per node.
+    /// in the tile, dense data, block selections, wide unions). Keys of one prepared node are
+    /// comparable with each other only: band leaves number their tile shapes per node.
     pub fn tile_key(&self, g: &Geom, qt: usize, kt: usize, key: &mut Vec<i128>) -> bool {
         let (i0, j0) = (g.qr(qt).0 as i128, g.kr(kt).0 as i128);
         // Row r allows columns from/below `d + r` (a difference of tile origins): every value
