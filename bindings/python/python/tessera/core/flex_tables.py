@@ -258,15 +258,23 @@ def host_block_mask(plan: "Plan", mask_mod: str):
     return BlockMask((lq, lkv), *tables, BLOCK_SIZE=(tq, tk), mask_mod=fn)
 
 
-# A band's features are read-only views of the mask's own data, which the ``mask_mod`` only
-# reads: torch's warning about tensors of read-only arrays is silenced for this module's calls
-# alone (once, here: a ``catch_warnings`` block per BlockMask cost ~15 us).
-warnings.filterwarnings("ignore", "The given NumPy array is not writable", UserWarning, __name__)
+# Whether torch's one-time warning about tensors of read-only arrays has been spent (silenced).
+_READ_ONLY_SILENCED = False
 
 
 def _host_tensors(bufs):
-    """The analytic ``mask_mod``'s buffers as host tensors sharing their memory."""
-    return [torch.from_numpy(b) for b in bufs]
+    """The analytic ``mask_mod``'s buffers as host tensors sharing their memory: a band's
+    features are read-only views of the mask's own data, which the ``mask_mod`` only reads.
+    torch warns about such a tensor once per process: that first time is silenced (a
+    ``catch_warnings`` block on every BlockMask cost ~15 us, so later calls skip it)."""
+    global _READ_ONLY_SILENCED
+    if _READ_ONLY_SILENCED or all(b.flags.writeable for b in bufs):
+        return [torch.from_numpy(b) for b in bufs]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "The given NumPy array is not writable", UserWarning)
+        out = [torch.from_numpy(b) for b in bufs]
+    _READ_ONLY_SILENCED = True
+    return out
 
 
 def _bits_mask_mod(codes, bits, bg, hg, tq, tk):
