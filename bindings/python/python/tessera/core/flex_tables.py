@@ -75,19 +75,10 @@ def compact(plan: "Plan", mask_mod: str = "auto", dense: Any = None, pin: bool =
     tq, tk = plan.block
     if dense is None:
         dense = gb * gh * -(-lq // tq) * -(-lkv // tk) <= DEVICE_DENSE_CELLS
-    # Capacity of the captured bit blocks from the shapes alone for the usual masks (2 per q or
-    # kv tile and (batch, head) group, at most 2^14 blocks: 32 MiB at 128-token tiles; then the
-    # next power of two), so that plans of the same shapes whose partial counts differ a little
-    # share one compiled kernel.
-    if dense:
-        arrays, bits, dims = plan._p._flex_tables(2, 1 << 14, prog is None)
-        bg, hg, nq, nk = dims[:4]
-        shapes = ((bg, hg, nq), (bg, hg, nq, nk)) * 2 + ((bg, hg, nk), (bg, hg, nk, nq)) * 2
-        head = [a.reshape(sh) for a, sh in zip(arrays, shapes)]
-        if prog is None:  # the bit table's tile codes
-            head.append(arrays[8].reshape(bg, hg, nq, nk))
+    if dense:  # the eight tables (and the bit table's tile codes)
+        head, bits, dims = _host_tables(plan, prog is None)
     else:
-        cells, codes, bits, dims = plan._p._flex_compact(2, 1 << 14, prog is None)
+        cells, codes, bits, dims = plan._p._flex_compact(*BIT_CAPACITY, prog is None)
         head = [cells, codes]
     if prog is not None:
         bits = None
@@ -113,6 +104,25 @@ def compact(plan: "Plan", mask_mod: str = "auto", dense: Any = None, pin: bool =
     kind = "analytic" if prog is not None else "bits"
     return CompactMask(dims, flat(groups[32], np.int32, off[32]), flat(groups[64], np.int64, off[64]), parts,
                        prog, kind, reason, dense)
+
+
+# Capacity of the captured bit blocks from the shapes alone for the usual masks (2 per q or kv
+# tile and (batch, head) group, at most 2^14 blocks: 32 MiB at 128-token tiles; then the next
+# power of two), so that plans of the same shapes whose partial counts differ a little share one
+# compiled kernel.
+BIT_CAPACITY = (2, 1 << 14)
+
+
+def _host_tables(plan: "Plan", bits: bool):
+    """``(arrays, bit blocks or None, dims)``: the plan's eight tables as numpy arrays of their
+    ``BlockMask`` shapes (wrapping the native export, no copy), then with ``bits`` the
+    ``[B', H', nq, nk]`` tile codes; ``dims`` as ``_flex_tables`` gives them."""
+    arrays, blocks, dims = plan._p._flex_tables(*BIT_CAPACITY, bits)
+    bg, hg, nq, nk = dims[:4]
+    shapes = ((bg, hg, nq), (bg, hg, nq, nk)) * 2 + ((bg, hg, nk), (bg, hg, nk, nq)) * 2
+    if bits:
+        shapes += ((bg, hg, nq, nk),)
+    return [a.reshape(sh) for a, sh in zip(arrays, shapes)], blocks, dims
 
 
 def _analytic(plan: "Plan", mask_mod: str):
@@ -247,14 +257,12 @@ def host_block_mask(plan: "Plan", mask_mod: str):
 
     prog, bufs, _ = _analytic(plan, mask_mod)
     # The analytic mask_mod reads no bits: neither the blocks nor the tile codes are exported.
-    arrays, bits, (bg, hg, nq, nk, tq, tk, lq, lkv) = plan._p._flex_tables(2, 1 << 14, prog is None)
-    shapes = ((bg, hg, nq), (bg, hg, nq, nk)) * 2 + ((bg, hg, nk), (bg, hg, nk, nq)) * 2
-    tables = [torch.from_numpy(a.reshape(s)) for a, s in zip(arrays, shapes)]
+    arrays, bits, (bg, hg, nq, nk, tq, tk, lq, lkv) = _host_tables(plan, prog is None)
+    tables = [torch.from_numpy(a) for a in arrays]
     if prog is not None:
         fn = flex_mask.make_mask_mod(prog, _host_tensors(bufs))
     else:
-        codes = torch.from_numpy(arrays[8].reshape(bg, hg, nq, nk))
-        fn = _bits_mask_mod(codes, torch.from_numpy(bits), bg, hg, tq, tk)
+        fn = _bits_mask_mod(tables.pop(), torch.from_numpy(bits), bg, hg, tq, tk)
     return BlockMask((lq, lkv), *tables, BLOCK_SIZE=(tq, tk), mask_mod=fn)
 
 
