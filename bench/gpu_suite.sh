@@ -47,13 +47,14 @@ print("flash_attn.cute importable:", has("flash_attn.cute"), " varlen_attn:", va
 PY
 } > "$OUT_DIR/flex_gpu.log" 2>&1
 cat "$OUT_DIR/flex_gpu.log"
+env_lines=$(wc -l < "$OUT_DIR/flex_gpu.log")
 
 echo "== bench/flex_gpu.py"
 timeout "$BENCH_S" $PY bench/flex_gpu.py --lens 8192,32768,131072 --attn-lens 8192,32768 \
   --attn-masks doc_causal --reps 5 --steps 8 --warmup 2 --json "$OUT_DIR/flex_gpu.json" \
   >> "$OUT_DIR/flex_gpu.log" 2>&1
 echo "rc=$?" >> "$OUT_DIR/flex_gpu.log"
-cat "$OUT_DIR/flex_gpu.log"
+tail -n +"$((env_lines + 1))" "$OUT_DIR/flex_gpu.log"  # the bench's part (the environment is above)
 
 echo "== pytest -m gpu"
 # Three pytest processes side by side, each with its own inductor/triton caches (eight xdist workers
