@@ -88,6 +88,8 @@ fn build(mask: &Mask, shape: PlanShape, tile: TileShape, keep: Option<usize>) ->
         masks: g.masks,
     };
     let mut head_plans: Vec<HeadPlan> = Vec::new();
+    // How many head plans were finished while the masks were still kept.
+    let mut kept_ids = 0usize;
     let mut by_key: HashMap<String, u32> = HashMap::new();
     let mut group_plan = Vec::with_capacity(bg * hg);
     // Upper bound of the work lists so far (stage 1 reach of every head plan built).
@@ -129,6 +131,9 @@ fn build(mask: &Mask, shape: PlanShape, tile: TileShape, keep: Option<usize>) ->
                     let share = rest.map(|id| (&mut shared, id));
                     let hp = plan_head(&node, &visit, &mut cx, share)?;
                     head_plans.push(hp);
+                    if cx.masks {
+                        kept_ids = head_plans.len();
+                    }
                     uses.push(0);
                     let i = (head_plans.len() - 1) as u32;
                     by_key.insert(key, i);
@@ -185,12 +190,10 @@ fn build(mask: &Mask, shape: PlanShape, tile: TileShape, keep: Option<usize>) ->
     };
     if !masks_kept {
         plan.partials.data = Vec::new();
-        for hp in &mut plan.head_plans {
-            for e in hp.fwd.iter_mut().chain(hp.bwd.iter_mut()) {
-                if !e.is_full() {
-                    e.mask = 0;
-                }
-            }
+        // Head plans finished while masks were kept hold ids; a later one cleared its own.
+        for hp in &mut plan.head_plans[..kept_ids] {
+            clear_ids(&mut hp.fwd);
+            clear_ids(&mut hp.bwd);
         }
     }
     plan.stats.unique_partial_masks = plan.partials.len() as u64;
@@ -441,6 +444,13 @@ impl Refine<'_> {
     }
 }
 
+/// Sets the mask id of every partial entry to 0 (the masks were dropped).
+fn clear_ids(entries: &mut [TileEntry]) {
+    for e in entries {
+        e.mask = if e.is_full() { FULL_TILE } else { 0 };
+    }
+}
+
 /// Stages 1-3 for one specialized mask, visiting the kv tiles `visit[qt]` of each q-tile row;
 /// `share` when `node` is a split mask's (see [`split_selection`]).
 fn plan_head(
@@ -454,8 +464,11 @@ fn plan_head(
     let mut fwd_offsets = Vec::with_capacity(g.nq + 1);
     // The visited tiles bound the list (and were checked against the memory budget).
     let mut fwd = Vec::with_capacity(visit.iter().map(Candidates::len).sum());
-    let (mut full_tiles, mut partial_tiles, mut allowed) = (0u64, 0u64, 0u64);
+    let mut allowed = 0u64;
     let mut states = Vec::new();
+    // How many entries were listed while the build still kept masks: once it drops them
+    // (`Refine::keep`), only these may hold a mask id.
+    let mut with_ids = if cx.masks { None } else { Some(0) };
     fwd_offsets.push(0u32);
     for (qt, cands) in visit.iter().enumerate() {
         if share.is_none() {
@@ -467,11 +480,10 @@ fn plan_head(
                 Some((shared, id)) => cx.split_tile(node, (shared, *id), qt, kt)?,
                 None => cx.stage2(node, qt, kt, states[at], Some(at))?,
             };
-            let Some((mask, n)) = t else { continue };
-            if mask == FULL_TILE {
-                full_tiles += 1;
-            } else {
-                partial_tiles += 1;
+            let Some((mut mask, n)) = t else { continue };
+            if !cx.masks && mask != FULL_TILE {
+                // A memo or a shared tile may hand back an id given before the drop.
+                mask = 0;
             }
             allowed += n;
             fwd.push(TileEntry {
@@ -479,7 +491,18 @@ fn plan_head(
                 mask,
             });
         }
+        if with_ids.is_none() && !cx.masks {
+            with_ids = Some(fwd.len());
+        }
         fwd_offsets.push(fwd.len() as u32);
+    }
+    // Counted here, not per tile (two counters in that loop were kept in memory, a stall per
+    // tile).
+    let full_tiles = fwd.iter().filter(|e| e.is_full()).count() as u64;
+    let partial_tiles = fwd.len() as u64 - full_tiles;
+    if let Some(n) = with_ids {
+        // The masks were dropped during this head plan: the ids given before are void.
+        clear_ids(&mut fwd[..n]);
     }
     // Stage 3: the backward list is the transpose (counting sort by kv tile keeps q order).
     let mut bwd_offsets = vec![0u32; g.nk + 1];
