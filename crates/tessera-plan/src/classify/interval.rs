@@ -46,17 +46,27 @@ pub(crate) struct IntervalLeaf<'a> {
     /// The same tiles as a bitmap over `qt * nk + kt` (stage 1's O(1) test).
     reached: Vec<u64>,
     nk: usize,
-    /// Per kv tile, whether its column's partial tiles were refined by run walks; then per
-    /// entry of `list` in such a column that is not Full, its allowed pairs as bit positions
-    /// in the tile (`row * 64 * wpr + column`) at `bitpos[a..b]`, `(a, b) = walked[entry]`.
-    /// Without masks (`Geom::masks` false) only the counts are kept: `b - a` pairs, no
-    /// positions.
-    walked: Vec<(u32, u32)>,
+    /// Per kv tile, whether its column's partial tiles are refined by run walks; then per
+    /// entry of `list` in such a column that is not Full, its allowed pairs, `walked[entry]`.
+    walked: Vec<u32>,
     by_runs: Vec<bool>,
-    bitpos: Vec<u32>,
+    /// Per key its run of ranks, and the rows by rank: what a walked column's bit positions
+    /// are listed from, per column on first need ([`IntervalLeaf::listed`]): a plan that keeps
+    /// few masks, or none, never walks most columns twice.
+    runs: Vec<(u32, u32)>,
+    order: Vec<u32>,
+    positions: Vec<std::cell::OnceCell<Positions>>,
     pub(super) q_reach: Vec<Option<(usize, usize)>>,
     /// Stage 2's rows to compare: (row, value - base).
     scratch: std::cell::RefCell<Vec<(u32, u32)>>,
+}
+
+/// The allowed pairs of a walked column's partial tiles as bit positions in their tile (`row *
+/// 64 * wpr + column`): those of q tile `qts[k]` at `pos[start[k]..start[k + 1]]`.
+struct Positions {
+    qts: Vec<u32>,
+    start: Vec<u32>,
+    pos: Vec<u32>,
 }
 
 /// Tile grids up to which the list of reached tiles is built (a bitmap of nq x nk bits: 32 MiB).
@@ -270,6 +280,7 @@ impl<'a> IntervalLeaf<'a> {
         }
         let ranked = Ranked::new(q);
         let runs = ranked.runs(&l, &r);
+        let positions = (0..g.nk).map(|_| Default::default()).collect();
         let mut leaf = IntervalLeaf {
             q,
             l,
@@ -285,12 +296,16 @@ impl<'a> IntervalLeaf<'a> {
             nk: g.nk,
             walked: Vec::new(),
             by_runs: vec![false; g.nk],
-            bitpos: Vec::new(),
+            runs: Vec::new(),
+            order: Vec::new(),
+            positions,
             q_reach: Vec::new(),
             scratch: Default::default(),
         };
         let walk = Walk::new(g, &ranked.order);
         leaf.stage1(g, &walk, &runs, how);
+        leaf.runs = runs;
+        leaf.order = ranked.order;
         Some(leaf)
     }
 
@@ -320,24 +335,22 @@ impl<'a> IntervalLeaf<'a> {
         }
     }
 
-    /// The reached tiles (the bitmap, then per q tile the sorted list) and stage 2's run walks,
-    /// one kv-tile column at a time. A column whose keys allow few pairs (walking them all costs
-    /// less than comparing every row of every tile of the column) is walked once to count its
-    /// pairs per q tile, which marks the tiles it reaches; where its partial tiles then cost
-    /// fewer walk steps than row compares (or always, forced), a second walk records their
-    /// pairs as bit positions, bucketed per tile. Any other column marks its tiles from its
-    /// merged runs ([`mark_merged`]) and is compared by rows in stage 2.
+    /// The reached tiles (the bitmap, then per q tile the sorted list) and which columns stage 2
+    /// walks. A column whose keys allow few pairs (walking them all costs less than comparing
+    /// every row of every tile of the column) is walked once to count its pairs per q tile,
+    /// which marks the tiles it reaches; where its partial tiles then cost fewer walk steps
+    /// than row compares (or always, forced; or always in a plan without masks, which needs
+    /// the counts alone) it is refined by runs: the counts kept, the bit positions listed on
+    /// first need. Any other column marks its tiles from its merged runs ([`mark_merged`]) and
+    /// is compared by rows in stage 2.
     fn stage1(&mut self, g: &Geom, walk: &Walk, runs: &[(u32, u32)], how: Stage2) {
         let mut marked = vec![0u64; (g.nq * g.nk).div_ceil(64)];
         let compare_cost = (g.tq * g.tk.div_ceil(16)) as u64;
         let mut count = vec![0u32; g.nq];
-        // Per q tile, the start of its pairs in `bitpos` while its column is placed.
-        let mut slot = vec![u32::MAX; g.nq];
         let mut partial: Vec<u32> = Vec::with_capacity(g.nq);
-        // (qt, kt, bitpos range) of every walked partial tile, in column order.
-        let mut walked: Vec<(u32, u32, u32, u32)> = Vec::new();
+        // (qt, kt, pairs) of every walked partial tile, in column order.
+        let mut walked: Vec<(u32, u32, u32)> = Vec::new();
         let mut segs: Vec<u64> = Vec::with_capacity(g.tk);
-        let row_bits = 64 * g.wpr as u32;
         for kt in 0..g.nk {
             let (j0, j1) = (kt * g.tk, ((kt + 1) * g.tk).min(g.lkv));
             let col = &runs[j0..j1];
@@ -347,52 +360,32 @@ impl<'a> IntervalLeaf<'a> {
                 mark_merged(g, walk, col, kt, &mut segs, &mut marked);
                 continue;
             }
-            for &(s, e) in col {
-                for &i in &walk.order[s as usize..e as usize] {
-                    count[(i >> walk.shift) as usize] += 1;
-                }
-            }
+            walk.count(col, &mut count);
             partial.clear();
-            for (qt, &n) in count.iter().enumerate() {
-                if n > 0 {
-                    set_bit(&mut marked, qt * g.nk + kt);
-                    if !self.full(qt, kt) {
-                        partial.push(qt as u32);
+            // The reached q tiles, skipping 16 untouched counts at a time (a walked column's
+            // keys reach few of them).
+            for (c, chunk) in count.chunks(16).enumerate() {
+                if chunk.iter().fold(0, |a, &n| a | n) == 0 {
+                    continue;
+                }
+                for (k, &n) in chunk.iter().enumerate() {
+                    let qt = c * 16 + k;
+                    if n > 0 {
+                        set_bit(&mut marked, qt * g.nk + kt);
+                        if !self.full(qt, kt) {
+                            partial.push(qt as u32);
+                        }
                     }
                 }
             }
             let take = how.walks(steps * RUN_STEP_COST < partial.len() as u64 * compare_cost);
-            if !g.masks && !partial.is_empty() {
-                // Without bitmasks a tile's count is all stage 2 needs: no second walk.
+            if (take || !g.masks) && !partial.is_empty() {
                 self.by_runs[kt] = true;
                 walked.extend(
                     partial
                         .iter()
-                        .map(|&qt| (qt, kt as u32, 0, count[qt as usize])),
+                        .map(|&qt| (qt, kt as u32, count[qt as usize])),
                 );
-            } else if take && !partial.is_empty() {
-                self.by_runs[kt] = true;
-                let mut at = self.bitpos.len() as u32;
-                for &qt in &partial {
-                    let n = count[qt as usize];
-                    slot[qt as usize] = at;
-                    walked.push((qt, kt as u32, at, at + n));
-                    at += n;
-                }
-                self.bitpos.resize(at as usize, 0);
-                for (c, &(s, e)) in col.iter().enumerate() {
-                    for &i in &walk.order[s as usize..e as usize] {
-                        let qt = (i >> walk.shift) as usize;
-                        let p = slot[qt];
-                        if p != u32::MAX {
-                            self.bitpos[p as usize] = (i & walk.mask) * row_bits + c as u32;
-                            slot[qt] = p + 1;
-                        }
-                    }
-                }
-                for &qt in &partial {
-                    slot[qt as usize] = u32::MAX;
-                }
             }
             count.fill(0);
         }
@@ -420,15 +413,15 @@ impl<'a> IntervalLeaf<'a> {
         off.push(list.len() as u32);
         // `walked` is in column order, so each row's entries come with ascending kv tiles, as
         // in the row: one cursor per row finds them all in a pass.
-        self.walked = vec![(0, 0); list.len()];
+        self.walked = vec![0; list.len()];
         let mut cursor: Vec<u32> = off[..g.nq].to_vec();
-        for &(qt, kt, a, b) in &walked {
+        for &(qt, kt, n) in &walked {
             let (c, end) = (&mut cursor[qt as usize], off[qt as usize + 1]);
             while *c < end && list[*c as usize] < kt {
                 *c += 1;
             }
             if *c < end && list[*c as usize] == kt {
-                self.walked[*c as usize] = (a, b);
+                self.walked[*c as usize] = n;
             }
         }
         self.q_reach = (0..g.nq)
@@ -442,9 +435,10 @@ impl<'a> IntervalLeaf<'a> {
         self.list = list;
     }
 
-    /// The `walked` range of tile (`qt`, `kt`): a partial tile of a walked column. `at`: its
-    /// place among the row's [`candidates`](Self::candidates) if known (checked), else searched.
-    fn walked(&self, qt: usize, kt: usize, at: Option<usize>) -> Option<(u32, u32)> {
+    /// The allowed pairs of tile (`qt`, `kt`) when it is a partial tile of a walked column.
+    /// `at`: its place among the row's [`candidates`](Self::candidates) if known (checked),
+    /// else searched.
+    fn walked(&self, qt: usize, kt: usize, at: Option<usize>) -> Option<u32> {
         if !self.by_runs[kt] || self.full(qt, kt) {
             return None;
         }
@@ -459,14 +453,50 @@ impl<'a> IntervalLeaf<'a> {
     /// The allowed pairs of tile (`qt`, `kt`) as bit positions (`row * 64 * wpr + column`, each
     /// once) when stage 1 listed them (a partial tile of a walked column, in a plan with masks).
     pub(super) fn listed(&self, g: &Geom, qt: usize, kt: usize) -> Option<&[u32]> {
-        let (a, b) = self.walked(qt, kt, None).filter(|_| g.masks)?;
-        Some(&self.bitpos[a as usize..b as usize])
+        self.walked(qt, kt, None).filter(|_| g.masks)?;
+        let p = self.positions[kt].get_or_init(|| self.column_positions(g, kt));
+        let k = p.qts.binary_search(&(qt as u32)).ok()?;
+        Some(&p.pos[p.start[k] as usize..p.start[k + 1] as usize])
+    }
+
+    /// The bit positions of walked column `kt`'s partial tiles: its runs walked twice, to
+    /// count each tile's pairs and then to place them.
+    fn column_positions(&self, g: &Geom, kt: usize) -> Positions {
+        let walk = Walk::new(g, &self.order);
+        let (j0, j1) = (kt * g.tk, ((kt + 1) * g.tk).min(g.lkv));
+        let col = &self.runs[j0..j1];
+        let mut count = vec![0u32; g.nq];
+        walk.count(col, &mut count);
+        // Per q tile, where its next pair goes (u32::MAX: not a partial tile).
+        let mut slot = vec![u32::MAX; g.nq];
+        let (mut qts, mut start) = (Vec::new(), vec![0u32]);
+        let mut at = 0u32;
+        for (qt, &n) in count.iter().enumerate() {
+            if n > 0 && !self.full(qt, kt) {
+                qts.push(qt as u32);
+                slot[qt] = at;
+                at += n;
+                start.push(at);
+            }
+        }
+        let mut pos = vec![0u32; at as usize];
+        let row_bits = 64 * g.wpr as u32;
+        for (c, &(s, e)) in col.iter().enumerate() {
+            for &i in &walk.order[s as usize..e as usize] {
+                let p = &mut slot[(i >> walk.shift) as usize];
+                if *p != u32::MAX {
+                    pos[*p as usize] = (i & walk.mask) * row_bits + c as u32;
+                    *p += 1;
+                }
+            }
+        }
+        Positions { qts, start, pos }
     }
 
     /// How many pairs of tile (`qt`, `kt`) are allowed when stage 1 counted them (a partial tile
     /// of a walked column; `at` as in [`IntervalLeaf::walked`]).
     pub(super) fn pairs(&self, qt: usize, kt: usize, at: Option<usize>) -> Option<u64> {
-        self.walked(qt, kt, at).map(|(a, b)| (b - a) as u64)
+        self.walked(qt, kt, at).map(u64::from)
     }
 
     /// Stage 2: writes the tile's allowed pairs into a zeroed `out`.
@@ -587,6 +617,15 @@ impl<'r> Walk<'r> {
             mask: g.tq as u32 - 1,
             tq: g.tq,
             ranks: std::cell::OnceCell::new(),
+        }
+    }
+
+    /// Adds to `count[qt]` the rows of q tile `qt` in the runs `col`.
+    fn count(&self, col: &[(u32, u32)], count: &mut [u32]) {
+        for &(s, e) in col {
+            for &i in &self.order[s as usize..e as usize] {
+                count[(i >> self.shift) as usize] += 1;
+            }
         }
     }
 
