@@ -59,14 +59,41 @@ pub struct FlexArrays {
 }
 
 /// Appends one ordered row of `n` indices to `out`: `active` (ascending, distinct, below `n`)
-/// first, then the remaining indices ascending (the gaps between active ones, each a run of
-/// consecutive values).
-fn ordered_row(active: &[u32], n: usize, out: &mut Vec<i32>) {
+/// first, then the remaining indices ascending. A row whose active indices form few runs fills
+/// the gaps between them in bulk; one with many gaps (a scattered mask's, a few indices each,
+/// which cost more to set up than to fill) lists the clear bits of a bitmap of the row
+/// (`scratch`), one `tzcnt` each.
+fn ordered_row(active: &[u32], n: usize, out: &mut Vec<i32>, scratch: &mut Vec<u64>) {
+    out.reserve(n);
     out.extend(active.iter().map(|&a| a as i32));
-    let mut next = 0usize;
-    for end in active.iter().map(|&a| a as usize).chain([n]) {
-        out.extend(next as i32..end as i32);
-        next = end + 1;
+    let gaps = active.windows(2).filter(|w| w[1] != w[0] + 1).count();
+    if gaps * 16 < n {
+        let mut next = 0u32;
+        for &a in active {
+            if a != next {
+                out.extend(next as i32..a as i32);
+            }
+            next = a + 1;
+        }
+        out.extend(next as i32..n as i32);
+        return;
+    }
+    scratch.clear();
+    scratch.resize(n.div_ceil(64), 0);
+    for &a in active {
+        scratch[a as usize / 64] |= 1 << (a % 64);
+    }
+    for (w, &word) in scratch.iter().enumerate() {
+        let left = n - 64 * w;
+        let mut rest = if left < 64 {
+            !word & ((1u64 << left) - 1)
+        } else {
+            !word
+        };
+        while rest != 0 {
+            out.push((64 * w) as i32 + rest.trailing_zeros() as i32);
+            rest &= rest - 1;
+        }
     }
 }
 
@@ -331,6 +358,7 @@ fn export_impl(
     let mut code = vec![0i32; code_cells];
     let (tq, tk) = (plan.tile.q, plan.tile.kv);
     let (mut part, mut full) = (Vec::new(), Vec::new());
+    let mut scratch = Vec::new();
     let mut mask_blocks = Vec::new();
     let mut packed = Vec::new();
     let sink = match blocks {
@@ -364,8 +392,8 @@ fn export_impl(
         let r = gi * nq + qt;
         a.kv_num_blocks[r] = part.len() as i32;
         a.full_kv_num_blocks[r] = full.len() as i32;
-        ordered_row(&part, nk, &mut a.kv_indices);
-        ordered_row(&full, nk, &mut a.full_kv_indices);
+        ordered_row(&part, nk, &mut a.kv_indices, &mut scratch);
+        ordered_row(&full, nk, &mut a.full_kv_indices, &mut scratch);
     });
     a.mask_blocks = mask_blocks;
     for b in 0..bg {
@@ -384,8 +412,8 @@ fn export_impl(
                 let r = gi * nk + kt;
                 a.q_num_blocks[r] = part.len() as i32;
                 a.full_q_num_blocks[r] = full.len() as i32;
-                ordered_row(&part, nq, &mut a.q_indices);
-                ordered_row(&full, nq, &mut a.full_q_indices);
+                ordered_row(&part, nq, &mut a.q_indices, &mut scratch);
+                ordered_row(&full, nq, &mut a.full_q_indices, &mut scratch);
             }
         }
     }
@@ -609,21 +637,28 @@ mod tests {
 
     #[test]
     fn ordered_rows_list_the_active_then_the_rest_ascending() {
-        for n in [1usize, 2, 7, 64] {
-            for pattern in 0u64..64 {
-                let active: Vec<u32> = (0..n as u32)
-                    .filter(|&i| pattern.rotate_left(i * 5) & 1 == 1)
-                    .collect();
-                let mut out = vec![-7];
-                ordered_row(&active, n, &mut out);
-                let rest = (0..n as i32).filter(|i| !active.contains(&(*i as u32)));
-                let want: Vec<i32> = [-7]
-                    .into_iter()
-                    .chain(active.iter().map(|&a| a as i32))
-                    .chain(rest)
-                    .collect();
-                assert_eq!(out, want, "n {n} active {active:?}");
-            }
+        // Dense and sparse rows (both ways of listing the rest), lengths around word ends.
+        let mut scratch = vec![u64::MAX; 3];
+        for (n, pattern, sparsity) in [1usize, 2, 7, 63, 64, 65, 130, 1000]
+            .into_iter()
+            .flat_map(|n| (0u64..64).map(move |p| (n, p)))
+            .flat_map(|(n, p)| [1u64, 3, 40].map(|s| (n, p, s)))
+        {
+            let active: Vec<u32> = (0..n as u32)
+                .filter(|&i| {
+                    let mix = (i as u64 ^ pattern).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 40;
+                    pattern.rotate_left(i * 5) & 1 == 1 && mix % sparsity == 0
+                })
+                .collect();
+            let mut out = vec![-7];
+            ordered_row(&active, n, &mut out, &mut scratch);
+            let rest = (0..n as i32).filter(|i| !active.contains(&(*i as u32)));
+            let want: Vec<i32> = [-7]
+                .into_iter()
+                .chain(active.iter().map(|&a| a as i32))
+                .chain(rest)
+                .collect();
+            assert_eq!(out, want, "n {n} active {active:?}");
         }
     }
 }
