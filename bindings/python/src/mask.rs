@@ -156,10 +156,10 @@ fn document_bounds(s: &Segments) -> Option<(usize, Vec<i32>, Vec<i32>)> {
     Some((rows, starts, ends))
 }
 
-/// `(min, max)` over both features of a band ((0, 0) when empty).
+/// `(min, max)` over both features of a band (kept by the features since their construction).
 fn feature_span(f: &BandFeatures) -> (i64, i64) {
-    let values = || f.q.ids().iter().chain(f.kv.ids()).copied();
-    (values().min().unwrap_or(0), values().max().unwrap_or(0))
+    let ((ql, qh), (kl, kh)) = (f.q.span(), f.kv.span());
+    (ql.min(kl), qh.max(kh))
 }
 
 /// One node of [`PyMask::_tree`]; depth is bounded by the caller's check.

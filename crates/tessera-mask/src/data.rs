@@ -18,6 +18,8 @@ pub struct SegmentIds {
     digest: [u8; 32],
     /// Digest of each row alone (planning compares rows once per (batch row, head)).
     row_digests: Vec<[u8; 32]>,
+    /// The smallest and largest id, found with the digest (exporters ask for them per export).
+    span: (i64, i64),
 }
 
 /// Little-endian bytes of `ids`, for hashing in one update (per-id updates cost more than
@@ -57,12 +59,16 @@ impl SegmentIds {
             .chunks(8 * len)
             .map(|r| *blake3::hash(r).as_bytes())
             .collect();
+        let span = ids
+            .iter()
+            .fold((i64::MAX, i64::MIN), |(lo, hi), &v| (lo.min(v), hi.max(v)));
         Ok(SegmentIds {
             rows,
             len,
             ids,
             digest: *h.finalize().as_bytes(),
             row_digests,
+            span,
         })
     }
 
@@ -90,6 +96,11 @@ impl SegmentIds {
     /// Every stored id, row after row (`rows() x len()`).
     pub fn ids(&self) -> &[i64] {
         &self.ids
+    }
+
+    /// `(smallest, largest)` of every stored id (never empty: a constructor refuses no ids).
+    pub fn span(&self) -> (i64, i64) {
+        self.span
     }
 
     /// The ids of batch row `b` (row 0 when the ids are shared).
