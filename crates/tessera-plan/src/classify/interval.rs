@@ -47,9 +47,14 @@ pub(crate) struct IntervalLeaf<'a> {
     reached: Vec<u64>,
     nk: usize,
     /// Per kv tile, whether its column's partial tiles are refined by run walks; then per
-    /// entry of `list` in such a column that is not Full, its allowed pairs, `walked[entry]`.
-    walked: Vec<u32>,
+    /// entry of `list` in such a column that is not Full, its allowed pairs and its place in
+    /// `by_col`, `walked[entry]`.
+    walked: Vec<(u32, u32)>,
     by_runs: Vec<bool>,
+    /// The walked partial tiles column by column, q tiles ascending: (qt, pairs) of column
+    /// `kt` at `by_col[col_off[kt]..col_off[kt + 1]]`.
+    by_col: Vec<(u32, u32)>,
+    col_off: Vec<u32>,
     /// Per key its run of ranks, and the rows by rank: what a walked column's bit positions
     /// are listed from, per column on first need ([`IntervalLeaf::listed`]): a plan that keeps
     /// few masks, or none, never walks most columns twice.
@@ -62,9 +67,9 @@ pub(crate) struct IntervalLeaf<'a> {
 }
 
 /// The allowed pairs of a walked column's partial tiles as bit positions in their tile (`row *
-/// 64 * wpr + column`): those of q tile `qts[k]` at `pos[start[k]..start[k + 1]]`.
+/// 64 * wpr + column`): those of its `k`-th partial tile (in `by_col` order) at
+/// `pos[start[k]..start[k + 1]]`.
 struct Positions {
-    qts: Vec<u32>,
     start: Vec<u32>,
     pos: Vec<u32>,
 }
@@ -296,6 +301,8 @@ impl<'a> IntervalLeaf<'a> {
             nk: g.nk,
             walked: Vec::new(),
             by_runs: vec![false; g.nk],
+            by_col: Vec::new(),
+            col_off: Vec::new(),
             runs: Vec::new(),
             order: Vec::new(),
             positions,
@@ -348,10 +355,11 @@ impl<'a> IntervalLeaf<'a> {
         let compare_cost = (g.tq * g.tk.div_ceil(16)) as u64;
         let mut count = vec![0u32; g.nq];
         let mut partial: Vec<u32> = Vec::with_capacity(g.nq);
-        // (qt, kt, pairs) of every walked partial tile, in column order.
-        let mut walked: Vec<(u32, u32, u32)> = Vec::new();
+        // (qt, pairs) of every walked partial tile, in column order.
+        let (mut by_col, mut col_off) = (Vec::new(), Vec::with_capacity(g.nk + 1));
         let mut segs: Vec<u64> = Vec::with_capacity(g.tk);
         for kt in 0..g.nk {
+            col_off.push(by_col.len() as u32);
             let (j0, j1) = (kt * g.tk, ((kt + 1) * g.tk).min(g.lkv));
             let col = &runs[j0..j1];
             let steps: u64 = col.iter().map(|&(s, e)| (e - s) as u64).sum();
@@ -381,14 +389,11 @@ impl<'a> IntervalLeaf<'a> {
             let take = how.walks(steps * RUN_STEP_COST < partial.len() as u64 * compare_cost);
             if (take || !g.masks) && !partial.is_empty() {
                 self.by_runs[kt] = true;
-                walked.extend(
-                    partial
-                        .iter()
-                        .map(|&qt| (qt, kt as u32, count[qt as usize])),
-                );
+                by_col.extend(partial.iter().map(|&qt| (qt, count[qt as usize])));
             }
             count.fill(0);
         }
+        col_off.push(by_col.len() as u32);
         // Per q tile, its reached kv tiles from the bitmap, a word at a time.
         let mut off = Vec::with_capacity(g.nq + 1);
         let mut list = Vec::new();
@@ -411,19 +416,24 @@ impl<'a> IntervalLeaf<'a> {
             }
         }
         off.push(list.len() as u32);
-        // `walked` is in column order, so each row's entries come with ascending kv tiles, as
+        // `by_col` is in column order, so each row's entries come with ascending kv tiles, as
         // in the row: one cursor per row finds them all in a pass.
-        self.walked = vec![0; list.len()];
+        self.walked = vec![(0, 0); list.len()];
         let mut cursor: Vec<u32> = off[..g.nq].to_vec();
-        for &(qt, kt, n) in &walked {
-            let (c, end) = (&mut cursor[qt as usize], off[qt as usize + 1]);
-            while *c < end && list[*c as usize] < kt {
-                *c += 1;
-            }
-            if *c < end && list[*c as usize] == kt {
-                self.walked[*c as usize] = n;
+        for kt in 0..g.nk {
+            let (a, b) = (col_off[kt] as usize, col_off[kt + 1] as usize);
+            for (k, &(qt, n)) in by_col[a..b].iter().enumerate() {
+                let (c, end) = (&mut cursor[qt as usize], off[qt as usize + 1]);
+                while *c < end && list[*c as usize] < kt as u32 {
+                    *c += 1;
+                }
+                if *c < end && list[*c as usize] == kt as u32 {
+                    self.walked[*c as usize] = (n, k as u32);
+                }
             }
         }
+        self.by_col = by_col;
+        self.col_off = col_off;
         self.q_reach = (0..g.nq)
             .map(|qt| {
                 let row = &list[off[qt] as usize..off[qt + 1] as usize];
@@ -438,7 +448,7 @@ impl<'a> IntervalLeaf<'a> {
     /// The allowed pairs of tile (`qt`, `kt`) when it is a partial tile of a walked column.
     /// `at`: its place among the row's [`candidates`](Self::candidates) if known (checked),
     /// else searched.
-    fn walked(&self, qt: usize, kt: usize, at: Option<usize>) -> Option<u32> {
+    fn walked(&self, qt: usize, kt: usize, at: Option<usize>) -> Option<(u32, u32)> {
         if !self.by_runs[kt] || self.full(qt, kt) {
             return None;
         }
@@ -453,32 +463,29 @@ impl<'a> IntervalLeaf<'a> {
     /// The allowed pairs of tile (`qt`, `kt`) as bit positions (`row * 64 * wpr + column`, each
     /// once) when stage 1 listed them (a partial tile of a walked column, in a plan with masks).
     pub(super) fn listed(&self, g: &Geom, qt: usize, kt: usize) -> Option<&[u32]> {
-        self.walked(qt, kt, None).filter(|_| g.masks)?;
+        let (_, k) = self.walked(qt, kt, None).filter(|_| g.masks)?;
         let p = self.positions[kt].get_or_init(|| self.column_positions(g, kt));
-        let k = p.qts.binary_search(&(qt as u32)).ok()?;
+        let k = k as usize;
         Some(&p.pos[p.start[k] as usize..p.start[k + 1] as usize])
     }
 
-    /// The bit positions of walked column `kt`'s partial tiles: its runs walked twice, to
-    /// count each tile's pairs and then to place them.
+    /// The bit positions of walked column `kt`'s partial tiles: its runs walked again, each
+    /// pair placed by the counts stage 1 kept.
     fn column_positions(&self, g: &Geom, kt: usize) -> Positions {
         let walk = Walk::new(g, &self.order);
         let (j0, j1) = (kt * g.tk, ((kt + 1) * g.tk).min(g.lkv));
         let col = &self.runs[j0..j1];
-        let mut count = vec![0u32; g.nq];
-        walk.count(col, &mut count);
+        let tiles = &self.by_col[self.col_off[kt] as usize..self.col_off[kt + 1] as usize];
         // Per q tile, where its next pair goes (u32::MAX: not a partial tile).
         let mut slot = vec![u32::MAX; g.nq];
-        let (mut qts, mut start) = (Vec::new(), vec![0u32]);
+        let mut start = Vec::with_capacity(tiles.len() + 1);
         let mut at = 0u32;
-        for (qt, &n) in count.iter().enumerate() {
-            if n > 0 && !self.full(qt, kt) {
-                qts.push(qt as u32);
-                slot[qt] = at;
-                at += n;
-                start.push(at);
-            }
+        for &(qt, n) in tiles {
+            start.push(at);
+            slot[qt as usize] = at;
+            at += n;
         }
+        start.push(at);
         let mut pos = vec![0u32; at as usize];
         let row_bits = 64 * g.wpr as u32;
         for (c, &(s, e)) in col.iter().enumerate() {
@@ -490,13 +497,13 @@ impl<'a> IntervalLeaf<'a> {
                 }
             }
         }
-        Positions { qts, start, pos }
+        Positions { start, pos }
     }
 
     /// How many pairs of tile (`qt`, `kt`) are allowed when stage 1 counted them (a partial tile
     /// of a walked column; `at` as in [`IntervalLeaf::walked`]).
     pub(super) fn pairs(&self, qt: usize, kt: usize, at: Option<usize>) -> Option<u64> {
-        self.walked(qt, kt, at).map(u64::from)
+        self.walked(qt, kt, at).map(|(n, _)| u64::from(n))
     }
 
     /// Stage 2: writes the tile's allowed pairs into a zeroed `out`.

@@ -36,7 +36,22 @@ pub(crate) enum Candidates {
     List(Vec<u32>),
 }
 
+/// Whether sorted distinct `v` is one run of consecutive tiles (and not empty).
+fn contiguous(v: &[u32]) -> bool {
+    matches!((v.first(), v.last()), (Some(&a), Some(&b)) if (b - a) as usize + 1 == v.len())
+}
+
 impl Candidates {
+    /// The tiles of sorted distinct `v`: a range when they are consecutive (a long prompt's
+    /// rows: no copy, and no list to walk).
+    fn of(v: &[u32]) -> Candidates {
+        if contiguous(v) {
+            Candidates::Range(v[0] as usize, v[v.len() - 1] as usize)
+        } else {
+            Candidates::List(v.to_vec())
+        }
+    }
+
     /// How many tiles are visited.
     pub fn len(&self) -> usize {
         match self {
@@ -262,7 +277,11 @@ impl<'a> Node<'a> {
     /// Stage 1: the kv tiles of q-tile `qt` worth classifying: a superset of those holding an
     /// allowed pair, within [`Node::reach`].
     pub fn candidates(&self, g: &Geom, qt: usize) -> Candidates {
+        if let Node::Interval(d) = self {
+            return Candidates::of(d.candidates(qt));
+        }
         match self.list(g, qt) {
+            Some(v) if contiguous(&v) => Candidates::of(&v),
             Some(v) => Candidates::List(v),
             None => match self.reach(g, qt) {
                 Some((lo, hi)) => Candidates::Range(lo, hi),
