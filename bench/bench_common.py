@@ -44,10 +44,12 @@ def doc_ids(n, mean=2048, seed=7):
     return np.asarray(ids, dtype=np.int64)
 
 
-def median_time(fn, reps):
-    """``(median seconds of reps calls of fn, fn's last result)``."""
+def median_time(fn, reps, min_seconds=0.0):
+    """``(median seconds of the calls of fn, fn's last result)``: ``reps`` calls, and more until
+    they took ``min_seconds`` in all (a shared guest slows down for tens of milliseconds at a
+    time: a few quick calls can all land in one such spell, a long one spans several)."""
     ts, out = [], None
-    for _ in range(reps):
+    while len(ts) < reps or sum(ts) < min_seconds:
         t = time.perf_counter()
         out = fn()
         ts.append(time.perf_counter() - t)

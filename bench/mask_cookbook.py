@@ -621,10 +621,10 @@ def tessera_block_mask(r: Recipe):
     ).to_flex_block_mask()
 
 
-def time_recipe(r: Recipe, reps: int, warmup: int = 1) -> dict:
+def time_recipe(r: Recipe, reps: int, warmup: int = 1, min_seconds: float = 0.0) -> dict:
     for _ in range(max(1, warmup)):
         tessera_block_mask(r)  # warm-up (not timed)
-    t_tessera, bm = median_time(lambda: tessera_block_mask(r), reps)
+    t_tessera, bm = median_time(lambda: tessera_block_mask(r), reps, min_seconds)
     # A fresh compilation per recipe: dynamo's per-function recompile limit (8 mask_mods) would
     # otherwise send later recipes to the eager path, which materializes [Lq, Lkv].
     torch._dynamo.reset()
@@ -632,7 +632,7 @@ def time_recipe(r: Recipe, reps: int, warmup: int = 1) -> dict:
     call = lambda: compiled(r.mask_mod, r.batch, r.heads, r.q_len, r.kv_len, device="cpu")  # noqa: E731
     for _ in range(max(1, warmup)):
         call()  # compilation, then warm-up (not timed)
-    t_torch, ref = median_time(call, reps)
+    t_torch, ref = median_time(call, reps, min_seconds)
     equal = all(torch.equal(getattr(bm, t), getattr(ref, t)) for t in TABLES)
     return dict(
         family=r.family,
@@ -701,6 +701,13 @@ def main():
     ap.add_argument("--only", default="", help="comma-separated family names (default: all)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1, help="untimed calls before timing, each side")
+    ap.add_argument(
+        "--min-seconds",
+        type=float,
+        default=0.3,
+        help="each side's timed calls continue past --reps until they took this long in all (the "
+        "same window for both sides: this guest's slow spells last tens of ms)",
+    )
     ap.add_argument("--doc-causal", type=int, default=32768, help="the doc-causal row length (0: skip)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--png", default="", help="write the docs' pictures into this directory and exit")
@@ -727,7 +734,7 @@ def main():
     results = []
 
     def run(r):
-        results.append(time_recipe(r, args.reps, args.warmup))
+        results.append(time_recipe(r, args.reps, args.warmup, args.min_seconds))
         if not args.json:
             print(_line(results[-1]), file=sys.stderr, flush=True)  # progress
 
@@ -745,7 +752,8 @@ def main():
     load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
     print(
         f"CPU: {cpu_model()}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
-        f"medians of {args.reps} after {max(1, args.warmup)} warm-up calls each; load average at the end {load}"
+        f"medians of at least {args.reps} calls and {args.min_seconds} s after {max(1, args.warmup)} warm-up "
+        f"calls each; load average at the end {load}"
     )
     print("| family | tokens | tessera plan + BlockMask ms | compiled create_block_mask ms | speedup | bar | tables equal |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
