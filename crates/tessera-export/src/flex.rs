@@ -58,11 +58,6 @@ pub struct FlexArrays {
     pub mask_blocks: Vec<bool>,
 }
 
-/// Grids of at least this many cells (per group, times the groups) export their kv side and q
-/// side on two threads (a 32K-token plan at tile 128: ~0.2 ms of each; below it a thread's
-/// wake-up costs about what it saves).
-const PARALLEL_CELLS: usize = 1 << 16;
-
 /// Appends one ordered row of `n` indices to `out`: `active` (ascending, distinct, below `n`)
 /// first, then the remaining indices ascending. A row whose active indices form few runs fills
 /// the gaps between them in bulk; one with many gaps (a scattered mask's, a few indices each,
@@ -315,17 +310,6 @@ fn export_impl(
     blocks: BlockOutput,
     cells_out: Cells,
 ) -> Result<(FlexArrays, Vec<i32>, Vec<u64>)> {
-    export_with(plan, blocks, cells_out, None)
-}
-
-/// [`export_impl`], its two passes on two threads or not as `parallel` says (None: by the
-/// grid's size).
-fn export_with(
-    plan: &Plan,
-    blocks: BlockOutput,
-    cells_out: Cells,
-    parallel: Option<bool>,
-) -> Result<(FlexArrays, Vec<i32>, Vec<u64>)> {
     let bools = matches!(blocks, BlockOutput::Bools);
     if !matches!(blocks, BlockOutput::Skip) {
         plan.require_masks("the partial blocks of a flex export")?;
@@ -363,17 +347,18 @@ fn export_with(
         kv_indices: Vec::with_capacity(cells),
         full_kv_num_blocks: vec![0; g * nq],
         full_kv_indices: Vec::with_capacity(cells),
-        // From the columns ([`q_side`]).
-        q_num_blocks: Vec::new(),
-        q_indices: Vec::new(),
-        full_q_num_blocks: Vec::new(),
-        full_q_indices: Vec::new(),
+        q_num_blocks: vec![0; g * nk],
+        q_indices: Vec::with_capacity(cells),
+        full_q_num_blocks: vec![0; g * nk],
+        full_q_indices: Vec::with_capacity(cells),
         mask_tile_states: vec![0; per_cell],
         mask_block_ids: vec![-1; per_cell],
         mask_blocks: Vec::new(),
     };
     let mut code = vec![0i32; code_cells];
     let (tq, tk) = (plan.tile.q, plan.tile.kv);
+    let (mut part, mut full) = (Vec::new(), Vec::new());
+    let mut scratch = Vec::new();
     let mut mask_blocks = Vec::new();
     let mut packed = Vec::new();
     let sink = match blocks {
@@ -384,65 +369,33 @@ fn export_with(
         }
         BlockOutput::Skip => Blocks::Skip,
     };
-    // The q-side tables from the columns, beside the kv side's from the rows on a large grid
-    // (two independent passes that write ~4 bytes per cell each).
-    let rows = |a: &mut FlexArrays, code: &mut Vec<i32>| {
-        let (mut part, mut full, mut scratch) = (Vec::new(), Vec::new(), Vec::new());
-        visit_rows(plan, &c, sink, |gi, qt, row| {
-            part.clear();
-            full.clear();
-            for &(tile, id) in row {
-                let cell = (gi * nq + qt) * nk + tile as usize;
-                if id < 0 {
-                    full.push(tile);
-                } else {
-                    part.push(tile);
-                }
-                match cells_out {
-                    Cells::Codes => code[cell] = if id < 0 { 1 } else { id.saturating_add(2) },
-                    Cells::States if id < 0 => a.mask_tile_states[cell] = 2,
-                    Cells::States => {
-                        a.mask_tile_states[cell] = 1;
-                        a.mask_block_ids[cell] = id;
-                    }
-                    Cells::Neither => {}
-                }
+    let n_blocks = visit_rows(plan, &c, sink, |gi, qt, row| {
+        part.clear();
+        full.clear();
+        for &(tile, id) in row {
+            let cell = (gi * nq + qt) * nk + tile as usize;
+            if id < 0 {
+                full.push(tile);
+            } else {
+                part.push(tile);
             }
-            let r = gi * nq + qt;
-            a.kv_num_blocks[r] = part.len() as i32;
-            a.full_kv_num_blocks[r] = full.len() as i32;
-            ordered_row(&part, nk, &mut a.kv_indices, &mut scratch);
-            ordered_row(&full, nk, &mut a.full_kv_indices, &mut scratch);
-        })
-    };
-    let cols = || q_side(plan, &c);
-    let (n_blocks, q) = if parallel.unwrap_or(cells >= PARALLEL_CELLS) {
-        rayon::join(|| rows(&mut a, &mut code), cols)
-    } else {
-        (rows(&mut a, &mut code), cols())
-    };
+            match cells_out {
+                Cells::Codes => code[cell] = if id < 0 { 1 } else { id.saturating_add(2) },
+                Cells::States if id < 0 => a.mask_tile_states[cell] = 2,
+                Cells::States => {
+                    a.mask_tile_states[cell] = 1;
+                    a.mask_block_ids[cell] = id;
+                }
+                Cells::Neither => {}
+            }
+        }
+        let r = gi * nq + qt;
+        a.kv_num_blocks[r] = part.len() as i32;
+        a.full_kv_num_blocks[r] = full.len() as i32;
+        ordered_row(&part, nk, &mut a.kv_indices, &mut scratch);
+        ordered_row(&full, nk, &mut a.full_kv_indices, &mut scratch);
+    });
     a.mask_blocks = mask_blocks;
-    (
-        a.q_num_blocks,
-        a.q_indices,
-        a.full_q_num_blocks,
-        a.full_q_indices,
-    ) = q;
-    if n_blocks == 0 && bools {
-        a.mask_blocks = vec![false; tq * tk];
-    }
-    Ok((a, code, packed))
-}
-
-/// The q side's tables from the plan's columns: `(q_num_blocks, q_indices, full_q_num_blocks,
-/// full_q_indices)`.
-fn q_side(plan: &Plan, c: &Contents<'_>) -> (Vec<i32>, Vec<i32>, Vec<i32>, Vec<i32>) {
-    let (nq, nk) = (plan.q_tiles, plan.kv_tiles);
-    let (bg, hg) = (plan.batch_groups, plan.head_groups);
-    let cells = bg * hg * nq * nk;
-    let (mut num, mut idx) = (vec![0; bg * hg * nk], Vec::with_capacity(cells));
-    let (mut full_num, mut full_idx) = (vec![0; bg * hg * nk], Vec::with_capacity(cells));
-    let (mut part, mut full, mut scratch) = (Vec::new(), Vec::new(), Vec::new());
     for b in 0..bg {
         for h in 0..hg {
             let gi = b * hg + h;
@@ -457,14 +410,17 @@ fn q_side(plan: &Plan, c: &Contents<'_>) -> (Vec<i32>, Vec<i32>, Vec<i32>, Vec<i
                     }
                 }
                 let r = gi * nk + kt;
-                num[r] = part.len() as i32;
-                full_num[r] = full.len() as i32;
-                ordered_row(&part, nq, &mut idx, &mut scratch);
-                ordered_row(&full, nq, &mut full_idx, &mut scratch);
+                a.q_num_blocks[r] = part.len() as i32;
+                a.full_q_num_blocks[r] = full.len() as i32;
+                ordered_row(&part, nq, &mut a.q_indices, &mut scratch);
+                ordered_row(&full, nq, &mut a.full_q_indices, &mut scratch);
             }
         }
     }
-    (num, idx, full_num, full_idx)
+    if n_blocks == 0 && bools {
+        a.mask_blocks = vec![false; tq * tk];
+    }
+    Ok((a, code, packed))
 }
 
 fn append_block(out: &mut Vec<bool>, bits: &[u64], tq: usize, tk: usize, wpr: usize) {
@@ -677,42 +633,7 @@ impl FlexArrays {
 
 #[cfg(test)]
 mod tests {
-    use super::{export_with, ordered_row, BlockOutput, Cells};
-    use tessera_mask::{Mask, SegmentIds, Segments};
-    use tessera_plan::{build_plan, build_tile_states, PlanShape, TileShape};
-
-    /// The two passes on two threads give what they give on one, for every output kind, with
-    /// and without masks, per-row and per-head plans included.
-    #[test]
-    fn parallel_export_equals_serial() {
-        let ids: Vec<i64> = (0..2 * 300)
-            .map(|i| ((i % 300) / 37 + i / 300) as i64)
-            .collect();
-        let docs = Mask::document(Segments::shared(SegmentIds::new(2, 300, ids).unwrap()));
-        let masks = [
-            Mask::causal() & docs.clone(),
-            Mask::heads(vec![Mask::window(20, 3), !Mask::causal() | docs]),
-        ];
-        for mask in masks {
-            let shape = PlanShape::new(2, 2, 300, 300).unwrap();
-            let tile = TileShape::new(16, 32).unwrap();
-            for plan in [
-                build_plan(&mask, shape, tile).unwrap(),
-                build_tile_states(&mask, shape, tile).unwrap(),
-            ] {
-                for cells in [Cells::States, Cells::Codes, Cells::Neither] {
-                    let blocks = || match (plan.has_masks(), cells) {
-                        (false, _) => BlockOutput::Skip,
-                        (true, Cells::States) => BlockOutput::Bools,
-                        _ => BlockOutput::Packed(vec![7]),
-                    };
-                    let one = export_with(&plan, blocks(), cells, Some(false)).unwrap();
-                    let two = export_with(&plan, blocks(), cells, Some(true)).unwrap();
-                    assert_eq!(one, two);
-                }
-            }
-        }
-    }
+    use super::ordered_row;
 
     #[test]
     fn ordered_rows_list_the_active_then_the_rest_ascending() {
