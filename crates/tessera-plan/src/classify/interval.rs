@@ -370,19 +370,19 @@ impl<'a> IntervalLeaf<'a> {
             }
             walk.count(col, &mut count);
             partial.clear();
-            // The reached q tiles, skipping 16 untouched counts at a time (a walked column's
-            // keys reach few of them).
+            // The reached q tiles, 16 counts at a time: a mask of the non-zero ones (built
+            // without branches), then its set bits.
             for (c, chunk) in count.chunks(16).enumerate() {
-                if chunk.iter().fold(0, |a, &n| a | n) == 0 {
-                    continue;
-                }
-                for (k, &n) in chunk.iter().enumerate() {
-                    let qt = c * 16 + k;
-                    if n > 0 {
-                        set_bit(&mut marked, qt * g.nk + kt);
-                        if !self.full(qt, kt) {
-                            partial.push(qt as u32);
-                        }
+                let mut hit = chunk
+                    .iter()
+                    .enumerate()
+                    .fold(0u32, |m, (k, &n)| m | ((n != 0) as u32) << k);
+                while hit != 0 {
+                    let qt = c * 16 + hit.trailing_zeros() as usize;
+                    hit &= hit - 1;
+                    set_bit(&mut marked, qt * g.nk + kt);
+                    if !self.full(qt, kt) {
+                        partial.push(qt as u32);
                     }
                 }
             }
