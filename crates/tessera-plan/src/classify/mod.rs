@@ -43,12 +43,13 @@ fn contiguous(v: &[u32]) -> bool {
 
 impl Candidates {
     /// The tiles of sorted distinct `v`: a range when they are consecutive (a long prompt's
-    /// rows: no copy, and no list to walk).
-    fn of(v: &[u32]) -> Candidates {
-        if contiguous(v) {
-            Candidates::Range(v[0] as usize, v[v.len() - 1] as usize)
+    /// rows: no list to walk), else the list (`v` copied only then).
+    fn of<V: AsRef<[u32]> + Into<Vec<u32>>>(v: V) -> Candidates {
+        let s = v.as_ref();
+        if contiguous(s) {
+            Candidates::Range(s[0] as usize, s[s.len() - 1] as usize)
         } else {
-            Candidates::List(v.to_vec())
+            Candidates::List(v.into())
         }
     }
 
@@ -281,8 +282,7 @@ impl<'a> Node<'a> {
             return Candidates::of(d.candidates(qt));
         }
         match self.list(g, qt) {
-            Some(v) if contiguous(&v) => Candidates::of(&v),
-            Some(v) => Candidates::List(v),
+            Some(v) => Candidates::of(v),
             None => match self.reach(g, qt) {
                 Some((lo, hi)) => Candidates::Range(lo, hi),
                 None => Candidates::List(Vec::new()),
