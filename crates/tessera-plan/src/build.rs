@@ -369,6 +369,10 @@ impl Refine<'_> {
         cols: u64,
     ) -> Result<Option<(u32, u64)>> {
         let g = self.g;
+        // Without masks, a count stage 1 kept decides the tile at once (no key, no memo).
+        if let Some(n) = node.pairs(qt, kt, at).filter(|_| !self.masks) {
+            return Ok(counted(n, rows * cols));
+        }
         // A tile keyed like one refined before has its bitmask: stage 2 runs once per key (the
         // diagonal of a causal mask, the translates of a neighbourhood).
         self.key.clear();
@@ -381,28 +385,19 @@ impl Refine<'_> {
             }
         }
         // Stage 2: exact refinement at token level (without masks, the count decides).
-        let (n, hash) = match node.pairs(qt, kt, at).filter(|_| !self.masks) {
-            Some(n) => (n, 0),
-            None => {
-                node.eval(g, qt, kt, &mut self.bits, &mut self.pool);
-                if self.masks {
-                    digest(g.level, &self.bits)
-                } else {
-                    (self.bits.iter().map(|w| w.count_ones() as u64).sum(), 0)
-                }
-            }
+        node.eval(g, qt, kt, &mut self.bits, &mut self.pool);
+        let (n, hash) = if self.masks {
+            digest(g.level, &self.bits)
+        } else {
+            (self.bits.iter().map(|w| w.count_ones() as u64).sum(), 0)
         };
-        let t = if n == 0 {
-            None
-        } else if n == rows * cols {
-            Some((FULL_TILE, n))
-        } else if !self.masks {
-            Some((0, n))
+        let t = if n == 0 || n == rows * cols || !self.masks {
+            counted(n, rows * cols)
         } else {
             let id = self.dedup.intern(self.table, &self.bits, hash, self.what)?;
             if self.keep.is_some_and(|words| self.table.data.len() > words) {
-                // Too many to keep: tile states from here on (the ids so far are reset at
-                // the end of the build).
+                // Too many to keep: tile states from here on (the ids given so far are
+                // cleared: see `plan_head` and `build`).
                 self.masks = false;
             }
             Some((id, n))
@@ -441,6 +436,16 @@ impl Refine<'_> {
         let t = self.tile(rest, qt, kt)?;
         shared.tiles.insert(key, t);
         Ok(t)
+    }
+}
+
+/// A tile of `n` allowed pairs out of `area` in a plan without masks: None when empty, else
+/// its mask id ([`FULL_TILE`], or 0 for every partial tile) and `n`.
+fn counted(n: u64, area: u64) -> Option<(u32, u64)> {
+    match n {
+        0 => None,
+        n if n == area => Some((FULL_TILE, n)),
+        n => Some((0, n)),
     }
 }
 

@@ -48,7 +48,7 @@ pub(crate) struct IntervalLeaf<'a> {
     nk: usize,
     /// Per kv tile, whether its column's partial tiles are refined by run walks; then per
     /// entry of `list` in such a column that is not Full, its allowed pairs and its place in
-    /// `by_col`, `walked[entry]`.
+    /// `by_col`, `walked[entry]` (`(0, NOT_WALKED)` for every other entry).
     walked: Vec<(u32, u32)>,
     by_runs: Vec<bool>,
     /// The walked partial tiles column by column, q tiles ascending: (qt, pairs) of column
@@ -73,6 +73,9 @@ struct Positions {
     start: Vec<u32>,
     pos: Vec<u32>,
 }
+
+/// The place in `by_col` of a list entry that is not a walked partial tile.
+const NOT_WALKED: u32 = u32::MAX;
 
 /// Tile grids up to which the list of reached tiles is built (a bitmap of nq x nk bits: 32 MiB).
 const MAX_GRID: usize = 1 << 28;
@@ -418,7 +421,7 @@ impl<'a> IntervalLeaf<'a> {
         off.push(list.len() as u32);
         // `by_col` is in column order, so each row's entries come with ascending kv tiles, as
         // in the row: one cursor per row finds them all in a pass.
-        self.walked = vec![(0, 0); list.len()];
+        self.walked = vec![(0, NOT_WALKED); list.len()];
         let mut cursor: Vec<u32> = off[..g.nq].to_vec();
         for kt in 0..g.nk {
             let (a, b) = (col_off[kt] as usize, col_off[kt + 1] as usize);
@@ -449,15 +452,13 @@ impl<'a> IntervalLeaf<'a> {
     /// `at`: its place among the row's [`candidates`](Self::candidates) if known (checked),
     /// else searched.
     fn walked(&self, qt: usize, kt: usize, at: Option<usize>) -> Option<(u32, u32)> {
-        if !self.by_runs[kt] || self.full(qt, kt) {
-            return None;
-        }
         let row = self.candidates(qt);
         let at = match at {
             Some(a) if row.get(a) == Some(&(kt as u32)) => a,
             _ => row.binary_search(&(kt as u32)).ok()?,
         };
-        Some(self.walked[self.off[qt] as usize + at])
+        let e = self.walked[self.off[qt] as usize + at];
+        (e.1 != NOT_WALKED).then_some(e)
     }
 
     /// The allowed pairs of tile (`qt`, `kt`) as bit positions (`row * 64 * wpr + column`, each
