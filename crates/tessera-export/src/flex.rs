@@ -83,6 +83,10 @@ fn ordered_row(active: &[u32], n: usize, out: &mut Vec<i32>, scratch: &mut Vec<u
     for &a in active {
         scratch[a as usize / 64] |= 1 << (a % 64);
     }
+    // Written in place (a push per index reloads the vector's length and capacity).
+    let start = out.len();
+    out.resize(start + n - active.len(), 0);
+    let (row, mut at) = (&mut out[start..], 0);
     for (w, &word) in scratch.iter().enumerate() {
         let left = n - 64 * w;
         let mut rest = if left < 64 {
@@ -91,7 +95,8 @@ fn ordered_row(active: &[u32], n: usize, out: &mut Vec<i32>, scratch: &mut Vec<u
             !word
         };
         while rest != 0 {
-            out.push((64 * w) as i32 + rest.trailing_zeros() as i32);
+            row[at] = (64 * w) as i32 + rest.trailing_zeros() as i32;
+            at += 1;
             rest &= rest - 1;
         }
     }
