@@ -46,11 +46,10 @@ pub(crate) struct IntervalLeaf<'a> {
     /// The same tiles as a bitmap over `qt * nk + kt` (stage 1's O(1) test).
     reached: Vec<u64>,
     nk: usize,
-    /// Per kv tile, whether its column's partial tiles are refined by run walks; then per
-    /// entry of `list` in such a column that is not Full, its allowed pairs and its place in
-    /// `by_col`, `walked[entry]` (`(0, NOT_WALKED)` for every other entry).
+    /// Per entry of `list` that is a partial tile of a column refined by run walks, its
+    /// allowed pairs and its place in `by_col`, `walked[entry]` (`(0, NOT_WALKED)` for every
+    /// other entry).
     walked: Vec<(u32, u32)>,
-    by_runs: Vec<bool>,
     /// The walked partial tiles column by column, q tiles ascending: (qt, pairs) of column
     /// `kt` at `by_col[col_off[kt]..col_off[kt + 1]]`.
     by_col: Vec<(u32, u32)>,
@@ -303,7 +302,6 @@ impl<'a> IntervalLeaf<'a> {
             reached: Vec::new(),
             nk: g.nk,
             walked: Vec::new(),
-            by_runs: vec![false; g.nk],
             by_col: Vec::new(),
             col_off: Vec::new(),
             runs: Vec::new(),
@@ -390,8 +388,7 @@ impl<'a> IntervalLeaf<'a> {
                 }
             }
             let take = how.walks(steps * RUN_STEP_COST < partial.len() as u64 * compare_cost);
-            if (take || !g.masks) && !partial.is_empty() {
-                self.by_runs[kt] = true;
+            if take || !g.masks {
                 by_col.extend(partial.iter().map(|&qt| (qt, count[qt as usize])));
             }
             count.fill(0);
