@@ -17,9 +17,9 @@ the batch repeats (every epoch after the first).
 
 `--device cuda` trains the same model on a GPU: `tessera.torch.attention` then runs the fastest
 GPU engine that is exact for the call (FlexAttention's FLASH or Triton kernel over each plan's
-BlockMask; `varlen_attn` with `--torch-engine varlen`; SPEC §12), with the same plans, softcap, sinks, telemetry and
-checkpoints; `tessera.torch.PlanPrefetcher` plans the next batches and builds their BlockMasks on
-a background thread while a step runs. `--device cpu` (default) runs Tessera's CPU kernels.
+BlockMask; `varlen_attn` with `--torch-engine varlen`; SPEC §12), with the same plans, softcap,
+sinks, telemetry and checkpoints; `tessera.torch.PlanPrefetcher` plans the next batches and
+builds their BlockMasks on a background thread while a step runs. `--device cpu` (default) runs Tessera's CPU kernels.
 
 `--attention` picks the attention engine of a run:
   tessera  tessera.torch.attention with the plan of `causal & document` (default);

@@ -449,10 +449,19 @@ fn counted(n: u64, area: u64) -> Option<(u32, u64)> {
     }
 }
 
+/// Mask id `id` in a plan without masks: [`FULL_TILE`] stays, every partial tile's is 0.
+fn unmasked(id: u32) -> u32 {
+    if id == FULL_TILE {
+        FULL_TILE
+    } else {
+        0
+    }
+}
+
 /// Sets the mask id of every partial entry to 0 (the masks were dropped).
 fn clear_ids(entries: &mut [TileEntry]) {
     for e in entries {
-        e.mask = if e.is_full() { FULL_TILE } else { 0 };
+        e.mask = unmasked(e.mask);
     }
 }
 
@@ -486,9 +495,9 @@ fn plan_head(
                 None => cx.stage2(node, qt, kt, states[at], Some(at))?,
             };
             let Some((mut mask, n)) = t else { continue };
-            if !cx.masks && mask != FULL_TILE {
+            if !cx.masks {
                 // A memo or a shared tile may hand back an id given before the drop.
-                mask = 0;
+                mask = unmasked(mask);
             }
             allowed += n;
             fwd.push(TileEntry {

@@ -36,20 +36,18 @@ pub(crate) enum Candidates {
     List(Vec<u32>),
 }
 
-/// Whether sorted distinct `v` is one run of consecutive tiles (and not empty).
-fn contiguous(v: &[u32]) -> bool {
-    matches!((v.first(), v.last()), (Some(&a), Some(&b)) if (b - a) as usize + 1 == v.len())
-}
-
 impl Candidates {
     /// The tiles of sorted distinct `v`: a range when they are consecutive (a long prompt's
     /// rows: no list to walk), else the list (`v` copied only then).
     fn of<V: AsRef<[u32]> + Into<Vec<u32>>>(v: V) -> Candidates {
         let s = v.as_ref();
-        if contiguous(s) {
-            Candidates::Range(s[0] as usize, s[s.len() - 1] as usize)
-        } else {
-            Candidates::List(v.into())
+        let run = match (s.first(), s.last()) {
+            (Some(&a), Some(&b)) if (b - a) as usize + 1 == s.len() => Some((a, b)),
+            _ => None,
+        };
+        match run {
+            Some((a, b)) => Candidates::Range(a as usize, b as usize),
+            None => Candidates::List(v.into()),
         }
     }
 
