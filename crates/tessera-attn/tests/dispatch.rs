@@ -42,7 +42,13 @@ fn bf16_nan_propagates_to_affected_outputs_only() {
     );
     let opts = AttnOptions::default();
     let at = |hh: usize, i: usize| (hh * l + i) * d + 5;
-    for isa in [Isa::Portable, Isa::Avx2, Isa::Avx512, Isa::Avx512Bf16] {
+    for isa in [
+        Isa::Portable,
+        Isa::Avx2,
+        Isa::Avx512,
+        Isa::Avx512Bf16,
+        Isa::Avx512Amx,
+    ] {
         let Ok(be) = CpuBackend::with_isa(isa) else {
             continue;
         };

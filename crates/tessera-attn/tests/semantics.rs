@@ -289,7 +289,13 @@ fn every_kernel_copy_passes_a_sample_of_the_suite() {
         .filter(|c| names.contains(&c.name.as_str()))
         .collect();
     assert_eq!(cases.len(), names.len());
-    for isa in [Isa::Portable, Isa::Avx2, Isa::Avx512, Isa::Avx512Bf16] {
+    for isa in [
+        Isa::Portable,
+        Isa::Avx2,
+        Isa::Avx512,
+        Isa::Avx512Bf16,
+        Isa::Avx512Amx,
+    ] {
         let Ok(be) = CpuBackend::with_isa(isa) else {
             eprintln!("skipping {isa:?}: not supported here");
             continue;
@@ -347,7 +353,13 @@ fn max_logit_is_taken_before_softcap() {
 // ---------------------------------------------------------------------------------------------
 // Backend API v2: strided inputs, explicit parallelism, workspace reuse.
 
-const ISAS: [Isa; 4] = [Isa::Portable, Isa::Avx2, Isa::Avx512, Isa::Avx512Bf16];
+const ISAS: [Isa; 5] = [
+    Isa::Portable,
+    Isa::Avx2,
+    Isa::Avx512,
+    Isa::Avx512Bf16,
+    Isa::Avx512Amx,
+];
 
 /// `vals` as a tensor of `dtype` (bf16 rounds them).
 fn mk(dtype: DType, shape: &[usize], vals: Vec<f32>) -> Tensor {

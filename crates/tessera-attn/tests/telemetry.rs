@@ -942,7 +942,13 @@ fn every_kernel_copy_logs_the_same_summary() {
     p.softcap = Some(4.0);
     let mut bf = Prob::new("isa-bf16", Mask::causal()).lens(80, 80);
     bf.dtype = DType::BF16;
-    for isa in [Isa::Portable, Isa::Avx2, Isa::Avx512, Isa::Avx512Bf16] {
+    for isa in [
+        Isa::Portable,
+        Isa::Avx2,
+        Isa::Avx512,
+        Isa::Avx512Bf16,
+        Isa::Avx512Amx,
+    ] {
         let Ok(be) = CpuBackend::with_isa(isa) else {
             eprintln!("skipping {isa:?}: not supported here");
             continue;
@@ -952,13 +958,20 @@ fn every_kernel_copy_logs_the_same_summary() {
     }
 }
 
-/// The AVX512-BF16 backend, or `None` (with a note) when this CPU lacks it.
-fn avx512_bf16() -> Option<CpuBackend> {
-    let be = CpuBackend::with_isa(Isa::Avx512Bf16).ok();
-    if be.is_none() {
-        eprintln!("skipping: this CPU has no AVX512-BF16");
-    }
-    be
+/// The backends of the hooked `vdpbf16ps` kernel this CPU runs: AVX512-BF16, and with AMX
+/// (or its model, `TESSERA_AMX_MODEL=1`) the same kernel with its products on tiles; those it
+/// lacks are skipped with a note.
+fn bf16_kernel_backends() -> Vec<CpuBackend> {
+    [Isa::Avx512Bf16, Isa::Avx512Amx]
+        .into_iter()
+        .filter_map(|isa| {
+            let be = CpuBackend::with_isa(isa).ok();
+            if be.is_none() {
+                eprintln!("skipping {isa:?}: not supported here");
+            }
+            be
+        })
+        .collect()
 }
 
 /// bf16 problems for the hooked `vdpbf16ps` kernel: partial tiles (documents, windows, a dense
@@ -1006,17 +1019,20 @@ fn bf16_probs() -> Vec<Prob> {
 
 #[test]
 fn bf16_on_avx512_bf16_matches_reference() {
-    let Some(be) = avx512_bf16() else { return };
-    for p in bf16_probs() {
-        check_on(&be, &p);
+    for be in bf16_kernel_backends() {
+        for p in bf16_probs() {
+            check_on(&be, &p);
+        }
     }
 }
 
 #[test]
 fn bf16_logging_step_outputs_are_bit_identical_on_avx512_bf16() {
-    let Some(be) = avx512_bf16() else { return };
     let f32_math = CpuBackend::with_isa(Isa::Avx512).unwrap();
-    for p in bf16_probs() {
+    for (be, p) in bf16_kernel_backends()
+        .into_iter()
+        .flat_map(|be| bf16_probs().into_iter().map(move |p| (be.clone(), p)))
+    {
         let (plan, flags) = (p.plan(), p.flags());
         let mut x = random_inputs(&p);
         for nonfinite_v in [false, true] {

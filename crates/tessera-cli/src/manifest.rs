@@ -26,6 +26,9 @@ pub struct Manifest {
     /// SIMD features detected at run time, among `avx2`, `avx512f`, `avx512bf16`, `amx-bf16`
     /// (empty off x86_64).
     pub cpu_features: Vec<String>,
+    /// Whether the AMX kernels run here ("AMX-BF16", or the model under `TESSERA_AMX_MODEL=1`),
+    /// or why not.
+    pub amx: String,
     /// Worker threads: `RAYON_NUM_THREADS` when set to a positive number (as rayon does), else
     /// the available parallelism.
     pub threads: usize,
@@ -63,6 +66,10 @@ pub fn collect(cache_dir: Option<&Path>, kernels: Option<&Decision>) -> Manifest
         arch: std::env::consts::ARCH.to_string(),
         cpu_model: tessera::attn::cpu::dispatch::cpu_model(),
         cpu_features: cpu_features(),
+        amx: match tessera::attn::cpu::amx_status() {
+            Ok(on) => format!("used: {on}"),
+            Err(why) => format!("not used: {why}"),
+        },
         threads,
         rayon_num_threads,
         cache_dir: cache_dir.map(|p| p.display().to_string()),
@@ -92,6 +99,7 @@ impl Manifest {
             ("arch", self.arch.clone()),
             ("cpu", self.cpu_model.clone()),
             ("cpu features", features),
+            ("amx", self.amx.clone()),
             ("threads", threads),
             ("cache dir", or_none(&self.cache_dir)),
             ("gpu", or_none(&self.gpu)),

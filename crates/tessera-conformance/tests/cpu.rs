@@ -1,5 +1,5 @@
 //! The conformance suite on the CPU backend: the default dispatch and every kernel copy this CPU
-//! can run (portable, AVX2, AVX-512, AVX-512 + BF16; copies the CPU lacks are skipped with a
+//! can run (portable, AVX2, AVX-512, AVX-512 + BF16, AVX-512 + BF16 + AMX; copies the CPU lacks are skipped with a
 //! printed reason), one test per case group and copy.
 
 use tessera_attn::cpu::Isa;
@@ -30,6 +30,7 @@ backend_conformance_tests!(portable, CpuBackend::with_isa(Isa::Portable));
 backend_conformance_tests!(avx2, CpuBackend::with_isa(Isa::Avx2));
 backend_conformance_tests!(avx512, CpuBackend::with_isa(Isa::Avx512));
 backend_conformance_tests!(avx512_bf16, CpuBackend::with_isa(Isa::Avx512Bf16));
+backend_conformance_tests!(avx512_amx, CpuBackend::with_isa(Isa::Avx512Amx));
 
 /// 4K tokens with the default tile height: the largest problems of the suite (a few seconds; the
 /// f64 reference is O(L²·D)).

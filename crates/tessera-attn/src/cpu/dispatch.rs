@@ -664,15 +664,18 @@ mod tests {
         avx2: true,
         avx512: true,
         avx512_bf16: true,
+        amx: true,
     };
     const NO_BF16: Caps = Caps {
         avx512_bf16: false,
+        amx: false,
         ..ALL_CAPS
     };
     const PORTABLE_ONLY: Caps = Caps {
         avx2: false,
         avx512: false,
         avx512_bf16: false,
+        amx: false,
     };
 
     /// A fake measurement: every listed candidate gets the time `ms(path name)`; counts calls.
@@ -870,22 +873,24 @@ mod tests {
     #[test]
     fn chosen_paths_are_always_ones_the_cpu_runs() {
         let dir = tempfile::tempdir().unwrap();
-        for bits in 0..8u8 {
+        for bits in 0..16u8 {
             let caps = Caps {
                 avx2: bits & 1 != 0,
                 avx512: bits & 2 != 0,
                 avx512_bf16: bits & 6 == 6, // BF16 only with AVX-512, as `Isa` detects it
+                amx: bits & 14 == 14,       // AMX only with AVX512-BF16, as `Isa` supports it
             };
             for env in [
                 None,
                 Some("bf16=dot"),
+                Some("bf16=amx"),
                 Some("f32=avx512,bf16=widen-avx512"),
                 Some("f32=portable"),
                 Some("junk"),
             ] {
                 // A measurement that (wrongly) favours the widest paths always.
                 let mut f = Fake::new(|n| {
-                    if n.contains("512") || n == "dot" {
+                    if n.contains("512") || n == "dot" || n == "amx" {
                         0.5
                     } else {
                         1.0
@@ -895,6 +900,9 @@ mod tests {
                 assert!(caps.runs(d.paths()), "{caps:?} {env:?}: {:?}", d.paths());
                 if !caps.avx512_bf16 {
                     assert_ne!(d.bf16.path, Bf16Path::Dot, "{caps:?} {env:?}");
+                }
+                if !caps.amx {
+                    assert_ne!(d.bf16.path, Bf16Path::Amx, "{caps:?} {env:?}");
                 }
                 if caps == PORTABLE_ONLY && env != Some("f32=portable") {
                     assert_eq!(f.calls, 0, "nothing to measure");

@@ -15,6 +15,11 @@ pub enum Isa {
     /// forward and backward kernels on `vdpbf16ps` (bf16 operands, including P and dS; f32
     /// softmax and accumulation).
     Avx512Bf16,
+    /// [`Isa::Avx512Bf16`] plus AMX-BF16 with the OS's tile-state permission (`amx`): the bf16
+    /// forward's two products on the tile unit (`tdpbf16ps`), everything else as
+    /// [`Isa::Avx512Bf16`]. Never returned by [`Isa::detect`] (a feature-flag choice): the
+    /// dispatch picks it by measured speed.
+    Avx512Amx,
     /// AVX-512F, BW, VL, DQ (`vreduceps` in the exponentials) and FMA.
     Avx512,
     /// AVX2 and FMA.
@@ -53,6 +58,8 @@ impl Isa {
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512Bf16 => Isa::detect() == Isa::Avx512Bf16,
             #[cfg(target_arch = "x86_64")]
+            Isa::Avx512Amx => Isa::detect() == Isa::Avx512Bf16 && crate::cpu::amx::unit().is_some(),
+            #[cfg(target_arch = "x86_64")]
             Isa::Avx512 => matches!(Isa::detect(), Isa::Avx512 | Isa::Avx512Bf16),
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 => is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"),
@@ -65,6 +72,7 @@ impl Isa {
     pub fn name(self) -> &'static str {
         match self {
             Isa::Avx512Bf16 => "avx512-bf16",
+            Isa::Avx512Amx => "avx512-amx",
             Isa::Avx512 => "avx512",
             Isa::Avx2 => "avx2",
             Isa::Portable => "portable",
@@ -75,7 +83,7 @@ impl Isa {
 /// Whether a forward of this dtype on this kernel copy runs the `forward::bf16` (`vdpbf16ps`)
 /// kernel; the plain and the telemetry forward both dispatch on it.
 pub(crate) fn runs_bf16_kernel(isa: Isa, dtype: tessera_core::DType) -> bool {
-    isa == Isa::Avx512Bf16 && dtype == tessera_core::DType::BF16
+    matches!(isa, Isa::Avx512Bf16 | Isa::Avx512Amx) && dtype == tessera_core::DType::BF16
 }
 
 /// Declares the per-ISA entry points of an item kernel: a `#[target_feature]` copy per ISA
@@ -97,7 +105,9 @@ macro_rules! isa_entry {
                 // SAFETY: `Isa::detect`, `CpuBackend::with_isa`/`with_paths` and the dispatch
                 // decision only hand out copies whose features this CPU has.
                 #[cfg(target_arch = "x86_64")]
-                crate::cpu::isa::Isa::Avx512 | crate::cpu::isa::Isa::Avx512Bf16 => unsafe { avx512($($arg),*) },
+                crate::cpu::isa::Isa::Avx512
+                | crate::cpu::isa::Isa::Avx512Bf16
+                | crate::cpu::isa::Isa::Avx512Amx => unsafe { avx512($($arg),*) },
                 #[cfg(target_arch = "x86_64")]
                 crate::cpu::isa::Isa::Avx2 => unsafe { avx2($($arg),*) },
                 _ => $body::<crate::cpu::simd::Portable>($($arg),*),

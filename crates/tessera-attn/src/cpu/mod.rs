@@ -32,7 +32,9 @@
 //! - Building blocks: `simd` (exp, tanh, row helpers); [`peak`]: the measured compute peak of
 //!   each instruction path (the yardstick of `% of peak`); `isa`: the instruction sets, the
 //!   per-ISA kernel copies and which forward kernel a copy and dtype run; `tile_matmul` (f32
-//!   `S = K·Qᵀ`, `P·V` and the backward products) and `tile_matmul_bf16` (`vdpbf16ps`);
+//!   `S = K·Qᵀ`, `P·V` and the backward products) and `tile_matmul_bf16` (`vdpbf16ps`); `amx` (AMX-BF16 tile products, the
+//!   software model they are tested on where the CPU has none, and whether this process may use
+//!   them);
 //!   `paths`: the kernel paths of each dtype and which of them this CPU runs; `load_tile`:
 //!   strided inputs into tiles; `mask_partial_tile` (where a pair of a partial tile is excluded,
 //!   forward and backward); `online_softmax` (running max, rescale, finish); `live_blocks`;
@@ -48,6 +50,8 @@
 //!   [`dispatch`]: which path each dtype runs, measured by running that backend; this file:
 //!   [`CpuBackend::new`] on the [`dispatch::decision`], and the re-exports.
 
+#[cfg(target_arch = "x86_64")]
+mod amx;
 mod backend;
 mod backward;
 #[cfg(target_arch = "x86_64")]
@@ -69,6 +73,27 @@ mod tile_matmul;
 mod tile_matmul_bf16;
 mod workspace;
 
+#[cfg(target_arch = "x86_64")]
+pub use amx::MODEL_ENV as AMX_MODEL_ENV;
+
+/// Whether this process runs the AMX kernels ([`Isa::Avx512Amx`]), and on what: `Ok("AMX-BF16")`,
+/// `Ok("the software model ...")` under `TESSERA_AMX_MODEL=1`, or `Err` with the reason AMX is
+/// not used (no AMX-BF16, no OS support, the permission refused, the self-check failed).
+pub fn amx_status() -> std::result::Result<&'static str, &'static str> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        match (amx::unit(), amx::status()) {
+            (Some(amx::Kind::Hw), _) => Ok("AMX-BF16"),
+            (Some(amx::Kind::Model), _) => {
+                Ok("the software model of the tile unit (TESSERA_AMX_MODEL=1)")
+            }
+            (None, Err(why)) => Err(why),
+            (None, Ok(())) => Err("unused"),
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    Err("AMX exists only on x86-64")
+}
 pub use backend::{CpuBackend, CpuPlan};
 pub use isa::Isa;
 pub use paths::{Bf16Path, F32Path, KernelPaths};

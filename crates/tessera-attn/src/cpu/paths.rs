@@ -15,7 +15,7 @@ pub const ENV: &str = "TESSERA_CPU_PATHS";
 
 /// What a valid [`ENV`] value looks like (the error messages' "expected").
 const OVERRIDE_SYNTAX: &str =
-    "comma-separated f32=avx512|avx2|portable and/or bf16=dot|widen-avx512|widen-avx2|widen-portable";
+    "comma-separated f32=avx512|avx2|portable and/or bf16=amx|dot|widen-avx512|widen-avx2|widen-portable";
 
 /// The kernel path of f32 calls: one f32 kernel copy.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -58,7 +58,7 @@ impl F32Path {
     /// The f32 path of a kernel copy (`Avx512Bf16` runs its f32 calls on the AVX-512 copy).
     pub fn of_isa(isa: Isa) -> F32Path {
         match isa {
-            Isa::Avx512Bf16 | Isa::Avx512 => F32Path::Avx512,
+            Isa::Avx512Amx | Isa::Avx512Bf16 | Isa::Avx512 => F32Path::Avx512,
             Isa::Avx2 => F32Path::Avx2,
             Isa::Portable => F32Path::Portable,
         }
@@ -86,6 +86,8 @@ impl F32Path {
 /// The kernel path of bf16 calls.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Bf16Path {
+    /// The `vdpbf16ps` kernels with the forward's products on AMX tiles ([`Isa::Avx512Amx`]).
+    Amx,
     /// The `vdpbf16ps` kernels ([`Isa::Avx512Bf16`]): bf16 operands, P and dS included.
     Dot,
     /// Widened to f32 in the AVX-512 f32 kernels.
@@ -98,16 +100,18 @@ pub enum Bf16Path {
 
 impl Bf16Path {
     /// Every bf16 path (the tie-break order).
-    pub const ALL: [Bf16Path; 4] = [
+    pub const ALL: [Bf16Path; 5] = [
+        Bf16Path::Amx,
         Bf16Path::Dot,
         Bf16Path::WidenAvx512,
         Bf16Path::WidenAvx2,
         Bf16Path::WidenPortable,
     ];
 
-    /// Its name (`dot`, `widen-avx512`, `widen-avx2`, `widen-portable`).
+    /// Its name (`amx`, `dot`, `widen-avx512`, `widen-avx2`, `widen-portable`).
     pub fn name(self) -> &'static str {
         match self {
+            Bf16Path::Amx => "amx",
             Bf16Path::Dot => "dot",
             Bf16Path::WidenAvx512 => "widen-avx512",
             Bf16Path::WidenAvx2 => "widen-avx2",
@@ -132,10 +136,10 @@ impl Bf16Path {
         }
     }
 
-    /// The f32 path it widens onto (`None` for `dot`).
+    /// The f32 path it widens onto (`None` for `dot` and `amx`).
     pub fn widened_on(self) -> Option<F32Path> {
         match self {
-            Bf16Path::Dot => None,
+            Bf16Path::Amx | Bf16Path::Dot => None,
             Bf16Path::WidenAvx512 => Some(F32Path::Avx512),
             Bf16Path::WidenAvx2 => Some(F32Path::Avx2),
             Bf16Path::WidenPortable => Some(F32Path::Portable),
@@ -144,24 +148,29 @@ impl Bf16Path {
 
     /// The kernel copy its calls run on.
     pub fn isa(self) -> Isa {
-        self.widened_on().map_or(Isa::Avx512Bf16, F32Path::isa)
+        match self {
+            Bf16Path::Amx => Isa::Avx512Amx,
+            other => other.widened_on().map_or(Isa::Avx512Bf16, F32Path::isa),
+        }
     }
 
     /// The bf16 path of a kernel copy (what
     /// [`CpuBackend::with_isa`](super::CpuBackend::with_isa) runs bf16 calls on).
     pub fn of_isa(isa: Isa) -> Bf16Path {
         match isa {
+            Isa::Avx512Amx => Bf16Path::Amx,
             Isa::Avx512Bf16 => Bf16Path::Dot,
             other => Bf16Path::widen(F32Path::of_isa(other)),
         }
     }
 
-    /// The instruction path whose peak bounds it: `vdpbf16ps` for `dot`, else the f32 FMA peak
-    /// of the copy it widens onto.
+    /// The instruction path whose peak bounds it: the AMX tile peak for `amx`, `vdpbf16ps`
+    /// for `dot`, else the f32 FMA peak of the copy it widens onto.
     pub fn peak_path(self) -> Option<PeakPath> {
-        match self.widened_on() {
-            None => Some(PeakPath::Bf16Dot),
-            Some(f) => f.peak_path(),
+        match (self, self.widened_on()) {
+            (Bf16Path::Amx, _) => Some(PeakPath::AmxBf16),
+            (_, None) => Some(PeakPath::Bf16Dot),
+            (_, Some(f)) => f.peak_path(),
         }
     }
 
@@ -245,6 +254,8 @@ pub struct Caps {
     pub avx512: bool,
     /// The above plus AVX512-BF16 ([`Isa::Avx512Bf16`]).
     pub avx512_bf16: bool,
+    /// The above plus AMX-BF16, usable by this process ([`Isa::Avx512Amx`]).
+    pub amx: bool,
 }
 
 impl Caps {
@@ -254,6 +265,7 @@ impl Caps {
             avx2: Isa::Avx2.supported(),
             avx512: Isa::Avx512.supported(),
             avx512_bf16: Isa::Avx512Bf16.supported(),
+            amx: Isa::Avx512Amx.supported(),
         }
     }
 
@@ -268,9 +280,10 @@ impl Caps {
 
     /// Whether it runs the bf16 path `p`.
     pub fn runs_bf16(self, p: Bf16Path) -> bool {
-        match p.widened_on() {
-            None => self.avx512_bf16,
-            Some(f) => self.runs_f32(f),
+        match (p, p.widened_on()) {
+            (Bf16Path::Amx, _) => self.amx,
+            (_, None) => self.avx512_bf16,
+            (_, Some(f)) => self.runs_f32(f),
         }
     }
 
@@ -301,6 +314,7 @@ impl Caps {
             (self.avx2, "avx2"),
             (self.avx512, "avx512"),
             (self.avx512_bf16, "avx512bf16"),
+            (self.amx, "amx-bf16"),
         ]
         .into_iter()
         .filter_map(|(has, n)| has.then_some(n))

@@ -31,18 +31,26 @@ pub enum PeakPath {
     Avx512,
     /// bf16 pair dot-products into f32 (`vdpbf16ps`, AVX512-BF16): the `bf16-dot` kernels.
     Bf16Dot,
+    /// AMX-BF16 tile products (`tdpbf16ps`): the `amx` kernels' products.
+    AmxBf16,
 }
 
 impl PeakPath {
     /// Every path, in report order.
-    pub const ALL: [PeakPath; 3] = [PeakPath::Avx512, PeakPath::Avx2, PeakPath::Bf16Dot];
+    pub const ALL: [PeakPath; 4] = [
+        PeakPath::Avx512,
+        PeakPath::Avx2,
+        PeakPath::Bf16Dot,
+        PeakPath::AmxBf16,
+    ];
 
-    /// Short name (`avx2`, `avx512`, `bf16-dot`), the one bench prints.
+    /// Short name (`avx2`, `avx512`, `bf16-dot`, `amx-bf16`), the one bench prints.
     pub fn name(self) -> &'static str {
         match self {
             PeakPath::Avx2 => "avx2",
             PeakPath::Avx512 => "avx512",
             PeakPath::Bf16Dot => "bf16-dot",
+            PeakPath::AmxBf16 => "amx-bf16",
         }
     }
 
@@ -52,6 +60,7 @@ impl PeakPath {
             PeakPath::Avx2 => "f32 FMA, ymm",
             PeakPath::Avx512 => "f32 FMA, zmm",
             PeakPath::Bf16Dot => "vdpbf16ps, zmm",
+            PeakPath::AmxBf16 => "tdpbf16ps, tiles",
         }
     }
 }
@@ -65,6 +74,8 @@ pub struct Peaks {
     pub avx512: Option<f64>,
     /// `vdpbf16ps` (zmm), or `None` without AVX512-BF16.
     pub bf16_dot: Option<f64>,
+    /// `tdpbf16ps` (AMX tiles), or `None` where this process cannot run AMX.
+    pub amx_bf16: Option<f64>,
     /// Threads the measurement ran on together.
     pub threads: usize,
 }
@@ -76,6 +87,7 @@ impl Peaks {
             PeakPath::Avx2 => self.avx2,
             PeakPath::Avx512 => self.avx512,
             PeakPath::Bf16Dot => self.bf16_dot,
+            PeakPath::AmxBf16 => self.amx_bf16,
         }
     }
 
@@ -85,6 +97,7 @@ impl Peaks {
             PeakPath::Avx2 => &mut self.avx2,
             PeakPath::Avx512 => &mut self.avx512,
             PeakPath::Bf16Dot => &mut self.bf16_dot,
+            PeakPath::AmxBf16 => &mut self.amx_bf16,
         };
         *slot = Some(gflops);
     }
@@ -239,6 +252,35 @@ mod x86 {
         }};
     }
 
+    /// `CHUNK` rounds of `tdpbf16ps` on `$acc` accumulator tiles (tiles 0 to `$acc - 1`) from
+    /// two A and two B tiles of small bf16 values (pairs of ±2⁻¹⁰, which keep the sums far
+    /// from overflow), after configuring the tiles; released at the end.
+    fn amx_rounds<const ACC: usize>() {
+        use crate::cpu::amx::{Hw, Unit};
+        let src = [0x3A80_BA80u32; 256];
+        let p = src.as_ptr().cast::<u8>();
+        // SAFETY: `kernels` lists this probe only where `amx::status` is Ok (hardware AMX with
+        // the tile permission); every load reads the 1 KiB `src` (16 rows of 64 bytes).
+        unsafe {
+            Hw::configure();
+            for t in 0..4 {
+                Hw::zero(t);
+            }
+            for t in 4..8 {
+                Hw::load(t, p, 64);
+            }
+            for _ in 0..CHUNK {
+                Hw::dot(0, 4, 6);
+                Hw::dot(1, 4, 7);
+                Hw::dot(2, 5, 6);
+                if ACC == 4 {
+                    Hw::dot(3, 5, 7);
+                }
+            }
+            Hw::release();
+        }
+    }
+
     /// The probe kernels this CPU runs, one per (path, chain count). 8 chains cover a 4-cycle
     /// FMA on 2 ports; up to 24 (zmm, 32 registers) cover longer latencies (`vdpbf16ps`).
     pub(super) fn kernels() -> Vec<(PeakPath, Kernel)> {
@@ -265,6 +307,21 @@ mod x86 {
                 (PeakPath::Bf16Dot, kernel!(dot512_12, 12, 16, 4)),
                 (PeakPath::Bf16Dot, kernel!(dot512_16, 16, 16, 4)),
                 (PeakPath::Bf16Dot, kernel!(dot512_24, 24, 16, 4)),
+            ]);
+        }
+        if crate::cpu::amx::status().is_ok() {
+            // One `tdpbf16ps` is 16 × 16 outputs of 32 products and 32 sums.
+            fn amx3() -> f64 {
+                amx_rounds::<3>();
+                (CHUNK as usize * 3 * 16 * 16 * 64) as f64
+            }
+            fn amx4() -> f64 {
+                amx_rounds::<4>();
+                (CHUNK as usize * 4 * 16 * 16 * 64) as f64
+            }
+            v.extend([
+                (PeakPath::AmxBf16, amx3 as Kernel),
+                (PeakPath::AmxBf16, amx4 as Kernel),
             ]);
         }
         v
@@ -295,6 +352,7 @@ pub fn measure(budget: Duration, threads: usize) -> Peaks {
         avx2: None,
         avx512: None,
         bf16_dot: None,
+        amx_bf16: None,
         threads,
     };
     for _ in 0..ROUNDS {
@@ -330,12 +388,14 @@ mod tests {
                 p.avx2,
             );
             has(is_x86_feature_detected!("avx512bf16"), p.bf16_dot);
+            has(crate::cpu::amx::status().is_ok(), p.amx_bf16);
         }
         for path in PeakPath::ALL {
             let want = match path {
                 PeakPath::Avx2 => p.avx2,
                 PeakPath::Avx512 => p.avx512,
                 PeakPath::Bf16Dot => p.bf16_dot,
+                PeakPath::AmxBf16 => p.amx_bf16,
             };
             assert_eq!(p.for_path(path), want);
         }

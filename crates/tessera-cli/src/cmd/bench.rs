@@ -63,9 +63,10 @@ pub struct BenchArgs {
     /// on it unless --bf16-path dot.
     #[arg(long, value_parser = ["avx512", "avx2", "portable"])]
     pub isa: Option<String>,
-    /// Run bf16 on the `vdpbf16ps` kernels (dot, needs AVX512-BF16) or widened to f32 on the
-    /// f32 copy (widen) instead of the dispatch decision's path.
-    #[arg(long, value_parser = ["dot", "widen"])]
+    /// Run bf16 on the `vdpbf16ps` kernels (dot, needs AVX512-BF16), on them with the
+    /// forward's products on AMX tiles (amx, needs AMX-BF16) or widened to f32 on the f32 copy
+    /// (widen) instead of the dispatch decision's path.
+    #[arg(long, value_parser = ["amx", "dot", "widen"])]
     pub bf16_path: Option<String>,
     /// Report each sparse mask's time per active tile over the full mask's (adds `full` to
     /// --masks when absent).
@@ -166,9 +167,10 @@ fn forced_paths(
     };
     let bf16 = match (bf16_path, isa) {
         (Some("dot"), _) => Bf16Path::Dot,
+        (Some("amx"), _) => Bf16Path::Amx,
         (Some("widen"), _) | (None, Some(_)) => Bf16Path::widen(f32),
         (None, None) => decided.bf16,
-        (Some(other), _) => return Err(Error::invalid("--bf16-path", "dot or widen", other)),
+        (Some(other), _) => return Err(Error::invalid("--bf16-path", "amx, dot or widen", other)),
     };
     Ok(KernelPaths { f32, bf16 })
 }
@@ -500,6 +502,7 @@ mod tests {
         avx2: Some(100.0),
         avx512: Some(200.0),
         bf16_dot: Some(400.0),
+        amx_bf16: Some(1600.0),
         threads: 2,
     };
 
@@ -510,12 +513,13 @@ mod tests {
             row("causal", "bf16", Some(PeakPath::Bf16Dot), 100.0),
             row("causal", "bf16", Some(PeakPath::Avx2), 50.0),
             row("causal", "f32", None, 10.0),
+            row("causal", "bf16", Some(PeakPath::AmxBf16), 400.0),
         ];
         let p = settle_peaks(PROBED, &mut rows);
         assert!(p.raised.is_empty());
         assert_eq!(p.used, PROBED);
         let pct: Vec<Option<f64>> = rows.iter().map(|r| r.pct_peak).collect();
-        assert_eq!(pct, [Some(50.0), Some(25.0), Some(50.0), None]);
+        assert_eq!(pct, [Some(50.0), Some(25.0), Some(50.0), None, Some(25.0)]);
     }
 
     /// A row faster than its path's probed peak raises that peak (and only that one) to its
@@ -527,14 +531,16 @@ mod tests {
             row("documents", "f32", Some(PeakPath::Avx512), 125.0),
             row("full", "f32", Some(PeakPath::Avx512), 300.0),
             row("causal", "bf16", Some(PeakPath::Bf16Dot), 200.0),
+            row("causal", "bf16", Some(PeakPath::AmxBf16), 2000.0),
         ];
         let p = settle_peaks(PROBED, &mut rows);
-        assert_eq!(p.raised, [PeakPath::Avx512]);
+        assert_eq!(p.raised, [PeakPath::Avx512, PeakPath::AmxBf16]);
+        assert_eq!(p.used.amx_bf16, Some(2000.0));
         assert_eq!(p.used.avx512, Some(300.0));
         assert_eq!(p.probed, PROBED);
         assert_eq!((p.used.avx2, p.used.bf16_dot), (Some(100.0), Some(400.0)));
         let pct: Vec<f64> = rows.iter().filter_map(|r| r.pct_peak).collect();
-        assert_eq!(pct, [250.0 / 3.0, 125.0 / 3.0, 100.0, 50.0]);
+        assert_eq!(pct, [250.0 / 3.0, 125.0 / 3.0, 100.0, 50.0, 100.0]);
         assert!(pct.iter().all(|&x| x <= 100.0));
     }
 

@@ -229,10 +229,11 @@ fn pack_row_pairs(
 }
 
 impl<'a> Inputs<'a> {
-    /// The inputs when the kernel copy is [`Isa::Avx512Bf16`] and Q, K, V and dO are all bf16;
-    /// `None` otherwise (so holding an `Inputs` proves the CPU has AVX512-BF16).
+    /// The inputs when the kernel copy is [`Isa::Avx512Bf16`] or [`Isa::Avx512Amx`] (whose
+    /// backward is this one) and Q, K, V and dO are all bf16; `None` otherwise (so holding an
+    /// `Inputs` proves the CPU has AVX512-BF16).
     pub(crate) fn new(isa: Isa, cx: &BwdCtx<'a>) -> Option<Self> {
-        if isa != Isa::Avx512Bf16 {
+        if !matches!(isa, Isa::Avx512Bf16 | Isa::Avx512Amx) {
             return None;
         }
         // Gather offsets of a kv tile (< 256 keys) must fit i32: larger strides (never seen

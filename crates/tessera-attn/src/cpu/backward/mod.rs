@@ -46,7 +46,7 @@ use crate::validate::Dims;
 use crate::views::OutData as Out;
 use rayon::prelude::*;
 use tessera_core::tensor::ViewData;
-use tessera_core::{DType, Error, Result};
+use tessera_core::{Error, Result};
 use tessera_plan::Plan;
 use tiles::{key_blocks, p_ds_block, p_ds_full, query_blocks, store_dkv, BwdCtx, DkvItem};
 
@@ -103,7 +103,7 @@ pub(crate) fn shared_floats(plan: &Plan, d: &Dims, g: &Geometry, threads: usize)
 /// Bytes of workspace a backward of `d` over `plan` on `threads` threads uses.
 pub(crate) fn backward_bytes(isa: Isa, plan: &Plan, d: &Dims, threads: usize) -> usize {
     let g = Geometry::new(plan, d);
-    let per_worker = if isa == Isa::Avx512Bf16 && d.dtype == DType::BF16 {
+    let per_worker = if crate::cpu::isa::runs_bf16_kernel(isa, d.dtype) {
         ws_floats(&g, d).max(bf16_ws_floats(&g, d))
     } else {
         ws_floats(&g, d)

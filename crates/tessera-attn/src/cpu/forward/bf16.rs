@@ -15,6 +15,14 @@
 //! one product per run of key groups sharing a column range, with the masked column max taken
 //! from the product's registers (no pass over `Sᵀ` for it).
 //!
+//! On [`Isa::Avx512Amx`] the two products run on AMX tiles (`crate::cpu::amx`) where their
+//! extents allow (pairs along D a multiple of 16 for `Sᵀ`, padded kv tiles a multiple of 32 keys
+//! for `P·V`; else `vdpbf16ps` as above): `Sᵀ` for whole tiles, partial ones included (16-key
+//! row blocks; a last 4, 8 or 12 keys on `vdpbf16ps`), then masked and maximised like an unfused
+//! tile; `O += P·V` over all the tile's key pairs from `P` transposed to queries by pairs (the
+//! tile unit reads A by rows), zero where masked. Same softmax, same rounding of P: the outputs
+//! differ from the `vdpbf16ps` ones only by summation order.
+//!
 //! Telemetry: `item` is generic over [`crate::cpu::forward::TileObserver`] like the f32 kernel
 //! (production: `NoTelemetry`, hooks compiled out). An observing copy gets every hook with the
 //! trait's semantics, per key row (both keys of a pair) with the f32 P before rounding, so its
@@ -32,6 +40,7 @@ pub(crate) use imp::{item, run, Ctx};
 
 #[cfg(not(target_arch = "x86_64"))]
 pub(crate) fn run(
+    _isa: crate::cpu::isa::Isa,
     prep: crate::cpu::prepare::Prep<'_>,
     d: &crate::validate::Dims,
     inputs: &crate::args::AttnInputs<'_>,
@@ -60,6 +69,7 @@ pub(crate) fn pack_words(plan: &tessera_plan::Plan, d: &crate::validate::Dims) -
 #[cfg(target_arch = "x86_64")]
 mod imp {
     use crate::args::{AttnInputs, ForwardOut};
+    use crate::cpu::amx;
     use crate::cpu::column_softmax::{self, TileLive};
     use crate::cpu::forward::{self, NoTelemetry, TileObserver};
     use crate::cpu::isa::Isa;
@@ -116,6 +126,12 @@ mod imp {
         scale: f32,
         softcap: Option<f32>,
         sinks: Option<&'a [f32]>,
+        /// The tile unit of `Sᵀ = K·Qᵀ` ([`Isa::Avx512Amx`] with pairs along D a multiple of 16),
+        /// else `None` (`vdpbf16ps`).
+        amx_qk: Option<amx::Kind>,
+        /// The tile unit of `O += P·V` ([`Isa::Avx512Amx`] with a multiple of 32 padded keys
+        /// per tile), else `None`.
+        amx_pv: Option<amx::Kind>,
     }
 
     /// A non-finite V entry: key pair `jp`, `half` (0: even key), column `col`, value `val`.
@@ -178,6 +194,9 @@ mod imp {
         qp: Vec<u32>,
         s: Vec<f32>,
         pp: Vec<u32>,
+        /// `pp` transposed (`[tq × tkp / 2]`: queries by key pairs), the A operand of the
+        /// AMX `P·V`.
+        ppt: Vec<u32>,
         o: Vec<f32>,
         m: Vec<f32>,
         l: Vec<f32>,
@@ -188,6 +207,7 @@ mod imp {
     }
 
     pub(crate) fn run(
+        isa: Isa,
         prep: Prep<'_>,
         d: &Dims,
         inputs: &AttnInputs<'_>,
@@ -205,7 +225,7 @@ mod imp {
             maxes,
             ..
         } = bufs;
-        let cx = Ctx::new(prep, d, inputs, options, kpack, vpack)?;
+        let cx = Ctx::new(isa, prep, d, inputs, options, kpack, vpack)?;
         forward::schedule(
             prep.plan,
             d,
@@ -213,8 +233,8 @@ mod imp {
             items,
             maxes,
             || cx.workspace(),
-            // SAFETY: this kernel is only selected as `Isa::Avx512Bf16`, which is handed out
-            // only when the CPU has AVX-512F/BW/VL, FMA and AVX512-BF16.
+            // SAFETY: this kernel is only selected as `Isa::Avx512Bf16` or `Isa::Avx512Amx`,
+            // which are handed out only when the CPU has AVX-512F/BW/VL, FMA and AVX512-BF16.
             |ws, it| unsafe { item(&cx, ws, it, &mut NoTelemetry) },
             |it| it.prefetch(prep.plan, cx.q),
         )
@@ -263,8 +283,10 @@ mod imp {
 
     impl<'a> Ctx<'a> {
         /// The call's state over bf16 inputs (checked by the caller), with the workspace's
-        /// buffers for packed K and V; no block is packed yet ([`Ctx::block`]).
+        /// buffers for packed K and V; no block is packed yet ([`Ctx::block`]). `isa`
+        /// [`Isa::Avx512Amx`] puts the products on AMX tiles where their extents allow.
         pub(crate) fn new(
+            isa: Isa,
             prep: Prep<'a>,
             d: &Dims,
             inputs: &AttnInputs<'a>,
@@ -288,6 +310,11 @@ mod imp {
             let dpair = d.d_qk.div_ceil(2);
             let dvp = round_up(d.d_v, 16);
             let blocks = d.batch * d.heads_kv * plan.kv_tiles;
+            let unit = if isa == Isa::Avx512Amx {
+                amx::unit()
+            } else {
+                None
+            };
             // K pairs along D are the rows' own 32-bit words: read K in place when every row
             // starts on a word and every tile's rows fill whole RB-row blocks (no zero padding
             // rows needed), which saves a copy of K per call.
@@ -328,6 +355,8 @@ mod imp {
                 scale: options.scale_for(d.d_qk),
                 softcap: options.softcap,
                 sinks: options.sinks.as_deref(),
+                amx_qk: unit.filter(|_| dpair.is_multiple_of(amx::TW)),
+                amx_pv: unit.filter(|_| tkp.is_multiple_of(2 * amx::TW)),
             })
         }
 
@@ -424,6 +453,11 @@ mod imp {
                 qp: vec![0u32; self.dpair * tq],
                 s: z(tkp * tq),
                 pp: vec![0u32; tkp / 2 * tq],
+                ppt: if self.amx_pv.is_some() {
+                    vec![0u32; tq * (tkp / 2)]
+                } else {
+                    Vec::new()
+                },
                 o: z(tq * dvp),
                 m: z(tq),
                 l: z(tq),
@@ -459,6 +493,7 @@ mod imp {
             qp,
             s,
             pp,
+            ppt,
             o,
             m,
             l,
@@ -548,7 +583,41 @@ mod imp {
                 TileLive::partial(nq, nk, cx.masks_t, cx.live, e.mask)
             };
             col[..nqp].fill(NEG_INF);
-            if fused_max {
+            // On AMX the whole tile's logits (16-key row blocks; a last 4, 8 or 12 keys on
+            // `vdpbf16ps`), then the masks and the column max over them as for unfused tiles.
+            let m16 = mk / amx::TW * amx::TW;
+            let on_amx = cx.amx_qk.is_some() && m16 > 0;
+            if let (Some(unit), true) = (cx.amx_qk, on_amx) {
+                // SAFETY: `unit` came from `amx::unit`.
+                unsafe {
+                    amx::gemm_on(unit, (m16, nqp, dpair), (kp, kld), (qp, tq), (s, tq), false)
+                };
+                if mk > m16 {
+                    let (a, c) = (&kp[m16 * kld..], &mut s[m16 * tq..]);
+                    dot_gemm::<false, false>(
+                        mk - m16,
+                        nqp,
+                        dpair,
+                        a,
+                        kld,
+                        1,
+                        qp,
+                        tq,
+                        c,
+                        tq,
+                        &mut [],
+                    );
+                }
+                for j in (0..nk).filter(|_| !full && !by_column) {
+                    let (a, bb) = span(j);
+                    mask_partial_row(
+                        &mut s[j * tq..j * tq + bb],
+                        cx.masks_t.row(e.mask, j),
+                        a,
+                        NEG_INF,
+                    );
+                }
+            } else if fused_max {
                 dot_gemm::<false, true>(mk, nqp, dpair, kp, kld, 1, qp, tq, s, tq, col);
             } else if full {
                 dot_gemm::<false, false>(mk, nqp, dpair, kp, kld, 1, qp, tq, s, tq, col);
@@ -606,7 +675,7 @@ mod imp {
             }
             // The max was fused into the product for full tiles without padding key rows and,
             // masked, for partial tiles walked by column.
-            let fused = fused_max || (!full && by_column);
+            let fused = !on_amx && (fused_max || (!full && by_column));
             if !fused && by_column {
                 // SAFETY: this kernel runs only where the CPU has AVX-512F.
                 unsafe { column_softmax::column_max::<Avx512>(s, tq, tile, col) };
@@ -695,7 +764,39 @@ mod imp {
                 simd::scale_row(&mut o[i * dvp..i * dvp + dv], alpha[i]);
             }
             obs.on_tile(&col[..nq], &m_use[..nq], &alpha[..nq]);
-            if full {
+            if let Some(unit) = cx.amx_pv {
+                // `O += P·V` over every key pair of the tile (P is exactly 0 where masked): P's
+                // pair rows up to a multiple of 16 (the rest zero; V's are), transposed to
+                // queries by pairs for the tile loads.
+                let (np, np16) = (nk.div_ceil(2), round_up(nk.div_ceil(2), amx::TW));
+                pp[np * tq..np16 * tq].fill(0);
+                for jp0 in (0..np16).step_by(16) {
+                    for i0 in (0..nqp).step_by(16) {
+                        // SAFETY: pair rows `jp0..jp0 + 16 <= np16 <= tkp / 2` and queries
+                        // `i0..i0 + 16 <= nqp <= tq` of `pp` (`[tkp / 2 × tq]`), and their
+                        // transposed places in `ppt` (`[tq × np16]` inside `tq × tkp / 2`).
+                        unsafe {
+                            transpose16_words(
+                                pp.as_ptr().add(jp0 * tq + i0),
+                                tq,
+                                ppt.as_mut_ptr().add(i0 * np16 + jp0),
+                                np16,
+                            )
+                        }
+                    }
+                }
+                // SAFETY: `unit` came from `amx::unit`.
+                unsafe {
+                    amx::gemm_on(
+                        unit,
+                        (nqp, dvp, np16),
+                        (ppt, np16),
+                        (vp, dvp),
+                        (o, dvp),
+                        true,
+                    )
+                };
+            } else if full {
                 dot_gemm::<true, false>(
                     mq,
                     dvp,

@@ -26,7 +26,7 @@ pub(crate) fn run(
     rest: Rest<'_>,
 ) -> Result<()> {
     if runs_bf16_kernel(isa, d.dtype) {
-        super::bf16::run(prep, d, inputs, options, out, rest)
+        super::bf16::run(isa, prep, d, inputs, options, out, rest)
     } else {
         super::run(isa, prep, d, inputs, options, out, rest)
     }

@@ -218,7 +218,7 @@ fn run(
             maxes,
             ..
         } = bufs;
-        let cx = bf16::Ctx::new(prep, d, inputs, options, kpack, vpack)?;
+        let cx = bf16::Ctx::new(isa, prep, d, inputs, options, kpack, vpack)?;
         return observed(
             prep.plan,
             d,
@@ -229,7 +229,7 @@ fn run(
             maxes,
             || cx.workspace(),
             |ws, it, obs| {
-                // SAFETY: `Isa::Avx512Bf16` is only handed out when the CPU has
+                // SAFETY: `Isa::Avx512Bf16` and `Isa::Avx512Amx` are only handed out when the CPU has
                 // AVX-512F/BW/VL, FMA and AVX512-BF16.
                 unsafe { bf16::item(&cx, ws, it, obs) }
             },
