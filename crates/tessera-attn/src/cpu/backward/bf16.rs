@@ -1,4 +1,5 @@
-//! The dK/dV/dQ-slot item on AVX512-BF16 (`vdpbf16ps`), used by [`Isa::Avx512Bf16`] when Q, K,
+//! The dK/dV/dQ-slot item on AVX512-BF16 (`vdpbf16ps`), used by [`Isa::Avx512Bf16`] and
+//! [`Isa::Avx512Amx`] when Q, K,
 //! V and dO are bf16 and every input is finite (the f32 item with exact zero-skipping products
 //! runs otherwise). Same walk, slots and reduction as the f32 item of the parent module; only the
 //! five tile products change.
@@ -19,10 +20,17 @@
 //!   along the keys (for the dQ slot), in one pass from `S`, `dP` (a partial tile's mask as lane
 //!   masks) except under a softcap.
 //!
+//! On [`Isa::Avx512Amx`] a full tile's five products run on AMX tiles (`super::super::amx`) where
+//! the padded inner dimension allows (see `Amx`; 16-query row blocks, a last 4, 8 or 12 rows on
+//! `vdpbf16ps`): `dV += Pᵀ·dO` and `dK += dSᵀ·Q` from P and dS transposed to keys by query
+//! pairs (the tile unit reads A by rows); partial tiles keep the per-block spans on
+//! `vdpbf16ps`. Same P and dS: the gradients differ only by summation order.
+//!
 //! Accuracy: products of bf16 values are exact in f32 and accumulate in f32; rounding P and dS to
 //! bf16 adds ≤ 2⁻⁹ relative error per term (FlashAttention rounds them the same way), well inside
 //! the 1e-2 bf16 tolerance. Deterministic: fixed loop order, no atomics.
 
+use super::super::amx;
 use super::super::isa::Isa;
 use super::super::load_tile::transpose16_words;
 use super::super::schedule::Geometry;
@@ -48,6 +56,20 @@ pub(crate) struct Inputs<'a> {
     /// their layout lets the products read them in place (see [`in_place`]).
     q_words: Option<(&'a [u32], usize)>,
     do_words: Option<(&'a [u32], usize)>,
+    /// The tile unit of full tiles' products ([`Isa::Avx512Amx`], see [`Amx`]), else `None`.
+    amx: Option<Amx>,
+}
+
+/// Which of a full tile's products run on AMX tiles: each needs its inner dimension in pairs
+/// padded to a multiple of 16 inside the buffers (pairs along D for `S` and `dP`; pairs of
+/// queries, `tq / 2`, for `dV` and `dK`; pairs of keys, `tk / 2`, for the dQ slot).
+#[derive(Clone, Copy)]
+struct Amx {
+    unit: amx::Kind,
+    s: bool,
+    dp: bool,
+    dkv: bool,
+    dq: bool,
 }
 
 /// `x` as 32-bit words when every row of `src` starts on a word (storage aligned, even
@@ -243,6 +265,17 @@ impl<'a> Inputs<'a> {
         }
         let (q, d_o) = (cx.q.bf16()?, cx.d_o.bf16()?);
         let rows_whole = cx.plan.tile.q.is_multiple_of(RB) && cx.d.q_len.is_multiple_of(RB);
+        let (g, tw) = (&cx.g, amx::TW);
+        let amx = (isa == Isa::Avx512Amx)
+            .then(amx::unit)
+            .flatten()
+            .map(|unit| Amx {
+                unit,
+                s: cx.d.d_qk.div_ceil(2).is_multiple_of(tw),
+                dp: cx.d.d_v.div_ceil(2).is_multiple_of(tw),
+                dkv: g.tq.is_multiple_of(2 * tw),
+                dq: g.tk.is_multiple_of(2 * tw),
+            });
         Some(Inputs {
             q,
             k: cx.k.bf16()?,
@@ -250,6 +283,7 @@ impl<'a> Inputs<'a> {
             d_o,
             q_words: in_place(q, &cx.q, cx.d.d_qk, rows_whole),
             do_words: in_place(d_o, &cx.d_o, cx.d.d_v, rows_whole),
+            amx,
         })
     }
 }
@@ -276,6 +310,10 @@ pub(crate) struct Ws {
     qq: Vec<u32>,
     dod: Vec<u32>,
     doq: Vec<u32>,
+    /// `pq` and `dsq` transposed (`[tk × tq/2]`: keys by query pairs), the A operands of the
+    /// AMX `dV` and `dK` products.
+    pqt: Vec<u32>,
+    dsqt: Vec<u32>,
 }
 
 /// Words (`u32` or f32) of one [`Ws`].
@@ -288,6 +326,7 @@ pub(crate) fn ws_words(g: &Geometry, d: &Dims) -> usize {
         + tk * (g.dqkp + g.dvp)
         + tq * (dh + vh)
         + tq / 2 * (g.dqkp + g.dvp)
+        + 2 * (tk * tq / 2)
 }
 
 impl Ws {
@@ -308,6 +347,8 @@ impl Ws {
             qq: vec![0; tq / 2 * g.dqkp],
             dod: vec![0; tq * d.d_v.div_ceil(2)],
             doq: vec![0; tq / 2 * g.dvp],
+            pqt: vec![0; tk * tq / 2],
+            dsqt: vec![0; tk * tq / 2],
         }
     }
 }
@@ -657,6 +698,31 @@ fn pairs(perm: __m512i, lo: __m512, hi: __m512) -> __m512i {
     _mm512_permutexvar_epi16(perm, bh)
 }
 
+/// `dst[j·ld + p] = src[p·sl + j]` for pairs `p < ld` and keys `j < n` (`ld`, `n` multiples of
+/// 16), by 16 × 16 word transposes.
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn transpose_words(src: &[u32], sl: usize, dst: &mut [u32], ld: usize, n: usize) {
+    assert!(ld.is_multiple_of(16) && n.is_multiple_of(16) && n <= sl);
+    assert!(
+        ld == 0 || n == 0 || (src.len() >= (ld - 1) * sl + n && dst.len() >= (n - 1) * ld + ld)
+    );
+    for p0 in (0..ld).step_by(16) {
+        for j0 in (0..n).step_by(16) {
+            // SAFETY: rows `p0..p0 + 16 <= ld` of `src` (columns `j0..j0 + 16 <= n`) and rows
+            // `j0..j0 + 16 <= n` of `dst` (columns `p0..p0 + 16 <= ld`) are inside (asserted).
+            unsafe {
+                transpose16_words(
+                    src.as_ptr().add(p0 * sl + j0),
+                    sl,
+                    dst.as_mut_ptr().add(j0 * ld + p0),
+                    ld,
+                )
+            }
+        }
+    }
+}
+
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")]
 unsafe fn item(cx: &BwdCtx<'_>, inp: &Inputs<'_>, ws: &mut Ws, it: DkvItem<'_>) {
     let DkvItem {
@@ -688,6 +754,8 @@ unsafe fn item(cx: &BwdCtx<'_>, inp: &Inputs<'_>, ws: &mut Ws, it: DkvItem<'_>) 
         qq,
         dod,
         doq,
+        pqt,
+        dsqt,
     } = ws;
     let koff = cx.k.row(b, gh, k0);
     pack_kv(
@@ -743,8 +811,38 @@ unsafe fn item(cx: &BwdCtx<'_>, inp: &Inputs<'_>, ws: &mut Ws, it: DkvItem<'_>) 
             let lse = &cx.lse[bh * d.q_len + q0..bh * d.q_len + q1];
             let delta = &cx.delta[bh * d.q_len + q0..bh * d.q_len + q1];
             if e.is_full() {
-                dot_gemm::<false, false>(mq, nkp, qh, qa, qars, 1, ktp, tk, s, tk, &mut []);
-                dot_gemm::<false, false>(mq, nkp, vh, da, dars, 1, vt, tk, dp, tk, &mut []);
+                let on = |f: fn(&Amx) -> bool| inp.amx.filter(f).map(|a| a.unit);
+                // Query rows on tiles: whole blocks of 16, the rest (4, 8, 12) on `vdpbf16ps`.
+                let m16 = mq / amx::TW * amx::TW;
+                let logits =
+                    |unit: Option<amx::Kind>, (a, lda): (&[u32], usize), h, b, c: &mut [f32]| {
+                        let rows = match unit {
+                            // SAFETY: `unit` came from `amx::unit`.
+                            Some(u) => unsafe {
+                                amx::gemm_on(u, (m16, nkp, h), (a, lda), (b, tk), (c, tk), false);
+                                m16
+                            },
+                            None => 0,
+                        };
+                        if rows < mq {
+                            let (a, c) = (&a[rows * lda..], &mut c[rows * tk..]);
+                            dot_gemm::<false, false>(
+                                mq - rows,
+                                nkp,
+                                h,
+                                a,
+                                lda,
+                                1,
+                                b,
+                                tk,
+                                c,
+                                tk,
+                                &mut [],
+                            );
+                        }
+                    };
+                logits(on(|a| a.s), (qa, qars), qh, &ktp[..], &mut s[..]);
+                logits(on(|a| a.dp), (da, dars), vh, &vt[..], &mut dp[..]);
                 if cx.softcap.is_none() {
                     let (st, rows, keys) = ((&s[..], &dp[..], tk), (0, mq, nq), (0, nkp, nk));
                     p_ds_pairs::<false>(st, rows, keys, None, cx.scale, lse, delta, pq, dsq, dsk);
@@ -753,10 +851,97 @@ unsafe fn item(cx: &BwdCtx<'_>, inp: &Inputs<'_>, ws: &mut Ws, it: DkvItem<'_>) 
                     round_pairs(s, dp, tk, 0, mq, nkp, pq, dsq, dsk);
                 }
                 let mp = mq / 2;
-                dot_gemm::<true, false>(mk, dvp, mp, pq, 1, tk, doq, dvp, dva, dvp, &mut []);
-                dot_gemm::<true, false>(mk, dqkp, mp, dsq, 1, tk, qq, dqkp, dk, dqkp, &mut []);
+                if let Some(unit) = on(|a| a.dkv) {
+                    // dV += Pᵀ·dO, dK += dSᵀ·Q over query pairs up to a multiple of 16 (P and
+                    // dS zero past the tile's: dO and Q are finite there), keys by blocks of 16
+                    // (rows past `nk` are never stored), from P and dS transposed to keys by
+                    // query pairs.
+                    let mp16 = round_up(mp, amx::TW);
+                    for (src, dst, (b, ldb), c, ldc) in [
+                        (
+                            &mut pq[..],
+                            &mut pqt[..],
+                            (&doq[..], dvp),
+                            &mut dva[..],
+                            dvp,
+                        ),
+                        (
+                            &mut dsq[..],
+                            &mut dsqt[..],
+                            (&qq[..], dqkp),
+                            &mut dk[..],
+                            dqkp,
+                        ),
+                    ] {
+                        src[mp * tk..mp16 * tk].fill(0);
+                        transpose_words(src, tk, dst, mp16, nkp);
+                        // SAFETY: `unit` came from `amx::unit`.
+                        unsafe {
+                            amx::gemm_on(
+                                unit,
+                                (nkp, ldc, mp16),
+                                (dst, mp16),
+                                (b, ldb),
+                                (c, ldc),
+                                true,
+                            )
+                        };
+                    }
+                } else {
+                    dot_gemm::<true, false>(mk, dvp, mp, pq, 1, tk, doq, dvp, dva, dvp, &mut []);
+                    dot_gemm::<true, false>(mk, dqkp, mp, dsq, 1, tk, qq, dqkp, dk, dqkp, &mut []);
+                }
                 let np = nk.div_ceil(2);
-                dot_gemm::<false, false>(mq, dqkp, np, dsk, tk2, 1, kk, dqkp, slot, dqkp, &mut []);
+                match on(|a| a.dq) {
+                    Some(unit) if m16 > 0 => {
+                        // Key pairs up to a multiple of 16: dS zero past the tile's (`kk` holds
+                        // zeros or finite keys there).
+                        let np16 = round_up(np, amx::TW);
+                        for row in dsk.chunks_mut(tk2).take(mq) {
+                            row[np..np16].fill(0);
+                        }
+                        // SAFETY: `unit` came from `amx::unit`.
+                        unsafe {
+                            amx::gemm_on(
+                                unit,
+                                (m16, dqkp, np16),
+                                (dsk, tk2),
+                                (kk, dqkp),
+                                (slot, dqkp),
+                                false,
+                            )
+                        };
+                        if m16 < mq {
+                            let (a, c) = (&dsk[m16 * tk2..], &mut slot[m16 * dqkp..]);
+                            dot_gemm::<false, false>(
+                                mq - m16,
+                                dqkp,
+                                np,
+                                a,
+                                tk2,
+                                1,
+                                kk,
+                                dqkp,
+                                c,
+                                dqkp,
+                                &mut [],
+                            );
+                        }
+                    }
+                    _ => dot_gemm::<false, false>(
+                        mq,
+                        dqkp,
+                        np,
+                        dsk,
+                        tk2,
+                        1,
+                        kk,
+                        dqkp,
+                        slot,
+                        dqkp,
+                        &mut [],
+                    ),
+                }
                 continue;
             }
             // Partial tile: per 16-query block, S/dP/P/dS over its key span only, zero outside;
