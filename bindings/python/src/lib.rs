@@ -62,5 +62,12 @@ fn _tessera(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("TELEMETRY_COLUMNS", attention::STAT_COLUMNS)?;
     m.add("isa", tessera::CpuBackend::new().paths().to_string())?;
+    m.add(
+        "amx",
+        match tessera::attn::cpu::amx_status() {
+            Ok(on) => format!("used: {on}"),
+            Err(why) => format!("not used: {why}"),
+        },
+    )?;
     Ok(())
 }

@@ -9,6 +9,8 @@ import numpy.typing as npt
 __version__: str
 TELEMETRY_COLUMNS: int
 isa: str
+# "used: AMX-BF16" (or the software model under TESSERA_AMX_MODEL=1), else "not used: <why>".
+amx: str
 
 class Mask:
     """An attention mask expression (the algebra of SPEC §3)."""

@@ -303,9 +303,23 @@ struct ModelState {
 }
 
 thread_local! {
-    static MODEL: std::cell::RefCell<ModelState> = const {
-        std::cell::RefCell::new(ModelState { configured: false, tiles: [[0; 256]; 8] })
-    };
+    // Boxed: the thread-local slot stays one pointer (an 8 KiB slot of static TLS fails to load
+    // in a `dlopen`ed extension module).
+    static MODEL: std::cell::RefCell<Option<Box<ModelState>>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Runs `f` on this thread's model state (made on first use).
+fn with_model<R>(f: impl FnOnce(&mut ModelState) -> R) -> R {
+    MODEL.with(|m| {
+        let mut m = m.borrow_mut();
+        let state = m.get_or_insert_with(|| {
+            Box::new(ModelState {
+                configured: false,
+                tiles: [[0; 256]; 8],
+            })
+        });
+        f(state)
+    })
 }
 
 /// bf16 bits `h` as f32, denormals read as zero (as `tdpbf16ps` reads them).
@@ -329,25 +343,22 @@ fn ftz(x: f32) -> f32 {
 
 impl Unit for Model {
     unsafe fn configure() {
-        MODEL.with(|m| m.borrow_mut().configured = true);
+        with_model(|m| m.configured = true);
     }
     unsafe fn release() {
-        MODEL.with(|m| {
-            let mut m = m.borrow_mut();
+        with_model(|m| {
             m.configured = false;
             m.tiles = [[0; 256]; 8];
         });
     }
     unsafe fn zero(t: u8) {
-        MODEL.with(|m| {
-            let mut m = m.borrow_mut();
+        with_model(|m| {
             assert!(m.configured, "tile op before ldtilecfg");
             m.tiles[t as usize] = [0; 256];
         });
     }
     unsafe fn load(t: u8, p: *const u8, stride: usize) {
-        MODEL.with(|m| {
-            let mut m = m.borrow_mut();
+        with_model(|m| {
             assert!(m.configured, "tile op before ldtilecfg");
             for r in 0..16 {
                 for w in 0..16 {
@@ -359,8 +370,7 @@ impl Unit for Model {
         });
     }
     unsafe fn store(t: u8, p: *mut u8, stride: usize) {
-        MODEL.with(|m| {
-            let m = m.borrow();
+        with_model(|m| {
             assert!(m.configured, "tile op before ldtilecfg");
             for r in 0..16 {
                 for w in 0..16 {
@@ -375,8 +385,7 @@ impl Unit for Model {
         });
     }
     unsafe fn dot(c: u8, a: u8, b: u8) {
-        MODEL.with(|m| {
-            let mut m = m.borrow_mut();
+        with_model(|m| {
             assert!(m.configured, "tile op before ldtilecfg");
             let (ta, tb) = (m.tiles[a as usize], m.tiles[b as usize]);
             let tc = &mut m.tiles[c as usize];

@@ -1,8 +1,7 @@
 //! The dK/dV/dQ-slot item on AVX512-BF16 (`vdpbf16ps`), used by [`Isa::Avx512Bf16`] and
-//! [`Isa::Avx512Amx`] when Q, K,
-//! V and dO are bf16 and every input is finite (the f32 item with exact zero-skipping products
-//! runs otherwise). Same walk, slots and reduction as the f32 item of the parent module; only the
-//! five tile products change.
+//! [`Isa::Avx512Amx`] when Q, K, V and dO are bf16 and every input is finite (the f32 item with
+//! exact zero-skipping products runs otherwise). Same walk, slots and reduction as the f32 item
+//! of the parent module; only the five tile products change.
 //!
 //! Layout (bf16 pairs as `u32`, see [`super::super::tile_matmul_bf16`]):
 //! - per visited q tile, zero-padded to `tq` queries: Q and dO with pairs along D
