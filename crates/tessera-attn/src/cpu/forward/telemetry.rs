@@ -235,7 +235,13 @@ fn run(
             },
         );
     }
-    let cx = FwdCtx::new(prep, d, inputs, options, true)?;
+    let Bufs {
+        kwide,
+        vwide,
+        maxes,
+        ..
+    } = bufs;
+    let cx = FwdCtx::new(prep, d, inputs, options, true, (kwide, vwide))?;
     observed(
         prep.plan,
         d,
@@ -243,7 +249,7 @@ fn run(
         sink_flags,
         out,
         items,
-        &mut bufs.maxes,
+        maxes,
         || cx.workspace(),
         |ws, it, obs| entry(isa, &cx, ws, it, obs),
     )
