@@ -39,7 +39,6 @@
 //!   strided inputs into tiles; `mask_partial_tile` (where a pair of a partial tile is excluded,
 //!   forward and backward); `online_softmax` (running max, rescale, finish); `live_blocks`;
 //!   `column_softmax` (the forward's max and exponential passes 16 queries at a time, AVX-512);
-//!   `pack_buf`: per-kv-block packed inputs shared by a call's workers, written once;
 //!   `prepare`: what a plan is turned into once (`live_blocks`, `mask_partial_tile`'s
 //!   transposed masks); `workspace`: the caller-owned scratch; `schedule`: work items on the
 //!   pool.
@@ -64,7 +63,6 @@ mod live_blocks;
 mod load_tile;
 mod mask_partial_tile;
 mod online_softmax;
-mod pack_buf;
 mod paths;
 pub mod peak;
 mod prepare;

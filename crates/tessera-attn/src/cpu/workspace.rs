@@ -5,8 +5,7 @@
 //! Contract: everything a CPU call needs besides its inputs and outputs lives here and is
 //! reused by the next call: the per-worker tile workspaces (kept in a pool while their geometry
 //! — tile shape and head dims — stays the same, dropped when it changes), the shared buffers
-//! (backward Δ, dQ scratch and carries, per-item max logits, the bf16 forward's packed K/V,
-//! the widened bf16 K/V of the f32 forward), and
+//! (backward Δ, dQ scratch and carries, per-item max logits, the bf16 forward's packed K/V), and
 //! the thread pool of a [`Par::Seq`](crate::Par::Seq)/[`Par::Rayon`](crate::Par::Rayon) call.
 //! Nothing is process-wide. A workspace serves one call at a time (`&mut`); concurrent calls
 //! use one workspace each.
@@ -75,9 +74,6 @@ pub(crate) struct Bufs {
     pub(crate) maxes: Vec<f32>,
     pub(crate) kpack: Vec<u32>,
     pub(crate) vpack: Vec<u32>,
-    /// The widened bf16 K and V of the f32 forward item (`forward::wide_kv`).
-    pub(crate) kwide: Vec<f32>,
-    pub(crate) vwide: Vec<f32>,
 }
 
 impl Bufs {
@@ -87,9 +83,7 @@ impl Bufs {
             + self.carry.len()
             + self.maxes.len()
             + self.kpack.len()
-            + self.vpack.len()
-            + self.kwide.len()
-            + self.vwide.len())
+            + self.vpack.len())
     }
 }
 

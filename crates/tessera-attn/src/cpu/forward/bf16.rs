@@ -78,7 +78,6 @@ mod imp {
     use crate::cpu::load_tile::Src;
     use crate::cpu::mask_partial_tile::{mask_partial_row, MasksT};
     use crate::cpu::online_softmax::{self, column_max, finish_row};
-    use crate::cpu::pack_buf::PackBuf;
     use crate::cpu::prepare::Prep;
     use crate::cpu::simd::{self, Avx512, Simd};
     use crate::cpu::tile_matmul::{round_up, RB};
@@ -90,6 +89,7 @@ mod imp {
     use crate::validate::Dims;
     use half::bf16;
     use std::arch::x86_64::*;
+    use std::marker::PhantomData;
     use std::sync::OnceLock;
     use tessera_core::Result;
     use tessera_plan::Plan;
@@ -109,7 +109,7 @@ mod imp {
         /// K and V's bf16 storage (the rows `ks` and `vs` address), read when packing a block.
         kx: &'a [bf16],
         /// Packed K, when K is not read in place (`tkp × dpair` words per kv block).
-        kp: PackBuf<'a, u32>,
+        kp: PackBuf<'a>,
         /// K read in place as its own 32-bit words (pairs along D) and the row stride in
         /// words, when its layout allows (see `Ctx::new`); then `kp` is empty.
         k_words: Option<(&'a [u32], usize)>,
@@ -117,7 +117,7 @@ mod imp {
         vs: Src<'a>,
         vx: &'a [bf16],
         /// Packed V (`tkp / 2 × dvp` words per kv block).
-        vp: PackBuf<'a, u32>,
+        vp: PackBuf<'a>,
         /// Per kv block (batch, kv head, kv tile): set once the block is packed, by the first
         /// item that visits it ([`Ctx::block`]), to the block's non-finite V entries.
         blocks: Vec<OnceLock<Vec<Fixup>>>,
@@ -141,6 +141,52 @@ mod imp {
         half: usize,
         col: usize,
         val: f32,
+    }
+
+    /// A workspace buffer of packed kv blocks shared by the workers of one call. Each block's
+    /// words are written once, inside that block's `OnceLock` initialisation ([`Ctx::block`]),
+    /// and read only after it returned, which orders the writes before every read.
+    struct PackBuf<'a> {
+        ptr: *mut u32,
+        len: usize,
+        _buf: PhantomData<&'a mut [u32]>,
+    }
+
+    // SAFETY: the buffer is exclusively borrowed for `'a`; blocks are disjoint, each written by
+    // one thread inside its `OnceLock` initialisation and read only after it (see `PackBuf`).
+    unsafe impl Sync for PackBuf<'_> {}
+    // SAFETY: as above; the pointer is only a view of the borrowed buffer.
+    unsafe impl Send for PackBuf<'_> {}
+
+    impl<'a> PackBuf<'a> {
+        fn new(buf: &'a mut [u32]) -> Self {
+            PackBuf {
+                ptr: buf.as_mut_ptr(),
+                len: buf.len(),
+                _buf: PhantomData,
+            }
+        }
+
+        /// Words `r` to write.
+        ///
+        /// # Safety
+        /// Only inside the `OnceLock` initialisation of the block that owns `r`.
+        #[allow(clippy::mut_from_ref)]
+        unsafe fn write(&self, r: std::ops::Range<usize>) -> &mut [u32] {
+            assert!(r.start <= r.end && r.end <= self.len, "PackBuf: range");
+            // SAFETY: in bounds (asserted); no other reference to the range exists (caller).
+            unsafe { std::slice::from_raw_parts_mut(self.ptr.add(r.start), r.len()) }
+        }
+
+        /// Words `r` to read.
+        ///
+        /// # Safety
+        /// Only after the `OnceLock` of the block that owns `r` was initialised.
+        unsafe fn read(&self, r: std::ops::Range<usize>) -> &[u32] {
+            assert!(r.start <= r.end && r.end <= self.len, "PackBuf: range");
+            // SAFETY: in bounds (asserted); written before and never again (caller).
+            unsafe { std::slice::from_raw_parts(self.ptr.add(r.start), r.len()) }
+        }
     }
 
     /// A per-worker workspace.

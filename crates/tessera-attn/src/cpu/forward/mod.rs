@@ -2,8 +2,7 @@
 //! ([`TileObserver`]) and the f32 item kernel; the `vdpbf16ps` item is [`bf16`], the hooked
 //! logging-step variant [`telemetry`].
 //!
-//! One work item per (batch, query head, q-tile). bf16 K and V (the `widen-*` paths) are
-//! widened to f32 once per kv block for the whole call ([`wide_kv`]), not per visit.
+//! One work item per (batch, query head, q-tile).
 //!
 //! Per item the scaled Q tile is packed transposed once (`Qsᵀ`, `[Dqk × tq]`); for every kv tile
 //! of the item's forward work-list row the kernel computes `Sᵀ = K_tile · Qsᵀ` (`[tk × tq]`, so
@@ -26,7 +25,7 @@ use super::prepare::Prep;
 use super::schedule::{f32_pieces, run_items, Geometry, Order};
 use super::simd::{self, Simd};
 use super::tile_matmul::{gemm, gemm_colmax, product, round_up, RB};
-use super::workspace::{grown, Bufs, Rest, WsPool};
+use super::workspace::{grown, Rest, WsPool};
 use crate::args::{AttnInputs, ForwardOut};
 use crate::options::AttnOptions;
 use crate::validate::Dims;
@@ -37,7 +36,6 @@ use tessera_plan::Plan;
 pub(crate) mod bf16;
 pub(crate) mod select;
 pub(crate) mod telemetry;
-pub(crate) mod wide_kv;
 
 const NEG_INF: f32 = f32::NEG_INFINITY;
 
@@ -103,8 +101,6 @@ pub(crate) struct FwdCtx<'a> {
     exact: bool,
     /// V was not scanned: redo an item whose output has a non-finite value (see `item`).
     redo: bool,
-    /// bf16 K and V widened once per kv block for the call (`None`: per visit, by `rows`).
-    wide: Option<wide_kv::WideKv<'a>>,
 }
 
 pub(crate) struct FwdItem<'a> {
@@ -182,23 +178,13 @@ pub(crate) fn run(
     out: ForwardOut<'_>,
     rest: Rest<'_>,
 ) -> Result<()> {
-    let Rest { items, bufs } = rest;
-    let Bufs {
-        kwide,
-        vwide,
-        maxes,
-        ..
-    } = bufs;
-    let cx = FwdCtx::new(prep, d, inputs, options, false, (kwide, vwide))?;
-    schedule(
-        cx.plan,
-        &cx.d,
+    let cx = FwdCtx::new(prep, d, inputs, options, false)?;
+    run_with(
+        &cx,
         out,
-        items,
-        maxes,
+        rest,
         || cx.workspace(),
         |ws, it| entry(isa, &cx, ws, it),
-        |it| it.prefetch(cx.plan, cx.q),
     )
 }
 
@@ -206,15 +192,13 @@ impl<'a> FwdCtx<'a> {
     /// The per-call state every item reads (inputs, transposed masks, options). `scan_v`: scan
     /// V for non-finite values up front (a pass over all of V: ~1 % of a sparse forward) and
     /// pick the product for every item from it, as a copy with per-item hooks must (it cannot
-    /// run an item twice); without it, items redo themselves when needed (`item`). `wide`: the
-    /// workspace's buffers for bf16 K and V widened once per call (`wide_kv`).
+    /// run an item twice); without it, items redo themselves when needed (`item`).
     pub(super) fn new(
         prep: Prep<'a>,
         d: &Dims,
         inputs: &AttnInputs<'a>,
         options: &'a AttnOptions,
         scan_v: bool,
-        wide: (&'a mut Vec<f32>, &'a mut Vec<f32>),
     ) -> Result<Self> {
         let plan = prep.plan;
         let g = Geometry::new(plan, d);
@@ -241,7 +225,6 @@ impl<'a> FwdCtx<'a> {
             sinks: options.sinks.as_deref(),
             exact,
             redo: !scan_v,
-            wide: wide_kv::WideKv::new(plan, d, (k, v), wide),
         })
     }
 
@@ -249,6 +232,28 @@ impl<'a> FwdCtx<'a> {
     pub(super) fn workspace(&self) -> FwdWs {
         FwdWs::new(&self.g, &self.d)
     }
+}
+
+/// Splits O, LSE and the per-item max logits into work items (batch, query head, q-tile) and runs
+/// `work` on every item on the rayon pool (per head, longest first), each worker with its own
+/// workspace from `make_ws`; assembles the outputs.
+pub(super) fn run_with<W: std::any::Any + Send>(
+    cx: &FwdCtx<'_>,
+    out: ForwardOut<'_>,
+    rest: Rest<'_>,
+    make_ws: impl Fn() -> W + Sync,
+    work: impl Fn(&mut W, FwdItem<'_>) + Sync,
+) -> Result<()> {
+    schedule(
+        cx.plan,
+        &cx.d,
+        out,
+        rest.items,
+        &mut rest.bufs.maxes,
+        make_ws,
+        work,
+        |it| it.prefetch(cx.plan, cx.q),
+    )
 }
 
 /// The scheduling shared by every forward kernel: the caller's outputs split into one item per
@@ -383,21 +388,17 @@ pub(super) fn item_with<S: Simd, T: TileObserver>(
         // the next tile's K rows into L2 now, so that those bursts hit (their misses were ~6 %
         // of a forced-AVX2 widened bf16 causal forward, perf). In-place rows get no hints.
         let v_off = cx.v.row(b, kvh, k0);
-        let blk = (b * d.heads_kv + kvh) * plan.kv_tiles + e.tile as usize;
-        if cx.wide.is_none() && !in_place(cx.v, v_off, nk, dv) {
+        if !in_place(cx.v, v_off, nk, dv) {
             prefetch_rows(cx.v, v_off, nk, dv);
         }
-        if let (Some(next), None) = (entries.get(ei + 1), &cx.wide) {
+        if let Some(next) = entries.get(ei + 1) {
             let (n0, n1) = plan.kv_range(next.tile as usize);
             let k_off = cx.k.row(b, kvh, n0);
             if !in_place(cx.k, k_off, round_up(n1 - n0, RB), dqk) {
                 prefetch_rows(cx.k, k_off, n1 - n0, dqk);
             }
         }
-        let (ka, lda) = match &cx.wide {
-            Some(w) => w.k(blk),
-            None => rows(cx.k, cx.k.row(b, kvh, k0), nk, mk, dqk, kbuf),
-        };
+        let (ka, lda) = rows(cx.k, cx.k.row(b, kvh, k0), nk, mk, dqk, kbuf);
         let full = e.is_full();
         // Live query-column span of key row `j` (whole tile for full tiles; per 16-key block of
         // the partial mask otherwise, see `live_blocks`).
@@ -536,10 +537,7 @@ pub(super) fn item_with<S: Simd, T: TileObserver>(
             simd::scale_row(&mut o[i * dvp..i * dvp + dv], alpha[i]);
         }
         obs.on_tile(col, mu, &alpha[..nq]);
-        let (vb, ldv) = match &cx.wide {
-            Some(w) => w.v(blk),
-            None => rows(cx.v, v_off, nk, nk, dv, vbuf),
-        };
+        let (vb, ldv) = rows(cx.v, v_off, nk, nk, dv, vbuf);
         if full {
             product::<S, true, true>(exact, mq, dvp, nk, s, tq, vb, ldv, o, dvp);
         } else {

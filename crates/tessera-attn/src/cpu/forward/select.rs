@@ -39,9 +39,6 @@ pub(crate) fn forward_bytes(isa: Isa, plan: &Plan, d: &Dims, threads: usize) -> 
     let mut floats = threads * super::ws_floats(&g, d) + bh * plan.q_tiles;
     if runs_bf16_kernel(isa, d.dtype) {
         floats += super::bf16::pack_words(plan, d);
-    } else {
-        let (k, v) = super::wide_kv::floats(plan, d);
-        floats += k + v;
     }
     4 * floats
 }

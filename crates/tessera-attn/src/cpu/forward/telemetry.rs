@@ -235,13 +235,7 @@ fn run(
             },
         );
     }
-    let Bufs {
-        kwide,
-        vwide,
-        maxes,
-        ..
-    } = bufs;
-    let cx = FwdCtx::new(prep, d, inputs, options, true, (kwide, vwide))?;
+    let cx = FwdCtx::new(prep, d, inputs, options, true)?;
     observed(
         prep.plan,
         d,
@@ -249,7 +243,7 @@ fn run(
         sink_flags,
         out,
         items,
-        maxes,
+        &mut bufs.maxes,
         || cx.workspace(),
         |ws, it, obs| entry(isa, &cx, ws, it, obs),
     )
