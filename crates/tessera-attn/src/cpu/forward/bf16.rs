@@ -16,8 +16,9 @@
 //! from the product's registers (no pass over `Sᵀ` for it).
 //!
 //! On [`Isa::Avx512Amx`] the two products run on AMX tiles (`crate::cpu::amx`) where their
-//! extents allow (pairs along D a multiple of 16 for `Sᵀ`, padded kv tiles a multiple of 32 keys
-//! for `P·V`; else `vdpbf16ps` as above): `Sᵀ` for whole tiles, partial ones included (16-key
+//! extents allow (`Sᵀ` always: K and Q packed with pairs along D padded by zeros to a multiple
+//! of 16, so K is read in place only when no padding is needed; `P·V` where padded kv tiles are
+//! a multiple of 32 keys, else `vdpbf16ps` as above): `Sᵀ` for whole tiles, partial ones included (16-key
 //! row blocks; a last 4, 8 or 12 keys on `vdpbf16ps`), then masked and maximised like an unfused
 //! tile; `O += P·V` over all the tile's key pairs from `P` transposed to queries by pairs (the
 //! tile unit reads A by rows), zero where masked. Same softmax, same rounding of P: the outputs
@@ -59,11 +60,18 @@ pub(crate) fn run(
     )
 }
 
-/// `u32` words of packed K and V a bf16 forward of `d` keeps in the workspace.
-pub(crate) fn pack_words(plan: &tessera_plan::Plan, d: &crate::validate::Dims) -> usize {
+/// `u32` words of packed K and V a bf16 forward of `d` keeps in the workspace (`amx`: on
+/// [`crate::cpu::isa::Isa::Avx512Amx`], whose K rows are padded to a multiple of 16 pairs).
+pub(crate) fn pack_words(plan: &tessera_plan::Plan, d: &crate::validate::Dims, amx: bool) -> usize {
     let tkp = crate::cpu::tile_matmul::round_up(plan.tile.kv, 16);
     let blocks = d.batch * d.heads_kv * plan.kv_tiles;
-    blocks * (tkp * d.d_qk.div_ceil(2) + tkp / 2 * crate::cpu::tile_matmul::round_up(d.d_v, 16))
+    let dpair = d.d_qk.div_ceil(2);
+    let dkp = if amx {
+        crate::cpu::tile_matmul::round_up(dpair, 16)
+    } else {
+        dpair
+    };
+    blocks * (tkp * dkp + tkp / 2 * crate::cpu::tile_matmul::round_up(d.d_v, 16))
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -103,12 +111,15 @@ mod imp {
         tq: usize,
         tkp: usize,
         dpair: usize,
+        /// Words per packed K row (and rows of the packed Q): `dpair`, padded with zero pairs
+        /// to a multiple of 16 on AMX (a tile reads 16 pairs).
+        dkp: usize,
         dvp: usize,
         q: Src<'a>,
         qx: &'a [bf16],
         /// K and V's bf16 storage (the rows `ks` and `vs` address), read when packing a block.
         kx: &'a [bf16],
-        /// Packed K, when K is not read in place (`tkp × dpair` words per kv block).
+        /// Packed K, when K is not read in place (`tkp × dkp` words per kv block).
         kp: PackBuf<'a>,
         /// K read in place as its own 32-bit words (pairs along D) and the row stride in
         /// words, when its layout allows (see `Ctx::new`); then `kp` is empty.
@@ -126,7 +137,7 @@ mod imp {
         scale: f32,
         softcap: Option<f32>,
         sinks: Option<&'a [f32]>,
-        /// The tile unit of `Sᵀ = K·Qᵀ` ([`Isa::Avx512Amx`] with pairs along D a multiple of 16),
+        /// The tile unit of `Sᵀ = K·Qᵀ` ([`Isa::Avx512Amx`]; K and Q packed with `dkp` pairs),
         /// else `None` (`vdpbf16ps`).
         amx_qk: Option<amx::Kind>,
         /// The tile unit of `O += P·V` ([`Isa::Avx512Amx`] with a multiple of 32 padded keys
@@ -315,6 +326,11 @@ mod imp {
             } else {
                 None
             };
+            let dkp = if unit.is_some() {
+                round_up(dpair, amx::TW)
+            } else {
+                dpair
+            };
             // K pairs along D are the rows' own 32-bit words: read K in place when every row
             // starts on a word and every tile's rows fill whole RB-row blocks (no zero padding
             // rows needed), which saves a copy of K per call.
@@ -325,13 +341,14 @@ mod imp {
                 && d.d_qk.is_multiple_of(2)
                 && ks.strides_even()
                 && plan.tile.kv.is_multiple_of(RB)
-                && d.kv_len.is_multiple_of(RB))
-            .then_some((words, ks.ld() / 2));
+                && d.kv_len.is_multiple_of(RB)
+                && dkp == dpair)
+                .then_some((words, ks.ld() / 2));
             // Words of packed K: none when K is read in place.
             let kp_len = if k_words.is_some() {
                 0
             } else {
-                blocks * tkp * dpair
+                blocks * tkp * dkp
             };
             Ok(Ctx {
                 plan,
@@ -339,6 +356,7 @@ mod imp {
                 tq,
                 tkp,
                 dpair,
+                dkp,
                 dvp,
                 q: qs,
                 qx,
@@ -355,7 +373,7 @@ mod imp {
                 scale: options.scale_for(d.d_qk),
                 softcap: options.softcap,
                 sinks: options.sinks.as_deref(),
-                amx_qk: unit.filter(|_| dpair.is_multiple_of(amx::TW)),
+                amx_qk: unit,
                 amx_pv: unit.filter(|_| tkp.is_multiple_of(2 * amx::TW)),
             })
         }
@@ -376,7 +394,7 @@ mod imp {
         /// cannot attend the key keep the bits of a clean run. Call only from [`Ctx::block`].
         fn pack_block(&self, blk: usize) -> Vec<Fixup> {
             let (plan, d) = (self.plan, &self.d);
-            let (tkp, dpair, dvp) = (self.tkp, self.dpair, self.dvp);
+            let (tkp, dpair, dkp, dvp) = (self.tkp, self.dpair, self.dkp, self.dvp);
             let (dqk, dv, nkt) = (d.d_qk, d.d_v, plan.kv_tiles);
             let (bg, kt) = (blk / nkt, blk % nkt);
             let (b, g) = (bg / d.heads_kv, bg % d.heads_kv);
@@ -385,15 +403,14 @@ mod imp {
             let bits = |x: &bf16| x.to_bits();
             if self.k_words.is_none() {
                 // SAFETY: inside block `blk`'s initialisation; the range is that block's.
-                let kd = unsafe { self.kp.write(blk * tkp * dpair..(blk + 1) * tkp * dpair) };
+                let kd = unsafe { self.kp.write(blk * tkp * dkp..(blk + 1) * tkp * dkp) };
                 // Padding keys are zero (the buffer is reused: clear them explicitly).
-                kd[nk * dpair..].fill(0);
+                kd[nk * dkp..].fill(0);
                 for j in 0..nk {
                     let off = self.ks.row(b, g, k0 + j);
-                    let (src, dst) = (
-                        &self.kx[off..off + dqk],
-                        &mut kd[j * dpair..(j + 1) * dpair],
-                    );
+                    let (src, row) = (&self.kx[off..off + dqk], &mut kd[j * dkp..(j + 1) * dkp]);
+                    let (dst, pad) = row.split_at_mut(dpair);
+                    pad.fill(0);
                     // Pairs along D are the row's own bytes: a straight (vectorized) copy.
                     for (o, p) in dst.iter_mut().zip(src.chunks_exact(2)) {
                         *o = pair(bits(&p[0]), bits(&p[1]));
@@ -450,7 +467,7 @@ mod imp {
             let (tq, tkp, dvp) = (self.tq, self.tkp, self.dvp);
             let z = |n: usize| vec![0f32; n];
             Ws {
-                qp: vec![0u32; self.dpair * tq],
+                qp: vec![0u32; self.dkp * tq],
                 s: z(tkp * tq),
                 pp: vec![0u32; tkp / 2 * tq],
                 ppt: if self.amx_pv.is_some() {
@@ -488,6 +505,7 @@ mod imp {
         let nq = q1 - q0;
         let (mq, nqp) = (round_up(nq, RB), round_up(nq, 16));
         let (dqk, dv, dvp, tq, tkp, dpair) = (d.d_qk, d.d_v, cx.dvp, cx.tq, cx.tkp, cx.dpair);
+        let dkp = cx.dkp;
         let nkt = plan.kv_tiles;
         let Ws {
             qp,
@@ -502,6 +520,15 @@ mod imp {
             col,
             raw_max,
         } = ws;
+        // A pooled workspace may come from a call on another kernel copy: grow what AMX reads
+        // (Q rows padded to `dkp` pairs, zero past `dpair`; `P` transposed).
+        if qp.len() < dkp * tq {
+            qp.resize(dkp * tq, 0);
+        }
+        qp[dpair * tq..dkp * tq].fill(0);
+        if cx.amx_pv.is_some() && ppt.len() < tq * (tkp / 2) {
+            ppt.resize(tq * (tkp / 2), 0);
+        }
         // Q pairs along D, queries contiguous; padding queries zero.
         let (q_off, qld) = (cx.q.row(b, h, q0), cx.q.ld());
         // Whole 16-query × 16-pair blocks: the pairs are the rows' own 32-bit words, so when
@@ -563,8 +590,8 @@ mod imp {
             let (kp, kld) = match cx.k_words {
                 Some((words, ld)) => (&words[cx.ks.row(b, kvh, k0) / 2..], ld),
                 None => (
-                    unsafe { cx.kp.read(blk * tkp * dpair..(blk + 1) * tkp * dpair) },
-                    dpair,
+                    unsafe { cx.kp.read(blk * tkp * dkp..(blk + 1) * tkp * dkp) },
+                    dkp,
                 ),
             };
             let vp = unsafe {
@@ -589,9 +616,7 @@ mod imp {
             let on_amx = cx.amx_qk.is_some() && m16 > 0;
             if let (Some(unit), true) = (cx.amx_qk, on_amx) {
                 // SAFETY: `unit` came from `amx::unit`.
-                unsafe {
-                    amx::gemm_on(unit, (m16, nqp, dpair), (kp, kld), (qp, tq), (s, tq), false)
-                };
+                unsafe { amx::gemm_on(unit, (m16, nqp, dkp), (kp, kld), (qp, tq), (s, tq), false) };
                 if mk > m16 {
                     let (a, c) = (&kp[m16 * kld..], &mut s[m16 * tq..]);
                     dot_gemm::<false, false>(
@@ -770,6 +795,7 @@ mod imp {
                 // queries by pairs for the tile loads.
                 let (np, np16) = (nk.div_ceil(2), round_up(nk.div_ceil(2), amx::TW));
                 pp[np * tq..np16 * tq].fill(0);
+                assert!(ppt.len() >= nqp * np16, "transposed P");
                 for jp0 in (0..np16).step_by(16) {
                     for i0 in (0..nqp).step_by(16) {
                         // SAFETY: pair rows `jp0..jp0 + 16 <= np16 <= tkp / 2` and queries

@@ -38,7 +38,7 @@ pub(crate) fn forward_bytes(isa: Isa, plan: &Plan, d: &Dims, threads: usize) -> 
     let bh = d.batch * d.heads_q;
     let mut floats = threads * super::ws_floats(&g, d) + bh * plan.q_tiles;
     if runs_bf16_kernel(isa, d.dtype) {
-        floats += super::bf16::pack_words(plan, d);
+        floats += super::bf16::pack_words(plan, d, isa == Isa::Avx512Amx);
     }
     4 * floats
 }
