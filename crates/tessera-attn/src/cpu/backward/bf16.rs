@@ -57,16 +57,19 @@ pub(crate) struct Inputs<'a> {
     do_words: Option<(&'a [u32], usize)>,
     /// The tile unit of full tiles' products ([`Isa::Avx512Amx`], see [`Amx`]), else `None`.
     amx: Option<Amx>,
+    /// Words per row of packed Q and dO (pairs along D): `⌈D/2⌉`, padded with zero pairs to a
+    /// multiple of 16 on AMX (a tile reads 16 pairs; the K and V packs' extra pair rows are
+    /// zero, so the padding adds nothing).
+    q_ld: usize,
+    do_ld: usize,
 }
 
-/// Which of a full tile's products run on AMX tiles: each needs its inner dimension in pairs
-/// padded to a multiple of 16 inside the buffers (pairs along D for `S` and `dP`; pairs of
-/// queries, `tq / 2`, for `dV` and `dK`; pairs of keys, `tk / 2`, for the dQ slot).
+/// Which of a full tile's products run on AMX tiles: `S` and `dP` always (pairs along D padded
+/// in the packs); `dV`, `dK` and the dQ slot where their inner dimension, padded to a multiple of
+/// 16 pairs, fits the buffers (pairs of queries, `tq / 2`; pairs of keys, `tk / 2`).
 #[derive(Clone, Copy)]
 struct Amx {
     unit: amx::Kind,
-    s: bool,
-    dp: bool,
     dkv: bool,
     dq: bool,
 }
@@ -97,7 +100,7 @@ fn bits(x: &bf16) -> u16 {
 }
 
 /// Packs `n` rows (`sl` elements apart, from element `off`) of a bf16 input into `dpk` (pairs along D,
-/// `[tq × ⌈dim/2⌉]`) and `qpk` (pairs of consecutive rows, `[tq/2 × ld]`), zero padded.
+/// `[tq × dld]`, `dld >= ⌈dim/2⌉`) and `qpk` (pairs of consecutive rows, `[tq/2 × ld]`), zero padded.
 ///
 /// # Safety
 /// The CPU must have AVX-512F and AVX-512BW.
@@ -111,11 +114,13 @@ fn pack_rows(
     n: usize,
     dim: usize,
     ld: usize,
-    dpk: &mut [u32],
+    (dpk, dld): (&mut [u32], usize),
     qpk: &mut [u32],
 ) {
     let dh = dim.div_ceil(2);
-    for (r, dst) in dpk.chunks_exact_mut(dh).enumerate() {
+    for (r, row) in dpk.chunks_exact_mut(dld).enumerate() {
+        let (dst, pad) = row.split_at_mut(dh);
+        pad.fill(0);
         if r >= n {
             dst.fill(0);
             continue;
@@ -270,26 +275,33 @@ impl<'a> Inputs<'a> {
             .flatten()
             .map(|unit| Amx {
                 unit,
-                s: cx.d.d_qk.div_ceil(2).is_multiple_of(tw),
-                dp: cx.d.d_v.div_ceil(2).is_multiple_of(tw),
                 dkv: g.tq.is_multiple_of(2 * tw),
                 dq: g.tk.is_multiple_of(2 * tw),
             });
+        let (qh, vh) = (cx.d.d_qk.div_ceil(2), cx.d.d_v.div_ceil(2));
+        let padded = |h: usize| if amx.is_some() { round_up(h, tw) } else { h };
+        // In place only where no padding is needed (a tile would read past a row's pairs).
+        let words = |x, src, dim: usize| {
+            in_place(x, src, dim, rows_whole).filter(|_| padded(dim.div_ceil(2)) == dim.div_ceil(2))
+        };
         Some(Inputs {
             q,
             k: cx.k.bf16()?,
             v: cx.v.bf16()?,
             d_o,
-            q_words: in_place(q, &cx.q, cx.d.d_qk, rows_whole),
-            do_words: in_place(d_o, &cx.d_o, cx.d.d_v, rows_whole),
+            q_words: words(q, &cx.q, cx.d.d_qk),
+            do_words: words(d_o, &cx.d_o, cx.d.d_v),
             amx,
+            q_ld: padded(qh),
+            do_ld: padded(vh),
         })
     }
 }
 
 /// Per-thread workspace of the bf16 item.
 pub(crate) struct Ws {
-    /// K, V pairs along D, keys contiguous: `[⌈D/2⌉ × tk]`.
+    /// K, V pairs along D, keys contiguous: `[⌈D/2⌉ × tk]` (pair rows to a multiple of 16, the
+    /// extra ones zero).
     kt: Vec<u32>,
     vt: Vec<u32>,
     /// K pairs of consecutive keys: `[tk/2 × Dqkp]`.
@@ -317,7 +329,11 @@ pub(crate) struct Ws {
 
 /// Words (`u32` or f32) of one [`Ws`].
 pub(crate) fn ws_words(g: &Geometry, d: &Dims) -> usize {
-    let (tq, tk, dh, vh) = (g.tq, g.tk, d.d_qk.div_ceil(2), d.d_v.div_ceil(2));
+    let (tq, tk) = (g.tq, g.tk);
+    let (dh, vh) = (
+        round_up(d.d_qk.div_ceil(2), 16),
+        round_up(d.d_v.div_ceil(2), 16),
+    );
     (dh + vh) * tk
         + tk / 2 * g.dqkp
         + 2 * tq * tk
@@ -331,9 +347,15 @@ pub(crate) fn ws_words(g: &Geometry, d: &Dims) -> usize {
 impl Ws {
     pub(crate) fn new(g: &Geometry, d: &Dims) -> Self {
         let (tq, tk) = (g.tq, g.tk);
+        // Pairs along D padded to a multiple of 16 (what AMX tiles read; the extra pair rows of
+        // the K/V packs stay zero, never written).
+        let (dhp, vhp) = (
+            round_up(d.d_qk.div_ceil(2), 16),
+            round_up(d.d_v.div_ceil(2), 16),
+        );
         Ws {
-            kt: vec![0; d.d_qk.div_ceil(2) * tk],
-            vt: vec![0; d.d_v.div_ceil(2) * tk],
+            kt: vec![0; dhp * tk],
+            vt: vec![0; vhp * tk],
             kk: vec![0; tk / 2 * g.dqkp],
             s: vec![0.0; tq * tk],
             dp: vec![0.0; tq * tk],
@@ -342,9 +364,9 @@ impl Ws {
             dsk: vec![0; tq * tk / 2],
             dk: vec![0.0; tk * g.dqkp],
             dv: vec![0.0; tk * g.dvp],
-            qd: vec![0; tq * d.d_qk.div_ceil(2)],
+            qd: vec![0; tq * dhp],
             qq: vec![0; tq / 2 * g.dqkp],
-            dod: vec![0; tq * d.d_v.div_ceil(2)],
+            dod: vec![0; tq * vhp],
             doq: vec![0; tq / 2 * g.dvp],
             pqt: vec![0; tk * tq / 2],
             dsqt: vec![0; tk * tq / 2],
@@ -790,11 +812,20 @@ unsafe fn item(cx: &BwdCtx<'_>, inp: &Inputs<'_>, ws: &mut Ws, it: DkvItem<'_>) 
                     &w[oq / 2..]
                 }
                 None => {
-                    pack_rows(inp.q, oq, cx.q.ld(), nq, dqk, dqkp, qd, qq);
+                    pack_rows(
+                        inp.q,
+                        oq,
+                        cx.q.ld(),
+                        nq,
+                        dqk,
+                        dqkp,
+                        (&mut qd[..g.tq * inp.q_ld], inp.q_ld),
+                        qq,
+                    );
                     qd
                 }
             };
-            let qars = inp.q_words.map_or(qh, |(_, ld)| ld);
+            let qars = inp.q_words.map_or(inp.q_ld, |(_, ld)| ld);
             let od = cx.d_o.row(b, h, q0);
             let da: &[u32] = match inp.do_words {
                 Some((w, _)) => {
@@ -802,23 +833,35 @@ unsafe fn item(cx: &BwdCtx<'_>, inp: &Inputs<'_>, ws: &mut Ws, it: DkvItem<'_>) 
                     &w[od / 2..]
                 }
                 None => {
-                    pack_rows(inp.d_o, od, cx.d_o.ld(), nq, dv, dvp, dod, doq);
+                    pack_rows(
+                        inp.d_o,
+                        od,
+                        cx.d_o.ld(),
+                        nq,
+                        dv,
+                        dvp,
+                        (&mut dod[..g.tq * inp.do_ld], inp.do_ld),
+                        doq,
+                    );
                     dod
                 }
             };
-            let dars = inp.do_words.map_or(vh, |(_, ld)| ld);
+            let dars = inp.do_words.map_or(inp.do_ld, |(_, ld)| ld);
             let lse = &cx.lse[bh * d.q_len + q0..bh * d.q_len + q1];
             let delta = &cx.delta[bh * d.q_len + q0..bh * d.q_len + q1];
             if e.is_full() {
                 let on = |f: fn(&Amx) -> bool| inp.amx.filter(f).map(|a| a.unit);
                 // Query rows on tiles: whole blocks of 16, the rest (4, 8, 12) on `vdpbf16ps`.
                 let m16 = mq / amx::TW * amx::TW;
+                // `h` pairs along D; the tiles read them padded to a multiple of 16 (zero in the
+                // packs of Q/dO and of K/V).
                 let logits =
                     |unit: Option<amx::Kind>, (a, lda): (&[u32], usize), h, b, c: &mut [f32]| {
                         let rows = match unit {
                             // SAFETY: `unit` came from `amx::unit`.
                             Some(u) => unsafe {
-                                amx::gemm_on(u, (m16, nkp, h), (a, lda), (b, tk), (c, tk), false);
+                                let hp = round_up(h, amx::TW);
+                                amx::gemm_on(u, (m16, nkp, hp), (a, lda), (b, tk), (c, tk), false);
                                 m16
                             },
                             None => 0,
@@ -840,8 +883,9 @@ unsafe fn item(cx: &BwdCtx<'_>, inp: &Inputs<'_>, ws: &mut Ws, it: DkvItem<'_>) 
                             );
                         }
                     };
-                logits(on(|a| a.s), (qa, qars), qh, &ktp[..], &mut s[..]);
-                logits(on(|a| a.dp), (da, dars), vh, &vt[..], &mut dp[..]);
+                let unit = inp.amx.map(|a| a.unit);
+                logits(unit, (qa, qars), qh, &ktp[..], &mut s[..]);
+                logits(unit, (da, dars), vh, &vt[..], &mut dp[..]);
                 if cx.softcap.is_none() {
                     let (st, rows, keys) = ((&s[..], &dp[..], tk), (0, mq, nq), (0, nkp, nk));
                     p_ds_pairs::<false>(st, rows, keys, None, cx.scale, lse, delta, pq, dsq, dsk);
