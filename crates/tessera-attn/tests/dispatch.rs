@@ -42,13 +42,7 @@ fn bf16_nan_propagates_to_affected_outputs_only() {
     );
     let opts = AttnOptions::default();
     let at = |hh: usize, i: usize| (hh * l + i) * d + 5;
-    for isa in [
-        Isa::Portable,
-        Isa::Avx2,
-        Isa::Avx512,
-        Isa::Avx512Bf16,
-        Isa::Avx512Amx,
-    ] {
+    for isa in Isa::ALL {
         let Ok(be) = CpuBackend::with_isa(isa) else {
             continue;
         };

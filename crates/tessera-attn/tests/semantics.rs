@@ -289,13 +289,7 @@ fn every_kernel_copy_passes_a_sample_of_the_suite() {
         .filter(|c| names.contains(&c.name.as_str()))
         .collect();
     assert_eq!(cases.len(), names.len());
-    for isa in [
-        Isa::Portable,
-        Isa::Avx2,
-        Isa::Avx512,
-        Isa::Avx512Bf16,
-        Isa::Avx512Amx,
-    ] {
+    for isa in Isa::ALL {
         let Ok(be) = CpuBackend::with_isa(isa) else {
             eprintln!("skipping {isa:?}: not supported here");
             continue;
@@ -352,14 +346,6 @@ fn max_logit_is_taken_before_softcap() {
 
 // ---------------------------------------------------------------------------------------------
 // Backend API v2: strided inputs, explicit parallelism, workspace reuse.
-
-const ISAS: [Isa; 5] = [
-    Isa::Portable,
-    Isa::Avx2,
-    Isa::Avx512,
-    Isa::Avx512Bf16,
-    Isa::Avx512Amx,
-];
 
 /// `vals` as a tensor of `dtype` (bf16 rounds them).
 fn mk(dtype: DType, shape: &[usize], vals: Vec<f32>) -> Tensor {
@@ -640,7 +626,7 @@ fn api_probs() -> Vec<Prob> {
 /// backward, f32 and bf16, every kernel copy this CPU runs.
 #[test]
 fn strided_and_expanded_inputs_match_contiguous_copies_bit_for_bit() {
-    for isa in ISAS {
+    for isa in Isa::ALL {
         let Ok(be) = CpuBackend::with_isa(isa) else {
             eprintln!("skipping {isa:?}: not supported here");
             continue;
@@ -823,7 +809,7 @@ fn a_workspace_reused_across_problems_matches_fresh_ones() {
     let order: Vec<usize> = vec![0, 3, 0, 4, 1, 2, 5, 2, 5, 4, 1, 3, 0];
     // One workspace per kernel copy, and one shared by all of them.
     let mut shared = CpuWorkspace::default();
-    for isa in ISAS {
+    for isa in Isa::ALL {
         let Ok(be) = CpuBackend::with_isa(isa) else {
             eprintln!("skipping {isa:?}: not supported here");
             continue;

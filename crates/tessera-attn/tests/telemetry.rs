@@ -942,13 +942,7 @@ fn every_kernel_copy_logs_the_same_summary() {
     p.softcap = Some(4.0);
     let mut bf = Prob::new("isa-bf16", Mask::causal()).lens(80, 80);
     bf.dtype = DType::BF16;
-    for isa in [
-        Isa::Portable,
-        Isa::Avx2,
-        Isa::Avx512,
-        Isa::Avx512Bf16,
-        Isa::Avx512Amx,
-    ] {
+    for isa in Isa::ALL {
         let Ok(be) = CpuBackend::with_isa(isa) else {
             eprintln!("skipping {isa:?}: not supported here");
             continue;

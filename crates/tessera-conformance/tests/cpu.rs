@@ -109,7 +109,7 @@ fn lse_gradient_matches_the_reference() {
         )
         .unwrap();
         let tol = if dt == DType::F32 { 1e-5 } else { 1e-2 };
-        for isa in [Isa::Portable, Isa::Avx2, Isa::Avx512, Isa::Avx512Bf16] {
+        for isa in Isa::ALL {
             let Ok(be) = CpuBackend::with_isa(isa) else {
                 continue;
             };

@@ -29,6 +29,15 @@ pub enum Isa {
 }
 
 impl Isa {
+    /// Every copy, widest first (tests run each one this CPU supports).
+    pub const ALL: [Isa; 5] = [
+        Isa::Avx512Amx,
+        Isa::Avx512Bf16,
+        Isa::Avx512,
+        Isa::Avx2,
+        Isa::Portable,
+    ];
+
     /// The widest copy this CPU supports.
     pub fn detect() -> Isa {
         #[cfg(target_arch = "x86_64")]

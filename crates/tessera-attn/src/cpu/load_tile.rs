@@ -359,6 +359,43 @@ pub(crate) unsafe fn transpose16_words(src: *const u32, sl: usize, dst: *mut u32
     }
 }
 
+/// `dst[x·ld + r] = src[r·sl + x]` for rows `r < rows` and columns `x < cols` (both multiples
+/// of 16), by [`transpose16_words`] blocks; the extents are checked against the slices.
+///
+/// # Safety
+/// AVX-512F must be available.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx512f")]
+pub(crate) unsafe fn transpose_words(
+    (src, sl): (&[u32], usize),
+    (dst, ld): (&mut [u32], usize),
+    rows: usize,
+    cols: usize,
+) {
+    assert!(rows.is_multiple_of(16) && cols.is_multiple_of(16) && cols <= sl && rows <= ld);
+    assert!(
+        rows == 0
+            || cols == 0
+            || (src.len() >= (rows - 1) * sl + cols && dst.len() >= (cols - 1) * ld + rows),
+        "transpose_words: extents"
+    );
+    for r0 in (0..rows).step_by(16) {
+        for x0 in (0..cols).step_by(16) {
+            // SAFETY: rows `r0..r0 + 16 <= rows`, columns `x0..x0 + 16 <= cols` of `src` and
+            // their transposed places in `dst` are inside (asserted); AVX-512F (caller).
+            unsafe {
+                transpose16_words(
+                    src.as_ptr().add(r0 * sl + x0),
+                    sl,
+                    dst.as_mut_ptr().add(x0 * ld + r0),
+                    ld,
+                )
+            }
+        }
+    }
+}
+
 /// The 16 × 16 transpose of 32-bit lanes held in 16 registers (unpack pairs, then pairs of
 /// pairs, then 128-bit lanes twice): column `x` of the rows comes back as register `x`.
 #[cfg(target_arch = "x86_64")]

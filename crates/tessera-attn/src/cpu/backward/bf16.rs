@@ -31,7 +31,7 @@
 
 use super::super::amx;
 use super::super::isa::Isa;
-use super::super::load_tile::transpose16_words;
+use super::super::load_tile::{transpose16_words, transpose_words};
 use super::super::schedule::Geometry;
 use super::super::simd::Avx512;
 use super::super::simd::{self, x512::exp2_coarse_in};
@@ -719,31 +719,6 @@ fn pairs(perm: __m512i, lo: __m512, hi: __m512) -> __m512i {
     _mm512_permutexvar_epi16(perm, bh)
 }
 
-/// `dst[j·ld + p] = src[p·sl + j]` for pairs `p < ld` and keys `j < n` (`ld`, `n` multiples of
-/// 16), by 16 × 16 word transposes.
-#[inline]
-#[target_feature(enable = "avx512f")]
-fn transpose_words(src: &[u32], sl: usize, dst: &mut [u32], ld: usize, n: usize) {
-    assert!(ld.is_multiple_of(16) && n.is_multiple_of(16) && n <= sl);
-    assert!(
-        ld == 0 || n == 0 || (src.len() >= (ld - 1) * sl + n && dst.len() >= (n - 1) * ld + ld)
-    );
-    for p0 in (0..ld).step_by(16) {
-        for j0 in (0..n).step_by(16) {
-            // SAFETY: rows `p0..p0 + 16 <= ld` of `src` (columns `j0..j0 + 16 <= n`) and rows
-            // `j0..j0 + 16 <= n` of `dst` (columns `p0..p0 + 16 <= ld`) are inside (asserted).
-            unsafe {
-                transpose16_words(
-                    src.as_ptr().add(p0 * sl + j0),
-                    sl,
-                    dst.as_mut_ptr().add(j0 * ld + p0),
-                    ld,
-                )
-            }
-        }
-    }
-}
-
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")]
 unsafe fn item(cx: &BwdCtx<'_>, inp: &Inputs<'_>, ws: &mut Ws, it: DkvItem<'_>) {
     let DkvItem {
@@ -917,7 +892,8 @@ unsafe fn item(cx: &BwdCtx<'_>, inp: &Inputs<'_>, ws: &mut Ws, it: DkvItem<'_>) 
                         ),
                     ] {
                         src[mp * tk..mp16 * tk].fill(0);
-                        transpose_words(src, tk, dst, mp16, nkp);
+                        // SAFETY: AVX-512F is part of this kernel's features.
+                        unsafe { transpose_words((src, tk), (dst, mp16), mp16, nkp) };
                         // SAFETY: `unit` came from `amx::unit`.
                         unsafe {
                             amx::gemm_on(

@@ -82,8 +82,8 @@ mod imp {
     use crate::cpu::forward::{self, NoTelemetry, TileObserver};
     use crate::cpu::isa::Isa;
     use crate::cpu::live_blocks::LiveBlocks;
-    use crate::cpu::load_tile::transpose16_words;
     use crate::cpu::load_tile::Src;
+    use crate::cpu::load_tile::{transpose16_words, transpose_words};
     use crate::cpu::mask_partial_tile::{mask_partial_row, MasksT};
     use crate::cpu::online_softmax::{self, column_max, finish_row};
     use crate::cpu::prepare::Prep;
@@ -795,22 +795,8 @@ mod imp {
                 // queries by pairs for the tile loads.
                 let (np, np16) = (nk.div_ceil(2), round_up(nk.div_ceil(2), amx::TW));
                 pp[np * tq..np16 * tq].fill(0);
-                assert!(ppt.len() >= nqp * np16, "transposed P");
-                for jp0 in (0..np16).step_by(16) {
-                    for i0 in (0..nqp).step_by(16) {
-                        // SAFETY: pair rows `jp0..jp0 + 16 <= np16 <= tkp / 2` and queries
-                        // `i0..i0 + 16 <= nqp <= tq` of `pp` (`[tkp / 2 × tq]`), and their
-                        // transposed places in `ppt` (`[tq × np16]` inside `tq × tkp / 2`).
-                        unsafe {
-                            transpose16_words(
-                                pp.as_ptr().add(jp0 * tq + i0),
-                                tq,
-                                ppt.as_mut_ptr().add(i0 * np16 + jp0),
-                                np16,
-                            )
-                        }
-                    }
-                }
+                // SAFETY: AVX-512F is part of this kernel's features.
+                unsafe { transpose_words((pp, tq), (ppt, np16), np16, nqp) };
                 // SAFETY: `unit` came from `amx::unit`.
                 unsafe {
                     amx::gemm_on(
