@@ -517,7 +517,11 @@ pub(crate) unsafe fn gemm_on(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cpu::tile_matmul_bf16::pair;
+
+    /// Two bf16 bit patterns as one word (`lo` in the low half).
+    fn pair(lo: u16, hi: u16) -> u32 {
+        lo as u32 | (hi as u32) << 16
+    }
 
     /// Deterministic pseudo-random bf16 bits of moderate magnitude (normal, either sign).
     fn bf16_bits(seed: u64, i: usize) -> u16 {

@@ -29,13 +29,12 @@
 //!
 //! Code map (one concept per file), in layer order (a file imports only from files listed
 //! before it, and from the crate's `options`, `views`, `par`, `args`, `validate`, `backend`):
-//! - Building blocks: `simd` (exp, tanh, row helpers); [`peak`]: the measured compute peak of
-//!   each instruction path (the yardstick of `% of peak`); `isa`: the instruction sets, the
-//!   per-ISA kernel copies and which forward kernel a copy and dtype run; `tile_matmul` (f32
-//!   `S = K·Qᵀ`, `P·V` and the backward products) and `tile_matmul_bf16` (`vdpbf16ps`); `amx` (AMX-BF16 tile products, the
-//!   software model they are tested on where the CPU has none, and whether this process may use
-//!   them);
-//!   `paths`: the kernel paths of each dtype and which of them this CPU runs; `load_tile`:
+//! - Building blocks: `amx` (AMX-BF16 tile products, the software model they are tested on
+//!   where the CPU has none, and whether this process may use them); `simd` (exp, tanh, row
+//!   helpers); [`peak`]: the measured compute peak of each instruction path (the yardstick of
+//!   `% of peak`); `isa`: the instruction sets, the per-ISA kernel copies and which forward
+//!   kernel a copy and dtype run; `tile_matmul` (f32 `S = K·Qᵀ`, `P·V` and the backward
+//!   products) and `tile_matmul_bf16` (`vdpbf16ps`, and its rows on AMX tiles); `paths`: the kernel paths of each dtype and which of them this CPU runs; `load_tile`:
 //!   strided inputs into tiles; `mask_partial_tile` (where a pair of a partial tile is excluded,
 //!   forward and backward); `online_softmax` (running max, rescale, finish); `live_blocks`;
 //!   `column_softmax` (the forward's max and exponential passes 16 queries at a time, AVX-512);

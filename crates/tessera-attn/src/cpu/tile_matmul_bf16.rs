@@ -15,6 +15,7 @@
 //! an f32 product of the same (bf16) inputs only by summation order.
 //! The caller must run on a CPU with AVX-512F/BW/VL, FMA and AVX512-BF16.
 
+use super::amx;
 use super::tile_matmul::RB;
 use std::arch::x86_64::*;
 
@@ -126,6 +127,31 @@ fn check(
         np == 0 || b.len() >= (np - 1) * ldb + n,
         "dot_gemm: B too short"
     );
+}
+
+/// `C = A·B` over `m` rows (`A` row-major, pairs along its rows) with its whole 16-row blocks on
+/// the AMX tile unit `unit` (over `kp` pairs: `np` padded to a multiple of 16 with pairs that are
+/// zero in `A` or in `B`) and a last 4, 8 or 12 rows on `vdpbf16ps` (over `np` pairs).
+///
+/// # Safety
+/// As [`dot_gemm`]; `unit` must come from [`amx::unit`].
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")]
+pub(crate) unsafe fn dot_gemm_tiles(
+    unit: amx::Kind,
+    (m, n, np, kp): (usize, usize, usize, usize),
+    (a, lda): (&[u32], usize),
+    (b, ldb): (&[u32], usize),
+    (c, ldc): (&mut [f32], usize),
+) {
+    let m16 = m / amx::TW * amx::TW;
+    // SAFETY: `unit` came from `amx::unit` (caller); extents are checked inside.
+    unsafe { amx::gemm_on(unit, (m16, n, kp), (a, lda), (b, ldb), (c, ldc), false) };
+    if m16 < m {
+        let (a, c) = (&a[m16 * lda..], &mut c[m16 * ldc..]);
+        // SAFETY: the caller's CPU features.
+        unsafe { dot_gemm::<false, false>(m - m16, n, np, a, lda, 1, b, ldb, c, ldc, &mut []) };
+    }
 }
 
 /// `C = A·B` (`ACC = false`) or `C += A·B` (`ACC = true`) over `np` pairs; see the module docs.

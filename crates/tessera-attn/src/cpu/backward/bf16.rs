@@ -36,7 +36,7 @@ use super::super::schedule::Geometry;
 use super::super::simd::Avx512;
 use super::super::simd::{self, x512::exp2_coarse_in};
 use super::super::tile_matmul::{round_up, RB};
-use super::super::tile_matmul_bf16::{dot_gemm, pair};
+use super::super::tile_matmul_bf16::{dot_gemm, dot_gemm_tiles, pair};
 use super::tiles::{
     key_blocks, p_ds_block, p_ds_full, query_blocks, store_dkv, BwdCtx, DkvItem, BF16_P_CAP2,
 };
@@ -826,41 +826,19 @@ unsafe fn item(cx: &BwdCtx<'_>, inp: &Inputs<'_>, ws: &mut Ws, it: DkvItem<'_>) 
             let delta = &cx.delta[bh * d.q_len + q0..bh * d.q_len + q1];
             if e.is_full() {
                 let on = |f: fn(&Amx) -> bool| inp.amx.filter(f).map(|a| a.unit);
-                // Query rows on tiles: whole blocks of 16, the rest (4, 8, 12) on `vdpbf16ps`.
-                let m16 = mq / amx::TW * amx::TW;
                 // `h` pairs along D; the tiles read them padded to a multiple of 16 (zero in the
-                // packs of Q/dO and of K/V).
-                let logits =
-                    |unit: Option<amx::Kind>, (a, lda): (&[u32], usize), h, b, c: &mut [f32]| {
-                        let rows = match unit {
-                            // SAFETY: `unit` came from `amx::unit`.
-                            Some(u) => unsafe {
-                                let hp = round_up(h, amx::TW);
-                                amx::gemm_on(u, (m16, nkp, hp), (a, lda), (b, tk), (c, tk), false);
-                                m16
-                            },
-                            None => 0,
-                        };
-                        if rows < mq {
-                            let (a, c) = (&a[rows * lda..], &mut c[rows * tk..]);
-                            dot_gemm::<false, false>(
-                                mq - rows,
-                                nkp,
-                                h,
-                                a,
-                                lda,
-                                1,
-                                b,
-                                tk,
-                                c,
-                                tk,
-                                &mut [],
-                            );
-                        }
-                    };
-                let unit = inp.amx.map(|a| a.unit);
-                logits(unit, (qa, qars), qh, &ktp[..], &mut s[..]);
-                logits(unit, (da, dars), vh, &vt[..], &mut dp[..]);
+                // packs of Q/dO and of K/V): whole 16-query blocks on tiles, the rest (4, 8 or
+                // 12 queries) on `vdpbf16ps`.
+                let logits = |(a, lda): (&[u32], usize), h, b, c: &mut [f32]| match inp.amx {
+                    // SAFETY: `unit` came from `amx::unit`; this kernel's CPU features.
+                    Some(x) => unsafe {
+                        let hp = round_up(h, amx::TW);
+                        dot_gemm_tiles(x.unit, (mq, nkp, h, hp), (a, lda), (b, tk), (c, tk))
+                    },
+                    None => dot_gemm::<false, false>(mq, nkp, h, a, lda, 1, b, tk, c, tk, &mut []),
+                };
+                logits((qa, qars), qh, &ktp[..], &mut s[..]);
+                logits((da, dars), vh, &vt[..], &mut dp[..]);
                 if cx.softcap.is_none() {
                     let (st, rows, keys) = ((&s[..], &dp[..], tk), (0, mq, nq), (0, nkp, nk));
                     p_ds_pairs::<false>(st, rows, keys, None, cx.scale, lse, delta, pq, dsq, dsk);
@@ -912,42 +890,18 @@ unsafe fn item(cx: &BwdCtx<'_>, inp: &Inputs<'_>, ws: &mut Ws, it: DkvItem<'_>) 
                 }
                 let np = nk.div_ceil(2);
                 match on(|a| a.dq) {
-                    Some(unit) if m16 > 0 => {
+                    Some(unit) => {
                         // Key pairs up to a multiple of 16: dS zero past the tile's (`kk` holds
                         // zeros or finite keys there).
                         let np16 = round_up(np, amx::TW);
                         for row in dsk.chunks_mut(tk2).take(mq) {
                             row[np..np16].fill(0);
                         }
-                        // SAFETY: `unit` came from `amx::unit`.
-                        unsafe {
-                            amx::gemm_on(
-                                unit,
-                                (m16, dqkp, np16),
-                                (dsk, tk2),
-                                (kk, dqkp),
-                                (slot, dqkp),
-                                false,
-                            )
-                        };
-                        if m16 < mq {
-                            let (a, c) = (&dsk[m16 * tk2..], &mut slot[m16 * dqkp..]);
-                            dot_gemm::<false, false>(
-                                mq - m16,
-                                dqkp,
-                                np,
-                                a,
-                                tk2,
-                                1,
-                                kk,
-                                dqkp,
-                                c,
-                                dqkp,
-                                &mut [],
-                            );
-                        }
+                        let (dims, a, b) = ((mq, dqkp, np, np16), (&dsk[..], tk2), (&kk[..], dqkp));
+                        // SAFETY: `unit` came from `amx::unit`; this kernel's CPU features.
+                        unsafe { dot_gemm_tiles(unit, dims, a, b, (slot, dqkp)) };
                     }
-                    _ => dot_gemm::<false, false>(
+                    None => dot_gemm::<false, false>(
                         mq,
                         dqkp,
                         np,

@@ -90,7 +90,7 @@ mod imp {
     use crate::cpu::simd::{self, Avx512, Simd};
     use crate::cpu::tile_matmul::{round_up, RB};
     use crate::cpu::tile_matmul_bf16::{
-        dot_gemm, dot_gemm_acc_groups, dot_gemm_masked_max, pair, round_bits,
+        dot_gemm, dot_gemm_acc_groups, dot_gemm_masked_max, dot_gemm_tiles, pair, round_bits,
     };
     use crate::cpu::workspace::{grown, Bufs, Rest};
     use crate::options::AttnOptions;
@@ -615,24 +615,10 @@ mod imp {
             let m16 = mk / amx::TW * amx::TW;
             let on_amx = cx.amx_qk.is_some() && m16 > 0;
             if let (Some(unit), true) = (cx.amx_qk, on_amx) {
-                // SAFETY: `unit` came from `amx::unit`.
-                unsafe { amx::gemm_on(unit, (m16, nqp, dkp), (kp, kld), (qp, tq), (s, tq), false) };
-                if mk > m16 {
-                    let (a, c) = (&kp[m16 * kld..], &mut s[m16 * tq..]);
-                    dot_gemm::<false, false>(
-                        mk - m16,
-                        nqp,
-                        dpair,
-                        a,
-                        kld,
-                        1,
-                        qp,
-                        tq,
-                        c,
-                        tq,
-                        &mut [],
-                    );
-                }
+                // SAFETY: `unit` came from `amx::unit`; this kernel's CPU features.
+                unsafe {
+                    dot_gemm_tiles(unit, (mk, nqp, dpair, dkp), (kp, kld), (qp, tq), (s, tq))
+                };
                 for j in (0..nk).filter(|_| !full && !by_column) {
                     let (a, bb) = span(j);
                     mask_partial_row(
