@@ -1025,7 +1025,7 @@ fn bf16_logging_step_outputs_are_bit_identical_on_avx512_bf16() {
     let f32_math = CpuBackend::with_isa(Isa::Avx512).unwrap();
     for (be, p) in bf16_kernel_backends()
         .into_iter()
-        .flat_map(|be| bf16_probs().into_iter().map(move |p| (be.clone(), p)))
+        .flat_map(|be| bf16_probs().into_iter().map(move |p| (be, p)))
     {
         let (plan, flags) = (p.plan(), p.flags());
         let mut x = random_inputs(&p);
