@@ -78,6 +78,20 @@ fn probe() -> Result<(), &'static str> {
 /// and AMX is then not used (the kernels fall back to `vdpbf16ps`).
 #[cfg(target_arch = "x86_64")]
 fn self_check() -> Result<(), &'static str> {
+    // SAFETY: `probe` calls this only with AMX-BF16, the tile state and its permission.
+    if unsafe { agrees_with_model::<Hw>() } {
+        Ok(())
+    } else {
+        Err("the AMX self-check disagreed with the model of tdpbf16ps")
+    }
+}
+
+/// Whether unit `U`'s product of a 32×48×32 case (every accumulator tile, two k steps,
+/// accumulation into C) equals the model's up to rounding.
+///
+/// # Safety
+/// As [`gemm`] with `U`.
+unsafe fn agrees_with_model<U: Unit>() -> bool {
     let (m, n, kp) = (32, 48, 32);
     let word = |seed: u32, i: usize| {
         // Normal bf16 values in ±[0.5, 2): exponent 126 or 127, a varying mantissa and sign.
@@ -87,22 +101,27 @@ fn self_check() -> Result<(), &'static str> {
     };
     let a: Vec<u32> = (0..m * kp).map(|i| word(1, i)).collect();
     let b: Vec<u32> = (0..kp * n).map(|i| word(2, i)).collect();
-    let c0: Vec<f32> = (0..m * n).map(|i| (i % 5) as f32 - 2.0).collect();
+    let c0_at = |i: usize| (i % 5) as f32 - 2.0;
+    let c0_abs = |i: usize| c0_at(i).abs() + 1.0;
+    let c0: Vec<f32> = (0..m * n).map(c0_at).collect();
     let (mut hw, mut model) = (c0.clone(), c0);
-    // SAFETY: `probe` reached here only with AMX-BF16, the tile state and its permission.
+    // SAFETY: the caller's contract for `U`; the model has none.
     unsafe {
-        gemm::<Hw>((m, n, kp), (&a, kp), (&b, n), (&mut hw, n), true);
+        gemm::<U>((m, n, kp), (&a, kp), (&b, n), (&mut hw, n), true);
         gemm::<Model>((m, n, kp), (&a, kp), (&b, n), (&mut model, n), true);
     }
-    let close = hw
-        .iter()
-        .zip(&model)
-        .all(|(x, y)| (x - y).abs() <= 1e-4 * (1.0 + y.abs()));
-    if close {
-        Ok(())
-    } else {
-        Err("the AMX self-check disagreed with the model of tdpbf16ps")
-    }
+    // Within 1e-4 of each output's sum of magnitudes: another summation order or rounding of
+    // the same products stays far inside it, a product of other elements (a layout the hardware
+    // reads differently) far outside.
+    let f = |w: u32, hi: bool| bf16_daz(if hi { w >> 16 } else { w }).abs();
+    (0..m * n).all(|i| {
+        let (r, x) = (i / n, i % n);
+        let mag = (0..kp).fold(c0_abs(i), |acc, p| {
+            let (wa, wb) = (a[r * kp + p], b[p * n + x]);
+            acc + f(wa, false) * f(wb, false) + f(wa, true) * f(wb, true)
+        });
+        (hw[i] - model[i]).abs() <= 1e-4 * mag
+    })
 }
 
 #[cfg(not(target_arch = "x86_64"))]
@@ -591,6 +610,38 @@ mod tests {
             // SAFETY: `status` is Ok.
             Ok(()) => check::<Hw>(),
             Err(why) => println!("skipped: {why}"),
+        }
+    }
+
+    /// The model with its two B tiles crossed: the register-use error a self-check must catch.
+    struct CrossedB;
+    impl Unit for CrossedB {
+        unsafe fn configure() {
+            unsafe { Model::configure() }
+        }
+        unsafe fn release() {
+            unsafe { Model::release() }
+        }
+        unsafe fn zero(t: u8) {
+            unsafe { Model::zero(t) }
+        }
+        unsafe fn load(t: u8, p: *const u8, stride: usize) {
+            unsafe { Model::load(t, p, stride) }
+        }
+        unsafe fn store(t: u8, p: *mut u8, stride: usize) {
+            unsafe { Model::store(t, p, stride) }
+        }
+        unsafe fn dot(c: u8, a: u8, b: u8) {
+            unsafe { Model::dot(c, a, 13 - b) }
+        }
+    }
+
+    #[test]
+    fn the_self_check_passes_the_model_and_fails_a_wrong_unit() {
+        // SAFETY: model units only.
+        unsafe {
+            assert!(agrees_with_model::<Model>());
+            assert!(!agrees_with_model::<CrossedB>());
         }
     }
 
