@@ -24,8 +24,9 @@
 /// Words per tile row (64 bytes).
 pub(crate) const TW: usize = 16;
 
-/// The environment variable that runs the AMX kernels on the [`Model`] where the CPU has no
-/// AMX (`1`): for testing them anywhere; orders of magnitude slower than any other path.
+/// The environment variable that, set to `1`, runs the AMX kernels on the software model of
+/// the tile unit where the CPU has no AMX: for testing them anywhere; orders of magnitude slower
+/// than any other path.
 pub const MODEL_ENV: &str = "TESSERA_AMX_MODEL";
 
 /// Which tile unit the AMX kernels run on.
