@@ -137,7 +137,7 @@ fn cpu_features() -> Vec<String> {
     if std::arch::is_x86_feature_detected!("avx512bf16") {
         f.push("avx512bf16");
     }
-    if amx_bf16() {
+    if tessera::attn::cpu::amx_hardware() {
         f.push("amx-bf16");
     }
     f.into_iter().map(String::from).collect()
@@ -146,36 +146,6 @@ fn cpu_features() -> Vec<String> {
 #[cfg(not(target_arch = "x86_64"))]
 fn cpu_features() -> Vec<String> {
     Vec::new()
-}
-
-/// AMX-BF16, by hand: `is_x86_feature_detected!("amx-bf16")` is not stable yet. The CPU must
-/// report it (CPUID.(7,0):EDX bit 22) and the OS must enable the tile state (XCR0 bits 17 and 18).
-#[cfg(target_arch = "x86_64")]
-#[allow(unused_unsafe)] // CPUID intrinsics are safe from Rust 1.87 on, unsafe before.
-fn amx_bf16() -> bool {
-    use std::arch::x86_64::{__cpuid, __cpuid_count};
-    // SAFETY: CPUID is available on every x86_64 CPU.
-    let max_leaf = unsafe { __cpuid(0) }.eax;
-    if max_leaf < 7 {
-        return false;
-    }
-    // SAFETY: leaf 7 exists (checked above).
-    let leaf7 = unsafe { __cpuid_count(7, 0) };
-    if leaf7.edx & (1 << 22) == 0 {
-        return false;
-    }
-    // OSXSAVE (CPUID.1:ECX[27]) must be set before XGETBV may be executed.
-    // SAFETY: leaf 1 exists on every x86_64 CPU.
-    if unsafe { __cpuid(1) }.ecx & (1 << 27) == 0 {
-        return false;
-    }
-    #[target_feature(enable = "xsave")]
-    unsafe fn xcr0() -> u64 {
-        std::arch::x86_64::_xgetbv(0)
-    }
-    // SAFETY: OSXSAVE is set, so XGETBV is enabled and `xsave` is supported.
-    let xcr0 = unsafe { xcr0() };
-    xcr0 & (0b11 << 17) == 0b11 << 17
 }
 
 #[cfg(test)]

@@ -56,13 +56,25 @@ pub(crate) fn status() -> Result<(), &'static str> {
 
 #[cfg(target_arch = "x86_64")]
 fn probe() -> Result<(), &'static str> {
+    hardware()?;
+    request_permission()?;
+    self_check()
+}
+
+/// Whether the CPU reports AMX-BF16 and AMX-TILE (CPUID; `is_x86_feature_detected!` has no
+/// stable AMX names) and the OS enabled the tile state (XCR0 bits 17-18), or why not; asks no
+/// permission.
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn hardware() -> Result<(), &'static str> {
     use std::arch::x86_64::{__cpuid, __cpuid_count};
-    let (leaf1, leaf7) = (__cpuid(1), __cpuid_count(7, 0));
-    let (amx_bf16, amx_tile) = (leaf7.edx & (1 << 22) != 0, leaf7.edx & (1 << 24) != 0);
-    if !(amx_bf16 && amx_tile) {
+    if __cpuid(0).eax < 7 {
+        return Err("the CPU has no AMX-BF16 (CPUID has no leaf 7)");
+    }
+    let leaf7 = __cpuid_count(7, 0);
+    if leaf7.edx & (1 << 22) == 0 || leaf7.edx & (1 << 24) == 0 {
         return Err("the CPU has no AMX-BF16 (CPUID)");
     }
-    if leaf1.ecx & (1 << 27) == 0 {
+    if __cpuid(1).ecx & (1 << 27) == 0 {
         return Err("the OS has not enabled XSAVE (no OSXSAVE)");
     }
     // SAFETY: OSXSAVE is set, so XGETBV is available.
@@ -70,8 +82,7 @@ fn probe() -> Result<(), &'static str> {
     if xcr0 & (0b11 << 17) != 0b11 << 17 {
         return Err("the OS has not enabled the AMX tile state (XCR0 bits 17-18)");
     }
-    request_permission()?;
-    self_check()
+    Ok(())
 }
 
 /// A product on the tile unit against the model's, before any kernel uses AMX: a layout or
@@ -212,17 +223,19 @@ pub(crate) trait Unit {
 pub(crate) struct Hw;
 
 #[cfg(target_arch = "x86_64")]
+/// One `asm!` per tile register `$t` (0–7; `asm!` cannot take a register number as an operand):
+/// the template is `$pre`, the number, `$post`.
 macro_rules! by_tile {
-    ($t:expr, $tmpl:literal, $($ops:tt)*) => {
+    ($t:expr, $pre:literal, $post:literal, $($ops:tt)*) => {
         match $t {
-            0 => std::arch::asm!(concat!($tmpl, "0"), $($ops)*),
-            1 => std::arch::asm!(concat!($tmpl, "1"), $($ops)*),
-            2 => std::arch::asm!(concat!($tmpl, "2"), $($ops)*),
-            3 => std::arch::asm!(concat!($tmpl, "3"), $($ops)*),
-            4 => std::arch::asm!(concat!($tmpl, "4"), $($ops)*),
-            5 => std::arch::asm!(concat!($tmpl, "5"), $($ops)*),
-            6 => std::arch::asm!(concat!($tmpl, "6"), $($ops)*),
-            _ => std::arch::asm!(concat!($tmpl, "7"), $($ops)*),
+            0 => std::arch::asm!(concat!($pre, "0", $post), $($ops)*),
+            1 => std::arch::asm!(concat!($pre, "1", $post), $($ops)*),
+            2 => std::arch::asm!(concat!($pre, "2", $post), $($ops)*),
+            3 => std::arch::asm!(concat!($pre, "3", $post), $($ops)*),
+            4 => std::arch::asm!(concat!($pre, "4", $post), $($ops)*),
+            5 => std::arch::asm!(concat!($pre, "5", $post), $($ops)*),
+            6 => std::arch::asm!(concat!($pre, "6", $post), $($ops)*),
+            _ => std::arch::asm!(concat!($pre, "7", $post), $($ops)*),
         }
     };
 }
@@ -244,58 +257,22 @@ impl Unit for Hw {
     #[inline(always)]
     unsafe fn zero(t: u8) {
         // SAFETY: as above; writes only the tile register.
-        unsafe { by_tile!(t, "tilezero tmm", options(nostack, nomem)) }
+        unsafe { by_tile!(t, "tilezero tmm", "", options(nostack, nomem)) }
     }
     #[inline(always)]
     unsafe fn load(t: u8, p: *const u8, stride: usize) {
         // SAFETY: the caller guarantees 16 readable rows of 64 bytes, `stride` apart.
         unsafe {
-            match t {
-                0 => {
-                    std::arch::asm!("tileloadd tmm0, [{p} + {s}*1]", p = in(reg) p, s = in(reg) stride, options(nostack, readonly))
-                }
-                1 => {
-                    std::arch::asm!("tileloadd tmm1, [{p} + {s}*1]", p = in(reg) p, s = in(reg) stride, options(nostack, readonly))
-                }
-                2 => {
-                    std::arch::asm!("tileloadd tmm2, [{p} + {s}*1]", p = in(reg) p, s = in(reg) stride, options(nostack, readonly))
-                }
-                3 => {
-                    std::arch::asm!("tileloadd tmm3, [{p} + {s}*1]", p = in(reg) p, s = in(reg) stride, options(nostack, readonly))
-                }
-                4 => {
-                    std::arch::asm!("tileloadd tmm4, [{p} + {s}*1]", p = in(reg) p, s = in(reg) stride, options(nostack, readonly))
-                }
-                5 => {
-                    std::arch::asm!("tileloadd tmm5, [{p} + {s}*1]", p = in(reg) p, s = in(reg) stride, options(nostack, readonly))
-                }
-                6 => {
-                    std::arch::asm!("tileloadd tmm6, [{p} + {s}*1]", p = in(reg) p, s = in(reg) stride, options(nostack, readonly))
-                }
-                _ => {
-                    std::arch::asm!("tileloadd tmm7, [{p} + {s}*1]", p = in(reg) p, s = in(reg) stride, options(nostack, readonly))
-                }
-            }
+            by_tile!(t, "tileloadd tmm", ", [{p} + {s}*1]", p = in(reg) p, s = in(reg) stride,
+                options(nostack, readonly))
         }
     }
     #[inline(always)]
     unsafe fn store(t: u8, p: *mut u8, stride: usize) {
         // SAFETY: the caller guarantees 16 writable rows of 64 bytes, `stride` apart.
         unsafe {
-            match t {
-                0 => {
-                    std::arch::asm!("tilestored [{p} + {s}*1], tmm0", p = in(reg) p, s = in(reg) stride, options(nostack))
-                }
-                1 => {
-                    std::arch::asm!("tilestored [{p} + {s}*1], tmm1", p = in(reg) p, s = in(reg) stride, options(nostack))
-                }
-                2 => {
-                    std::arch::asm!("tilestored [{p} + {s}*1], tmm2", p = in(reg) p, s = in(reg) stride, options(nostack))
-                }
-                _ => {
-                    std::arch::asm!("tilestored [{p} + {s}*1], tmm3", p = in(reg) p, s = in(reg) stride, options(nostack))
-                }
-            }
+            by_tile!(t, "tilestored [{p} + {s}*1], tmm", "", p = in(reg) p, s = in(reg) stride,
+                options(nostack))
         }
     }
     #[inline(always)]
@@ -432,7 +409,6 @@ impl Unit for Model {
 ///
 /// # Safety
 /// With [`Hw`], [`status`] must be `Ok`.
-#[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn gemm<U: Unit>(
     (m, n, kp): (usize, usize, usize),
     (a, lda): (&[u32], usize),
@@ -516,7 +492,6 @@ pub(crate) unsafe fn gemm<U: Unit>(
 ///
 /// # Safety
 /// `kind` must come from [`unit`] (so `Hw` only where [`status`] is `Ok`).
-#[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn gemm_on(
     kind: Kind,
     dims: (usize, usize, usize),

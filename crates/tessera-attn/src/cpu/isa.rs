@@ -16,8 +16,8 @@ pub enum Isa {
     /// softmax and accumulation).
     Avx512Bf16,
     /// [`Isa::Avx512Bf16`] plus AMX-BF16 with the OS's tile-state permission (`amx`): the bf16
-    /// forward's two products on the tile unit (`tdpbf16ps`), everything else as
-    /// [`Isa::Avx512Bf16`]. Never returned by [`Isa::detect`] (a feature-flag choice): the
+    /// forward's two products and the backward's full-tile products on the tile unit
+    /// (`tdpbf16ps`), everything else as [`Isa::Avx512Bf16`]. Never returned by [`Isa::detect`] (a feature-flag choice): the
     /// dispatch picks it by measured speed.
     Avx512Amx,
     /// AVX-512F, BW, VL, DQ (`vreduceps` in the exponentials) and FMA.

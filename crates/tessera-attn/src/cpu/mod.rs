@@ -34,8 +34,9 @@
 //!   helpers); [`peak`]: the measured compute peak of each instruction path (the yardstick of
 //!   `% of peak`); `isa`: the instruction sets, the per-ISA kernel copies and which forward
 //!   kernel a copy and dtype run; `tile_matmul` (f32 `S = K·Qᵀ`, `P·V` and the backward
-//!   products) and `tile_matmul_bf16` (`vdpbf16ps`, and its rows on AMX tiles); `paths`: the kernel paths of each dtype and which of them this CPU runs; `load_tile`:
-//!   strided inputs into tiles; `mask_partial_tile` (where a pair of a partial tile is excluded,
+//!   products); `load_tile`: strided inputs into tiles; `tile_matmul_bf16` (`vdpbf16ps`, and
+//!   its products on AMX tiles); `paths`: the kernel paths of each dtype and which of them this
+//!   CPU runs; `mask_partial_tile` (where a pair of a partial tile is excluded,
 //!   forward and backward); `online_softmax` (running max, rescale, finish); `live_blocks`;
 //!   `column_softmax` (the forward's max and exponential passes 16 queries at a time, AVX-512);
 //!   `prepare`: what a plan is turned into once (`live_blocks`, `mask_partial_tile`'s
@@ -74,6 +75,15 @@ mod workspace;
 
 #[cfg(target_arch = "x86_64")]
 pub use amx::MODEL_ENV as AMX_MODEL_ENV;
+
+/// Whether the CPU reports AMX-BF16 and the OS enabled the tile state (what `tessera env` lists as
+/// a CPU feature; [`amx_status`] says whether the kernels use it).
+pub fn amx_hardware() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return amx::hardware().is_ok();
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
 
 /// Whether this process runs the AMX kernels ([`Isa::Avx512Amx`]), and on what: `Ok("AMX-BF16")`,
 /// `Ok("the software model ...")` under `TESSERA_AMX_MODEL=1`, or `Err` with the reason AMX is

@@ -16,7 +16,8 @@
 //! The caller must run on a CPU with AVX-512F/BW/VL, FMA and AVX512-BF16.
 
 use super::amx;
-use super::tile_matmul::RB;
+use super::load_tile::transpose_words;
+use super::tile_matmul::{round_up, RB};
 use std::arch::x86_64::*;
 
 /// Two bf16 bit patterns as one `u32` (`lo` in the low half).
@@ -151,6 +152,39 @@ pub(crate) unsafe fn dot_gemm_tiles(
         let (a, c) = (&a[m16 * lda..], &mut c[m16 * ldc..]);
         // SAFETY: the caller's CPU features.
         unsafe { dot_gemm::<false, false>(m - m16, n, np, a, lda, 1, b, ldb, c, ldc, &mut []) };
+    }
+}
+
+/// `C += Aᵀ·B` on the AMX tile unit `unit`, `A` given as `[np × m]` pair rows (`src`, `sl`
+/// apart: the layout the softmax writes P and dS in): its rows `np..` up to a multiple of 16 are
+/// zeroed (B's there must be finite), then it is transposed into `scratch` (`m` rows of the
+/// padded pair count) for the tile loads, which read A by rows. `m`, `n` multiples of 16.
+///
+/// # Safety
+/// AVX-512F must be available; `unit` must come from [`amx::unit`].
+#[inline]
+#[target_feature(enable = "avx512f")]
+pub(crate) unsafe fn tiles_acc_transposed(
+    unit: amx::Kind,
+    (m, n, np): (usize, usize, usize),
+    (src, sl): (&mut [u32], usize),
+    scratch: &mut [u32],
+    (b, ldb): (&[u32], usize),
+    (c, ldc): (&mut [f32], usize),
+) {
+    let np16 = round_up(np, amx::TW);
+    src[np * sl..np16 * sl].fill(0);
+    // SAFETY: AVX-512F (caller); extents are checked inside both.
+    unsafe {
+        transpose_words((src, sl), (scratch, np16), np16, m);
+        amx::gemm_on(
+            unit,
+            (m, n, np16),
+            (scratch, np16),
+            (b, ldb),
+            (c, ldc),
+            true,
+        );
     }
 }
 

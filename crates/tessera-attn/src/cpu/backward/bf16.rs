@@ -31,12 +31,12 @@
 
 use super::super::amx;
 use super::super::isa::Isa;
-use super::super::load_tile::{transpose16_words, transpose_words};
+use super::super::load_tile::transpose16_words;
 use super::super::schedule::Geometry;
 use super::super::simd::Avx512;
 use super::super::simd::{self, x512::exp2_coarse_in};
 use super::super::tile_matmul::{round_up, RB};
-use super::super::tile_matmul_bf16::{dot_gemm, dot_gemm_tiles, pair};
+use super::super::tile_matmul_bf16::{dot_gemm, dot_gemm_tiles, pair, tiles_acc_transposed};
 use super::tiles::{
     key_blocks, p_ds_block, p_ds_full, query_blocks, store_dkv, BwdCtx, DkvItem, BF16_P_CAP2,
 };
@@ -852,37 +852,25 @@ unsafe fn item(cx: &BwdCtx<'_>, inp: &Inputs<'_>, ws: &mut Ws, it: DkvItem<'_>) 
                     // dS zero past the tile's: dO and Q are finite there), keys by blocks of 16
                     // (rows past `nk` are never stored), from P and dS transposed to keys by
                     // query pairs.
-                    let mp16 = round_up(mp, amx::TW);
-                    for (src, dst, (b, ldb), c, ldc) in [
-                        (
-                            &mut pq[..],
-                            &mut pqt[..],
-                            (&doq[..], dvp),
-                            &mut dva[..],
-                            dvp,
-                        ),
-                        (
-                            &mut dsq[..],
-                            &mut dsqt[..],
-                            (&qq[..], dqkp),
-                            &mut dk[..],
-                            dqkp,
-                        ),
-                    ] {
-                        src[mp * tk..mp16 * tk].fill(0);
-                        // SAFETY: AVX-512F is part of this kernel's features.
-                        unsafe { transpose_words((src, tk), (dst, mp16), mp16, nkp) };
-                        // SAFETY: `unit` came from `amx::unit`.
-                        unsafe {
-                            amx::gemm_on(
-                                unit,
-                                (nkp, ldc, mp16),
-                                (dst, mp16),
-                                (b, ldb),
-                                (c, ldc),
-                                true,
-                            )
-                        };
+                    // SAFETY (both): `unit` came from `amx::unit`; AVX-512F is this kernel's.
+                    unsafe {
+                        let (pqs, dsqs) = ((&mut pq[..], tk), (&mut dsq[..], tk));
+                        tiles_acc_transposed(
+                            unit,
+                            (nkp, dvp, mp),
+                            pqs,
+                            pqt,
+                            (doq, dvp),
+                            (dva, dvp),
+                        );
+                        tiles_acc_transposed(
+                            unit,
+                            (nkp, dqkp, mp),
+                            dsqs,
+                            dsqt,
+                            (qq, dqkp),
+                            (dk, dqkp),
+                        );
                     }
                 } else {
                     dot_gemm::<true, false>(mk, dvp, mp, pq, 1, tk, doq, dvp, dva, dvp, &mut []);

@@ -18,9 +18,9 @@
 //! On [`Isa::Avx512Amx`] the two products run on AMX tiles (`crate::cpu::amx`) where their
 //! extents allow (`Sᵀ` always: K and Q packed with pairs along D padded by zeros to a multiple
 //! of 16, so K is read in place only when no padding is needed; `P·V` where padded kv tiles are
-//! a multiple of 32 keys, else `vdpbf16ps` as above): `Sᵀ` for whole tiles, partial ones included (16-key
-//! row blocks; a last 4, 8 or 12 keys on `vdpbf16ps`), then masked and maximised like an unfused
-//! tile; `O += P·V` over all the tile's key pairs from `P` transposed to queries by pairs (the
+//! a multiple of 32 keys, else `vdpbf16ps` as above): `Sᵀ` for whole tiles, partial ones
+//! included (16-key row blocks; a last 4, 8 or 12 keys on `vdpbf16ps`), then masked and
+//! maximised like an unfused tile; `O += P·V` over all the tile's key pairs from `P` transposed to queries by pairs (the
 //! tile unit reads A by rows), zero where masked. Same softmax, same rounding of P: the outputs
 //! differ from the `vdpbf16ps` ones only by summation order.
 //!
@@ -65,13 +65,18 @@ pub(crate) fn run(
 pub(crate) fn pack_words(plan: &tessera_plan::Plan, d: &crate::validate::Dims, amx: bool) -> usize {
     let tkp = crate::cpu::tile_matmul::round_up(plan.tile.kv, 16);
     let blocks = d.batch * d.heads_kv * plan.kv_tiles;
-    let dpair = d.d_qk.div_ceil(2);
-    let dkp = if amx {
-        crate::cpu::tile_matmul::round_up(dpair, 16)
+    blocks
+        * (tkp * k_row_words(d.d_qk, amx) + tkp / 2 * crate::cpu::tile_matmul::round_up(d.d_v, 16))
+}
+
+/// Words of a packed K row (pairs along D): `⌈Dqk/2⌉`, padded to a multiple of 16 on AMX.
+fn k_row_words(d_qk: usize, amx: bool) -> usize {
+    let pairs = d_qk.div_ceil(2);
+    if amx {
+        crate::cpu::tile_matmul::round_up(pairs, 16)
     } else {
-        dpair
-    };
-    blocks * (tkp * dkp + tkp / 2 * crate::cpu::tile_matmul::round_up(d.d_v, 16))
+        pairs
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -82,8 +87,8 @@ mod imp {
     use crate::cpu::forward::{self, NoTelemetry, TileObserver};
     use crate::cpu::isa::Isa;
     use crate::cpu::live_blocks::LiveBlocks;
+    use crate::cpu::load_tile::transpose16_words;
     use crate::cpu::load_tile::Src;
-    use crate::cpu::load_tile::{transpose16_words, transpose_words};
     use crate::cpu::mask_partial_tile::{mask_partial_row, MasksT};
     use crate::cpu::online_softmax::{self, column_max, finish_row};
     use crate::cpu::prepare::Prep;
@@ -91,6 +96,7 @@ mod imp {
     use crate::cpu::tile_matmul::{round_up, RB};
     use crate::cpu::tile_matmul_bf16::{
         dot_gemm, dot_gemm_acc_groups, dot_gemm_masked_max, dot_gemm_tiles, pair, round_bits,
+        tiles_acc_transposed,
     };
     use crate::cpu::workspace::{grown, Bufs, Rest};
     use crate::options::AttnOptions;
@@ -326,11 +332,7 @@ mod imp {
             } else {
                 None
             };
-            let dkp = if unit.is_some() {
-                round_up(dpair, amx::TW)
-            } else {
-                dpair
-            };
+            let dkp = super::k_row_words(d.d_qk, unit.is_some());
             // K pairs along D are the rows' own 32-bit words: read K in place when every row
             // starts on a word and every tile's rows fill whole RB-row blocks (no zero padding
             // rows needed), which saves a copy of K per call.
@@ -470,11 +472,7 @@ mod imp {
                 qp: vec![0u32; self.dkp * tq],
                 s: z(tkp * tq),
                 pp: vec![0u32; tkp / 2 * tq],
-                ppt: if self.amx_pv.is_some() {
-                    vec![0u32; tq * (tkp / 2)]
-                } else {
-                    Vec::new()
-                },
+                ppt: Vec::new(),
                 o: z(tq * dvp),
                 m: z(tq),
                 l: z(tq),
@@ -520,15 +518,18 @@ mod imp {
             col,
             raw_max,
         } = ws;
-        // A pooled workspace may come from a call on another kernel copy: grow what AMX reads
-        // (Q rows padded to `dkp` pairs, zero past `dpair`; `P` transposed).
-        if qp.len() < dkp * tq {
-            qp.resize(dkp * tq, 0);
-        }
-        qp[dpair * tq..dkp * tq].fill(0);
-        if cx.amx_pv.is_some() && ppt.len() < tq * (tkp / 2) {
-            ppt.resize(tq * (tkp / 2), 0);
-        }
+        // A pooled workspace may come from a call on another kernel copy: grown to what this
+        // call reads (Q rows padded to `dkp` pairs, zero past `dpair`; `P` transposed on AMX).
+        let qp = grown(qp, dkp * tq);
+        qp[dpair * tq..].fill(0);
+        let ppt = grown(
+            ppt,
+            if cx.amx_pv.is_some() {
+                tq * (tkp / 2)
+            } else {
+                0
+            },
+        );
         // Q pairs along D, queries contiguous; padding queries zero.
         let (q_off, qld) = (cx.q.row(b, h, q0), cx.q.ld());
         // Whole 16-query × 16-pair blocks: the pairs are the rows' own 32-bit words, so when
@@ -776,24 +777,11 @@ mod imp {
             }
             obs.on_tile(&col[..nq], &m_use[..nq], &alpha[..nq]);
             if let Some(unit) = cx.amx_pv {
-                // `O += P·V` over every key pair of the tile (P is exactly 0 where masked): P's
-                // pair rows up to a multiple of 16 (the rest zero; V's are), transposed to
-                // queries by pairs for the tile loads.
-                let (np, np16) = (nk.div_ceil(2), round_up(nk.div_ceil(2), amx::TW));
-                pp[np * tq..np16 * tq].fill(0);
-                // SAFETY: AVX-512F is part of this kernel's features.
-                unsafe { transpose_words((pp, tq), (ppt, np16), np16, nqp) };
-                // SAFETY: `unit` came from `amx::unit`.
-                unsafe {
-                    amx::gemm_on(
-                        unit,
-                        (nqp, dvp, np16),
-                        (ppt, np16),
-                        (vp, dvp),
-                        (o, dvp),
-                        true,
-                    )
-                };
+                // `O += P·V` over every key pair of the tile (P is exactly 0 where masked; V's
+                // padding pairs are zero).
+                let (dims, src) = ((nqp, dvp, nk.div_ceil(2)), (&mut pp[..], tq));
+                // SAFETY: `unit` came from `amx::unit`; AVX-512F is this kernel's.
+                unsafe { tiles_acc_transposed(unit, dims, src, ppt, (vp, dvp), (o, dvp)) };
             } else if full {
                 dot_gemm::<true, false>(
                     mq,
