@@ -72,7 +72,7 @@ def main():
     grad_t = jax.jit(jax.grad(lambda q, k, v, p: jnp.sum(tess(q, k, v, p) * w), argnums=(0, 1, 2)))
     grad_d = jax.jit(jax.grad(lambda q, k, v, m: jnp.sum(dense(q, k, v, m) * w), argnums=(0, 1, 2)))
 
-    # Same numbers first (f32: within the SPEC's tolerance of each other).
+    # Same numbers first (f32: within the documented tolerance of each other, docs/semantics.md#attention).
     o_t, o_d = fwd_t(q, k, v, plan), fwd_d(q, k, v, mask)
     rel = float(jnp.linalg.norm(o_t - o_d) / jnp.linalg.norm(o_d))
 

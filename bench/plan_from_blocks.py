@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Plans from per-step block selections (issue #32, SPEC §13): `tessera.plan_from_blocks` against
+"""Plans from per-step block selections (issue #32, docs/semantics.md#masks): `tessera.plan_from_blocks` against
 FlexAttention's `BlockMask.from_kv_blocks` on the same indices, in one process, on the CPU.
 
 Problem: one row of `--len` tokens (default 32K) of documents (mean 2K tokens, seeded), H=8 heads,

@@ -17,7 +17,7 @@ the batch repeats (every epoch after the first).
 
 `--device cuda` trains the same model on a GPU: `tessera.torch.attention` then runs the fastest
 GPU engine that is exact for the call (FlexAttention's FLASH or Triton kernel over each plan's
-BlockMask; `varlen_attn` with `--torch-engine varlen`; SPEC §12), with the same plans, softcap,
+BlockMask; `varlen_attn` with `--torch-engine varlen`; docs/semantics.md#engines-and-devices), with the same plans, softcap,
 sinks, telemetry and checkpoints; `tessera.torch.PlanPrefetcher` plans the next batches and
 builds their BlockMasks on a background thread while a step runs. `--device cpu` (default) runs Tessera's CPU kernels.
 
@@ -250,7 +250,7 @@ def load_data(cfg: Config, tokenizer_path: Optional[Path] = None) -> Data:
 
 
 def doc_causal_mask(segments: np.ndarray) -> torch.Tensor:
-    """The explicit boolean ``[B, 1, L, L]`` mask of ``causal & document`` (SPEC §3)."""
+    """The explicit boolean ``[B, 1, L, L]`` mask of ``causal & document`` (docs/semantics.md#masks)."""
     s = torch.from_numpy(segments)
     length = s.shape[1]
     same = (s[:, :, None] == s[:, None, :]) & (s[:, :, None] >= 0)
@@ -259,7 +259,7 @@ def doc_causal_mask(segments: np.ndarray) -> torch.Tensor:
 
 
 def dense_attention(q, k, v, allowed, scale, softcap, sinks):
-    """The exact function of SPEC §4 written out in PyTorch ops (f32, no float64): scores,
+    """The exact function of docs/semantics.md#attention written out in PyTorch ops (f32, no float64): scores,
     softcap, mask, the sink logit as one extra softmax column (then dropped). Rows with no
     allowed key (and no sink) give 0."""
     b, hq, length, _ = q.shape

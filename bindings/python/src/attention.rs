@@ -619,7 +619,7 @@ pub fn telemetry_records(
         .collect()
 }
 
-/// The sink-key flags (`bool [batch, Lkv]`, SPEC §6) of a plan's mask: the first `sink_tokens`
+/// The sink-key flags (`bool [batch, Lkv]`, docs/semantics.md#telemetry) of a plan's mask: the first `sink_tokens`
 /// keys of each key's document (its first `document` leaf), or of the sequence without one.
 #[pyfunction]
 #[pyo3(signature = (plan, batch, sink_tokens=1))]

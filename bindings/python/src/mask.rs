@@ -1,4 +1,4 @@
-//! Masks from Python: the same algebra and spelling as Rust and the CLI (SPEC §3, §13). Typed
+//! Masks from Python: the same algebra and spelling as Rust and the CLI (docs/semantics.md#masks). Typed
 //! constructors (`causal()`, `document(ids)`, `band(f, g, lo, hi)`, ...) combine with `&`, `|`,
 //! `~`; `mask(text, ...)` parses the CLI's expression language with the segment ids, dense arrays,
 //! band features and block selections passed in.

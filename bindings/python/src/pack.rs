@@ -1,4 +1,4 @@
-//! Document packing from Python (SPEC §8): the CLI's packer and verification over in-memory
+//! Document packing from Python (docs/semantics.md#packing): the CLI's packer and verification over in-memory
 //! token lists.
 
 use numpy::{IntoPyArray, PyArrayMethods};

@@ -1,4 +1,4 @@
-//! Plans from Python: `plan(mask, q_len, ...)` through the process-wide plan cache (SPEC §7),
+//! Plans from Python: `plan(mask, q_len, ...)` through the process-wide plan cache (docs/semantics.md#plan-cache),
 //! with the GIL released while planning; a `Plan` reports its statistics, tile states and a text
 //! picture, hands its work lists to FlexAttention / Splash, and is prepared for the CPU kernels
 //! once (on first use) for every attention call that uses it.

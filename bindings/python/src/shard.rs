@@ -1,4 +1,4 @@
-//! Context-parallel shardings from Python (SPEC §11): `shard(plan, world_size, scheme)` with the
+//! Context-parallel shardings from Python (docs/semantics.md#many-ranks): `shard(plan, world_size, scheme)` with the
 //! GIL released, the per-rank tiles, positions, costs, needed K/V tiles and local plans as numpy
 //! arrays and `Plan`s; and the `cp-sim` balance/traffic model.
 

@@ -1,6 +1,6 @@
-"""Shared test helpers: an independent model of the mask semantics (SPEC §3) evaluated densely in
-numpy, the brute-force tile classification of SPEC §5, random segment ids and mask expressions,
-and the float64 dense attention reference of SPEC §4 in torch (GQA, softcap, sinks, fully masked
+"""Shared test helpers: an independent model of the mask semantics (docs/semantics.md#masks) evaluated densely in
+numpy, the brute-force tile classification of docs/semantics.md#plans, random segment ids and mask expressions,
+and the float64 dense attention reference of docs/semantics.md#attention in torch (GQA, softcap, sinks, fully masked
 rows).
 
 The mask model ``M`` builds the tessera ``Mask`` (typed API), the text expression of the same
@@ -360,7 +360,7 @@ def random_mask(rng, lq, lkv, b, h, depth=2):
 
 
 def ref_attention(q, k, v, allowed, scale=None, softcap=None, sinks=None):
-    """O ``[B, Hq, Lq, Dv]`` and LSE ``[B, Hq, Lq]`` in float64 (autograd-able), SPEC §4.
+    """O ``[B, Hq, Lq, Dv]`` and LSE ``[B, Hq, Lq]`` in float64 (autograd-able), docs/semantics.md#attention.
 
     ``allowed``: bool ``[B or 1, H or 1, Lq, Lkv]`` (numpy or torch). GQA by
     ``repeat_interleave`` of the kv heads (query head h reads kv head h // (Hq / Hkv)). Softcap

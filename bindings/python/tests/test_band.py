@@ -1,4 +1,4 @@
-"""`tessera.band(q_feature, kv_feature, lo, hi)` (SPEC §13): ``lo <= f[i] - g[j] <= hi`` over
+"""`tessera.band(q_feature, kv_feature, lo, hi)` (docs/semantics.md#masks): ``lo <= f[i] - g[j] <= hi`` over
 per-token integer features. The API and its errors, the text form with ``features=``, plan states
 equal to brute force (alone and with every other leaf), causal / window / document as special
 cases, the FlexAttention BlockMask equal to ``create_block_mask``'s with the band's mask_mod,

@@ -154,7 +154,7 @@ def _cases(world: int, seed: int):
     for mode in MODES:  # not a document mask: windows and a prefix, every kv tile has an owner
         cases.append(dict(mask="window(40) | prefix(8)", ids=None, scheme="balanced", mode=mode,
                           softcap=None, sinks=None))
-    # a per-step block selection (SPEC §13): per (row, head) 3 kv tiles of 16 (-1 = none)
+    # a per-step block selection (docs/semantics.md#masks): per (row, head) 3 kv tiles of 16 (-1 = none)
     sel = np.where(rng.random((B, H, L // 16, 3)) < 0.2, -1, rng.integers(0, L // 16, (B, H, L // 16, 3)))
     for mode in MODES:
         cases.append(dict(mask="causal & document & blocks(16, 16, sel)", ids=ids, blocks={"sel": sel},

@@ -1,4 +1,4 @@
-"""`plan.to_flex_block_mask()` against torch's own `create_block_mask` (SPEC §11): every block
+"""`plan.to_flex_block_mask()` against torch's own `create_block_mask` (docs/semantics.md#many-ranks): every block
 table equal, an exact `mask_mod`, and FlexAttention outputs with the Tessera BlockMask equal to
 those with torch's BlockMask and to `tessera.torch.attention`."""
 

@@ -1,4 +1,4 @@
-"""The FlexAttention engine of `tessera.torch.attention` (`engine="flex"`, SPEC §12) on CPU.
+"""The FlexAttention engine of `tessera.torch.attention` (`engine="flex"`, docs/semantics.md#engines-and-devices) on CPU.
 
 FlexAttention runs its CPU path here (forward only), so the engine's forward is checked with
 FlexAttention itself, and everything around FlexAttention's backward (softcap, sinks from the
@@ -66,7 +66,7 @@ def flex_case(m, b, hq, hkv, lq, lkv, dqk, dv, block, *, softcap=None, sinks=Fal
     if fin.any():
         assert (lse[fin].double() - rlse[fin]).abs().max() <= (LSE_TOL if dtype == torch.float32 else 5e-2)
     empty = torch.from_numpy(~np.broadcast_to(allowed, (b, hq, lq, lkv)).any(-1))
-    assert (o[empty] == 0).all()  # SPEC §4: a row with no allowed key gives O = 0
+    assert (o[empty] == 0).all()  # docs/semantics.md#attention: a row with no allowed key gives O = 0
     if sinks:
         assert torch.allclose(lse[empty], s.expand(b, lq, hq).permute(0, 2, 1)[empty])
     else:

@@ -1,5 +1,5 @@
 """The GPU suite (`pytest -m gpu`; every test skips without CUDA): `tessera.torch.attention` and
-`tessera.cp.attention` on CUDA tensors run FlexAttention over the plan's BlockMask (SPEC §12).
+`tessera.cp.attention` on CUDA tensors run FlexAttention over the plan's BlockMask (docs/semantics.md#engines-and-devices).
 
 - the conformance cases of test_torch_attention.py (masks, GQA, Dqk != Dv, softcap, sinks, a loss
   on the LSE, fully masked rows, bf16) through the flex engine against the float64 reference,
@@ -35,7 +35,7 @@ CUDA = "cuda"
 
 @pytest.fixture(autouse=True)
 def _ieee_f32():
-    # SPEC §4's f32 bar is for f32 arithmetic: no TF32 in FlexAttention's or the reference's matmuls
+    # docs/semantics.md#attention's f32 bar is for f32 arithmetic: no TF32 in FlexAttention's or the reference's matmuls
     old = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
     yield

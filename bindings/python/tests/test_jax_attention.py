@@ -1,4 +1,4 @@
-"""`tessera.jax.attention` on CPU (the XLA FFI route, SPEC §4, §6 and §12), against real JAX:
+"""`tessera.jax.attention` on CPU (the XLA FFI route, docs/semantics.md#attention, docs/semantics.md#telemetry, docs/semantics.md#engines-and-devices), against real JAX:
 
 - exactness: forward O and LSE and the gradients of q, k, v, sinks (and of a loss on the LSE)
   under `jax.jit(jax.value_and_grad(...))` / `jax.jit(jax.grad(...))` against the float64 dense
@@ -45,8 +45,8 @@ from conftest import (  # noqa: E402
     window,
 )
 
-F32_TOL = 1e-5  # SPEC §4: ‖x − ref‖/‖ref‖ for O, dQ, dK, dV (f32 storage)
-LSE_TOL = 1e-4  # SPEC §4: LSE absolute error
+F32_TOL = 1e-5  # docs/semantics.md#attention: ‖x − ref‖/‖ref‖ for O, dQ, dK, dV (f32 storage)
+LSE_TOL = 1e-4  # docs/semantics.md#attention: LSE absolute error
 BF16_TOL = 1e-2
 BLHD = (0, 2, 1, 3)  # [B, H, L, D] <-> [B, L, H, D]
 
@@ -97,7 +97,7 @@ def _jax_step(*, scale, softcap, layout, lse_loss, sinks, wo, wl):
 def check_case(m, b, hq, hkv, lq, lkv, dqk, dv, block, *, softcap=None, sinks=False, scale=None,
                lse_loss=False, dtype=jnp.float32, seed=0, q_scale=1.0, plan_batch=None, with_torch=True):
     """Forward + backward through tessera.jax in both layouts against the float64 reference
-    (SPEC §4 accuracy), the two layouts bit for bit, and the torch op on the same inputs."""
+    (docs/semantics.md#attention accuracy), the two layouts bit for bit, and the torch op on the same inputs."""
     g = np.random.default_rng(seed)
     plan = tessera.plan(m.t, q_len=lq, kv_len=lkv, heads=hq, batch=plan_batch, block=block)
     q, k, v, s = _inputs(g, b, hq, hkv, lq, lkv, dqk, dv, dtype, q_scale, sinks)
@@ -984,7 +984,7 @@ print(json.dumps(errors))
 
 
 def test_a_plan_made_inline_for_a_jitted_step_stays_alive_until_the_step_has_run():
-    # SPEC §12: a plan reaches a compiled step as data, and the natural calls are
+    # docs/semantics.md#engines-and-devices: a plan reaches a compiled step as data, and the natural calls are
     # step(..., tessera.plan(...)) or a loop rebinding `plan = tessera.plan(...)` per batch
     # (the torch op supports both: test_backward_works_when_the_plan_object_is_gone). JAX
     # dispatches asynchronously: the call returns before the kernels run, so the registry must

@@ -1,4 +1,4 @@
-"""TPU without a TPU (SPEC §12): steps calling ``tessera.jax`` exported with
+"""TPU without a TPU (docs/semantics.md#engines-and-devices): steps calling ``tessera.jax`` exported with
 ``jax.export(..., platforms=["tpu"])`` on this CPU host carry Splash's Mosaic kernels, no host
 callback, no FFI call and no mask constant; five plans of equal shapes give byte-identical
 serialized modules; plans Splash cannot run raise ``ValueError`` naming ``block`` when lowered

@@ -1,4 +1,4 @@
-"""The Splash route of `tessera.jax.attention` (`tessera.jax.splash`, SPEC §4 and §12), with the Splash
+"""The Splash route of `tessera.jax.attention` (`tessera.jax.splash`, docs/semantics.md#attention, docs/semantics.md#engines-and-devices), with the Splash
 kernels in Pallas interpret mode on CPU:
 
 - forward O and LSE, and the gradients of q, k, v, sinks and of a loss that uses the LSE, under
@@ -359,7 +359,7 @@ def test_splash_info_is_a_pytree():
     assert "SplashInfo" in repr(info)
 
 
-# -- telemetry on the Splash route (SPEC §6) -----------------------------------------------------
+# -- telemetry on the Splash route (docs/semantics.md#telemetry) -----------------------------------------------------
 
 import tessera.jax as tj  # noqa: E402
 from jax_worker import _records_err  # noqa: E402  (the telemetry record comparison)

@@ -65,7 +65,7 @@ def pick(rng, seq):
     return seq[int(rng.integers(0, len(seq)))]
 
 
-# -- families written with the leaves of SPEC §3 ----------------------------------------------
+# -- families written with the leaves of docs/semantics.md#masks ----------------------------------------------
 
 
 def test_causal_sliding_window_prefix_lm(rng):

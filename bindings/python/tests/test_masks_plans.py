@@ -1,6 +1,6 @@
 """Masks and plans from Python (numpy only): the typed and text mask forms, mask semantics against
-an independent numpy model of SPEC §3, bad inputs, plan tile states against a brute-force
-classification (SPEC §5), plan statistics, the text picture, the plan cache (memory hits in
+an independent numpy model of docs/semantics.md#masks, bad inputs, plan tile states against a brute-force
+classification (docs/semantics.md#plans), plan statistics, the text picture, the plan cache (memory hits in
 process, disk hits and rejected entries across processes) and planning from several threads."""
 
 import json

@@ -1,4 +1,4 @@
-"""Document packing (SPEC §8) and gated attention telemetry (SPEC §6) from Python: packing
+"""Document packing (docs/semantics.md#packing) and gated attention telemetry (docs/semantics.md#telemetry) from Python: packing
 invariants under both strategies, equality with the CLI's packer; telemetry cadence, every field
 against values computed densely in float64, bit-identical outputs on logging steps, JSON lines the
 CLI reads."""
@@ -189,7 +189,7 @@ FIELDS = ("step", "layer", "sink_mass", "sink_rate", "learned_sink_mass", "max_l
 
 
 def sink_flags(kv_ids, b, lkv, sink_tokens):
-    """SPEC §6: the first ``sink_tokens`` keys of each key's document (a maximal run of one id;
+    """docs/semantics.md#telemetry: the first ``sink_tokens`` keys of each key's document (a maximal run of one id;
     padding keys never), or of the sequence without documents; bool [B, Lkv]."""
     out = np.zeros((b, lkv), dtype=bool)
     if kv_ids is None:
@@ -206,7 +206,7 @@ def sink_flags(kv_ids, b, lkv, sink_tokens):
 
 
 def dense_telemetry(q, k, o, allowed, flags, scale=None, softcap=None, sinks=None, ratio=6.0, eps=0.3):
-    """Every SPEC §6 field computed densely in float64 (per query head, over all batch rows)."""
+    """Every docs/semantics.md#telemetry field computed densely in float64 (per query head, over all batch rows)."""
     p, p_sink, raw, lse = ref_probs(q, k, allowed, scale=scale, softcap=softcap, sinks=sinks)
     b, h, lq, _ = p.shape
     valid = torch.from_numpy(np.broadcast_to(allowed, p.shape).any(-1))  # [B, H, Lq]

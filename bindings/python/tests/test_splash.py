@@ -1,4 +1,4 @@
-"""`tessera.jax.mask_info(plan)` against JAX Splash's own preprocessing (SPEC §11): every field of
+"""`tessera.jax.mask_info(plan)` against JAX Splash's own preprocessing (docs/semantics.md#many-ranks): every field of
 the forward and dKV `MaskInfo` equal to `process_mask` / `process_mask_dkv` of
 `MultiHeadMask([NumpyMask(...)])` under every option, and the Splash kernel (Pallas interpret
 mode on CPU) run with Tessera's `MaskInfo` against the float64 reference."""

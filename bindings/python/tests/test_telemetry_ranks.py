@@ -1,4 +1,4 @@
-"""Telemetry across ranks (SPEC §6, §11, §12): real 2- and 4-rank gloo groups on loopback (spawned
+"""Telemetry across ranks (docs/semantics.md#telemetry, docs/semantics.md#many-ranks, docs/semantics.md#engines-and-devices): real 2- and 4-rank gloo groups on loopback (spawned
 processes, bounded in time, no mocks). Records reduced over the group equal single-process records
 over the whole row (context parallelism: every scheme, both K/V modes) or the concatenated batch
 (data parallelism), and CP x DP; a read is one all-reduce per reduction kind; non-logging steps

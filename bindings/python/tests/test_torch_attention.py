@@ -1,4 +1,4 @@
-"""`tessera.torch.attention` against the float64 torch reference of SPEC §4: outputs, LSE and
+"""`tessera.torch.attention` against the float64 torch reference of docs/semantics.md#attention: outputs, LSE and
 gradients (dq, dk, dv, dsinks, with a loss on LSE too) over masks, GQA/MQA, Dqk != Dv, ragged and
 cross lengths, softcap, sinks, fully masked rows, strided layouts and bf16; the autograd machinery
 (gradcheck, opcheck, torch.compile(fullgraph=True)); bad inputs; NaN propagation; determinism and
@@ -31,8 +31,8 @@ from conftest import (  # noqa: E402
     window,
 )
 
-F32_TOL = 1e-5  # SPEC §4: ‖x − ref‖/‖ref‖ for O, dQ, dK, dV (f32 storage)
-LSE_TOL = 1e-4  # SPEC §4: LSE absolute error
+F32_TOL = 1e-5  # docs/semantics.md#attention: ‖x − ref‖/‖ref‖ for O, dQ, dK, dV (f32 storage)
+LSE_TOL = 1e-4  # docs/semantics.md#attention: LSE absolute error
 BF16_TOL = 1e-2
 
 
@@ -47,7 +47,7 @@ def _make(shape, g, dtype, layout, scale=1.0):
 def check_case(m, b, hq, hkv, lq, lkv, dqk, dv, block, *, softcap=None, sinks=False, scale=None,
                lse_loss=False, layout="contiguous", dtype=torch.float32, seed=0, q_scale=1.0):
     """Runs forward + backward through tessera and through the float64 reference and checks
-    the SPEC §4 accuracy bar on every output and gradient."""
+    the docs/semantics.md#attention accuracy bar on every output and gradient."""
     g = torch.Generator().manual_seed(seed)
     q = _make((b, hq, lq, dqk), g, dtype, layout, q_scale)
     k = _make((b, hkv, lkv, dqk), g, dtype, layout)

@@ -15,7 +15,7 @@ pytest.importorskip("torch")  # the example reuses train_gpt.py's data pipeline 
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "train_gpt_jax.py"
 
-# the schema of `tessera telemetry plot` (SPEC §6), as the torch example writes it
+# the schema of `tessera telemetry plot` (docs/semantics.md#telemetry), as the torch example writes it
 FIELDS = ("step", "layer", "sink_mass", "sink_rate", "learned_sink_mass", "max_logit", "entropy",
           "out_abs_max", "out_rms", "out_outliers")
 

@@ -1,4 +1,4 @@
-//! Cost of gated telemetry (SPEC §6) on the CPU forward at 8K tokens, H = 8, D = 64, B = 1, f32,
+//! Cost of gated telemetry (docs/semantics.md#telemetry) on the CPU forward at 8K tokens, H = 8, D = 64, B = 1, f32,
 //! causal within ~1K-token documents (the `causal_documents` mask of the `attention` bench),
 //! default 128x128 tiles:
 //! - `plain`: `Backend::forward_into`, the production kernel (telemetry compiled out: the

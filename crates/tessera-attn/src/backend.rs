@@ -75,7 +75,7 @@ pub trait Backend: Send + Sync {
         par: Par<'_>,
     ) -> Result<()>;
 
-    /// The forward of a telemetry logging step (SPEC §6): the same outputs as
+    /// The forward of a telemetry logging step (docs/semantics.md#telemetry): the same outputs as
     /// [`Backend::forward_into`] (bit-identical) plus the step's summary (`tel.streams` say which
     /// fields; `max_logit` always). The default returns [`Error::Unsupported`].
     #[allow(clippy::too_many_arguments)]

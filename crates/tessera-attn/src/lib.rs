@@ -1,4 +1,4 @@
-//! Attention backends (SPEC §2, §4, §10): the [`Backend`] trait, the CPU flash-attention kernels
+//! Attention backends (docs/semantics.md#tensors, docs/semantics.md#attention, docs/semantics.md#errors): the [`Backend`] trait, the CPU flash-attention kernels
 //! ([`CpuBackend`]); the float64 reference and the conformance suite every backend passes live in
 //! the `tessera-conformance` crate.
 //!
@@ -14,7 +14,7 @@
 //! - Every input is checked first ([`check_forward`], [`check_backward`], shared by all backends);
 //!   bad input is an [`Error::InvalidArgument`](tessera_core::Error) naming the argument, what was
 //!   expected and what was found. Nothing panics on user input.
-//! - Semantics are SPEC §4: `s_ij = scale·q_i·k_j`, optional softcap `c·tanh(s/c)`, optional sink
+//! - Semantics are docs/semantics.md#attention: `s_ij = scale·q_i·k_j`, optional softcap `c·tanh(s/c)`, optional sink
 //!   logit per query head in the denominator only, rows with no allowed key give `O = 0` and
 //!   `LSE = -inf` (`LSE = σ_h` with a sink), never NaN; `max_logit` is taken before the softcap.
 //! - NaN/inf inputs: a non-finite value in Q, K, V (or dO, O in backward) propagates only to the

@@ -1,9 +1,9 @@
-//! Options of one attention call (SPEC §4): logit scale, softcap, learned sinks.
+//! Options of one attention call (docs/semantics.md#attention): logit scale, softcap, learned sinks.
 //!
 //! Contract: plain data with no behaviour beyond [`AttnOptions::scale_for`]; their values are
 //! checked by `validate` with the rest of a call's inputs.
 
-/// Options of one attention call (SPEC §4).
+/// Options of one attention call (docs/semantics.md#attention).
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct AttnOptions {
     /// Logit scale; default `1/sqrt(Dqk)`. Must be finite and positive.

@@ -1,4 +1,4 @@
-//! Gated attention telemetry on the forward pass (SPEC §6): [`forward_logged_into`], the one call
+//! Gated attention telemetry on the forward pass (docs/semantics.md#telemetry): [`forward_logged_into`], the one call
 //! a training loop makes per attention layer (its kernel input, [`TelemetryInput`], is an argument
 //! struct of [`Backend::forward_with_telemetry_into`] in `args`), and [`effective_gflops`], the
 //! throughput figure reports give.

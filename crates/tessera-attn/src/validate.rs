@@ -1,4 +1,4 @@
-//! Input validation shared by every backend (SPEC §10).
+//! Input validation shared by every backend (docs/semantics.md#errors).
 //!
 //! Contract: [`check_forward`] and [`check_backward`] (and [`check_forward_out`],
 //! [`check_grad_out`] for caller-owned outputs) accept exactly the inputs the kernels can

@@ -1,4 +1,4 @@
-//! The telemetry kernel variant (SPEC §6) against the float64 dense reference of
+//! The telemetry kernel variant (docs/semantics.md#telemetry) against the float64 dense reference of
 //! `tessera-telemetry`, analytic cases, merging of batch shards, determinism, and the gating of
 //! `forward_logged` (the non-logging path is the plain forward; the logging path's outputs are
 //! bit-identical to it).

@@ -1,4 +1,4 @@
-//! Bad input (SPEC §10): every class gives a specific `InvalidArgument` naming the argument.
+//! Bad input (docs/semantics.md#errors): every class gives a specific `InvalidArgument` naming the argument.
 
 use half::bf16;
 use std::sync::Arc;
@@ -710,7 +710,7 @@ fn workspace_sizes_validate_their_inputs() {
 }
 
 /// A corrupt plan (partial-mask table not matching the plan's tile) is an `InvalidArgument`, not
-/// a panic, on every entry point (SPEC §10): `prepare` and the allocating calls check the plan's
+/// a panic, on every entry point (docs/semantics.md#errors): `prepare` and the allocating calls check the plan's
 /// consistency before deriving anything from it.
 #[test]
 fn corrupt_plan_tile_is_an_error_not_a_panic() {

@@ -1,4 +1,4 @@
-//! Persistent plan cache: contract key → in-memory LRU → checked on-disk entries (SPEC §7).
+//! Persistent plan cache: contract key → in-memory LRU → checked on-disk entries (docs/semantics.md#plan-cache).
 //!
 //! Contract:
 //! - [`PlanCache::get_or_build`] returns the plan of a contract, looking in memory first, then on

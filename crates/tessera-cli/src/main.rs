@@ -1,6 +1,6 @@
 //! The `tessera` binary.
 //!
-//! Contract (SPEC §9): results on stdout (or files), progress on stderr; exit 0 on success, 2 on
+//! Contract (docs/semantics.md#command-line): results on stdout (or files), progress on stderr; exit 0 on success, 2 on
 //! bad usage or input, 1 on internal failure, always with one clear line on stderr and never a
 //! panic or backtrace. Each subcommand lives in its own module under `cmd/`.
 

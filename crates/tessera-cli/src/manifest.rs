@@ -1,4 +1,4 @@
-//! The run manifest (SPEC §7): what produced a result, for `tessera env` and bench output.
+//! The run manifest (docs/semantics.md#plan-cache): what produced a result, for `tessera env` and bench output.
 //!
 //! Contract: [`collect`] never fails; anything it cannot find reads "unknown" (or `None`, or an
 //! empty list). The git revision and rustc version are captured at build time by `build.rs`;

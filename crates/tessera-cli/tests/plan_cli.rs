@@ -263,7 +263,7 @@ fn bad_inputs_exit_2_with_one_line() {
     );
 }
 
-/// `blocks(QB, KVB, FILE)`: a block selection from an integer `.npy` (SPEC §13), intersected
+/// `blocks(QB, KVB, FILE)`: a block selection from an integer `.npy` (docs/semantics.md#masks), intersected
 /// with causal; the dumped states equal brute force over the selected tiles.
 #[test]
 fn plan_of_a_block_selection_file() {

@@ -1,4 +1,4 @@
-//! The conformance suite every attention backend passes (SPEC §1, §4), the float64 dense
+//! The conformance suite every attention backend passes (docs/ARCHITECTURE.md, docs/semantics.md#attention), the float64 dense
 //! reference it compares with, and the seeded workloads shared by tests, benches and the CLI.
 //!
 //! Contract: a backend is tested by one line,

@@ -1,4 +1,4 @@
-//! Float64 dense reference of SPEC §4, the yardstick of the [conformance suite](crate::suite)
+//! Float64 dense reference of docs/semantics.md#attention, the yardstick of the [conformance suite](crate::suite)
 //! suite.
 //!
 //! Contract: simple loops over every (b, h, i, j), the mask taken as a [`Mask`] through
@@ -135,7 +135,7 @@ impl Prob {
     }
 }
 
-/// O, LSE and max_logit of SPEC §4 in float64.
+/// O, LSE and max_logit of docs/semantics.md#attention in float64.
 pub fn forward(
     q: TensorView<'_>,
     k: TensorView<'_>,
@@ -178,7 +178,7 @@ pub fn forward(
     Ok(RefForward { o, lse, max_logit })
 }
 
-/// dQ, dK, dV (and dσ) of SPEC §4 in float64 for output gradient `d_o`, with the reference's own
+/// dQ, dK, dV (and dσ) of docs/semantics.md#attention in float64 for output gradient `d_o`, with the reference's own
 /// forward (so `Δ_i = Σ_j P_ij·dP_ij = O_i·dO_i` exactly).
 pub fn backward(
     q: TensorView<'_>,

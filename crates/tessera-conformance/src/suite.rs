@@ -1,4 +1,4 @@
-//! The backend-agnostic conformance suite (SPEC §1, §4): every [`Backend`] must pass
+//! The backend-agnostic conformance suite (docs/ARCHITECTURE.md, docs/semantics.md#attention): every [`Backend`] must pass
 //! [`standard_cases`] (and the [`dispatch_cases`]) through [`run_case`].
 //!
 //! Contract of [`run_case`]: plan the case's mask, prepare it once, draw fresh seeded random
@@ -618,7 +618,7 @@ fn cases() -> Result<Vec<Case>> {
     let docs = Mask::document(Segments::shared(packed_segments(1, l, 20, 11)?));
     let dense = random_dense(&[l, l], 0.5, 12)?;
     let stamps = random_band(1, (l, l), (0, 12), true, 13)?;
-    // Block selections (SPEC §13) per head: in the plan's 16x16 tiles, and in 24x10 blocks.
+    // Block selections (docs/semantics.md#masks) per head: in the plan's 16x16 tiles, and in 24x10 blocks.
     let sel16 = random_blocks([1, 2, 5, 3], 5, 16, 16, 14)?;
     let sel24 = random_blocks([1, 2, 4, 4], 8, 24, 10, 15)?;
     let masks: Vec<(&str, Mask)> = vec![

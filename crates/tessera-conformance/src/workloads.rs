@@ -171,7 +171,7 @@ pub fn random_band(
     Ok(Mask::band(BandFeatures::new("f", q, "g", kv), lo, hi))
 }
 
-/// A seeded random block selection (SPEC §13) `shape = [B, H, Tq, k]` of kv blocks below `tk`
+/// A seeded random block selection (docs/semantics.md#masks) `shape = [B, H, Tq, k]` of kv blocks below `tk`
 /// for blocks of `q_block` x `kv_block` tokens: each row keeps its diagonal block (clipped to
 /// `tk`) and `k - 1` earlier-or-equal blocks, some entries `-1`, duplicates allowed, and one row
 /// in seven selects nothing.

@@ -1,4 +1,4 @@
-//! Where Tessera keeps its per-user cache (SPEC §7): the plan cache and the CPU kernel-path
+//! Where Tessera keeps its per-user cache (docs/semantics.md#plan-cache): the plan cache and the CPU kernel-path
 //! decision both live there.
 //!
 //! Contract: [`resolve`] returns `explicit` (CLI `--cache-dir`), else `$TESSERA_CACHE_DIR`, else

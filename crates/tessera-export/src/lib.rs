@@ -1,5 +1,5 @@
 //! Exporters of Tessera plans to JAX Splash `MaskInfo` and PyTorch FlexAttention `BlockMask`
-//! arrays (SPEC §1, `docs/export.md`).
+//! arrays (docs/ARCHITECTURE.md, `docs/export.md`).
 //!
 //! Contract: an export is a pure function of the [`Plan`]; it reproduces, array for array, what
 //! the other engine's own mask preprocessing produces for the same token mask and block sizes

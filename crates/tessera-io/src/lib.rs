@@ -1,4 +1,4 @@
-//! Tensor files: `.npy` and `.safetensors` reading and atomic writing (SPEC §2, §10).
+//! Tensor files: `.npy` and `.safetensors` reading and atomic writing (docs/semantics.md#tensors, docs/semantics.md#errors).
 //!
 //! Contract:
 //! - [`read_tensor`] takes `PATH` or `PATH:NAME` and picks the format from the extension

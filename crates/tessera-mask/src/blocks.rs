@@ -1,4 +1,4 @@
-//! Per-step block selections for the `blocks` leaf (SPEC §13): per (batch, head, query block)
+//! Per-step block selections for the `blocks` leaf (docs/semantics.md#masks): per (batch, head, query block)
 //! a list of key blocks, as a MoBA / NSA gate's top-k gives them.
 //!
 //! Contract: [`BlockSelection::new`] takes the array `[B, H, Tq, k]` (or `[H, Tq, k]`,

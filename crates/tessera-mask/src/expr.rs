@@ -20,7 +20,7 @@ use tessera_core::{Error, Result};
 /// parsed tree is at most `3 * MAX_DEPTH + 3` deep.
 pub const MAX_TREE_DEPTH: usize = 4 * MAX_DEPTH;
 
-/// A boolean expression over structured mask predicates (SPEC §3).
+/// A boolean expression over structured mask predicates (docs/semantics.md#masks).
 pub enum Mask {
     /// Every pair allowed.
     Full,
@@ -60,7 +60,7 @@ pub enum Mask {
     },
     /// A boolean array.
     Dense(Arc<DenseMask>),
-    /// Key block `j / kv_block` is selected for query block `i / q_block` (SPEC §13).
+    /// Key block `j / kv_block` is selected for query block `i / q_block` (docs/semantics.md#masks).
     Blocks(Arc<BlockSelection>),
     /// Every operand allows the pair.
     And(Vec<Mask>),

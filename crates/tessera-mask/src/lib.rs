@@ -1,4 +1,4 @@
-//! Mask algebra (SPEC §3).
+//! Mask algebra (docs/semantics.md#masks).
 //!
 //! Contract: [`Mask`] is the one definition of which (batch, head, query, key) pairs may attend.
 //! [`Mask::allowed`] is its token-level semantics; the text language ([`parse`]) only builds a

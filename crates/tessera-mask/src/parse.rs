@@ -14,7 +14,7 @@
 //! Errors carry the 1-based column and what was expected there. `band(F, G, LO, HI)` allows
 //! `LO <= F[i] - G[j] <= HI` for the integer features named `F` and `G` (`LO > HI` is an error).
 //!
-//! `blocks(QB, KVB, NAME)` is a block selection (SPEC §13, [`BlockSelection`]) of query blocks
+//! `blocks(QB, KVB, NAME)` is a block selection (docs/semantics.md#masks, [`BlockSelection`]) of query blocks
 //! of QB tokens by key blocks of KVB tokens; its name comes last and is read like a `dense` name
 //! (a raw name runs to the closing `)`, commas included).
 //!

@@ -1,4 +1,4 @@
-//! The `blocks` leaf (SPEC §13): token semantics, text form, canonical form and errors.
+//! The `blocks` leaf (docs/semantics.md#masks): token semantics, text form, canonical form and errors.
 
 use proptest::prelude::*;
 use std::sync::Arc;

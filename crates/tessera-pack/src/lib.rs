@@ -1,4 +1,4 @@
-//! Document packing into fixed-length rows with segment ids and positions (SPEC §8).
+//! Document packing into fixed-length rows with segment ids and positions (docs/semantics.md#packing).
 //!
 //! # Contract
 //!

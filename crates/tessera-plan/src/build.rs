@@ -19,7 +19,7 @@ const RESERVE_TILES: usize = 1024;
 /// Bytes of one work-list entry (forward or backward).
 const ENTRY_BYTES: u128 = std::mem::size_of::<TileEntry>() as u128;
 
-/// Builds the plan of `mask` for `shape` and `tile` (SPEC §5). Records one plan build in
+/// Builds the plan of `mask` for `shape` and `tile` (docs/semantics.md#plans). Records one plan build in
 /// [`tessera_core::metrics`].
 ///
 /// Refused up front (never an allocation abort): a mask tree deeper than

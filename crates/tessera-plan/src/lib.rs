@@ -1,4 +1,4 @@
-//! The tile planner (SPEC §5).
+//! The tile planner (docs/semantics.md#plans).
 //!
 //! Contract: [`build_plan`] turns a validated [`Mask`](tessera_mask::Mask), a [`PlanShape`] and a
 //! [`TileShape`] into a [`Plan`] whose tile states are sound and exact: an Empty tile holds no

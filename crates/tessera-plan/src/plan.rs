@@ -201,7 +201,7 @@ pub struct PlanStats {
     pub build_ms: f64,
 }
 
-/// A plan for one contract (SPEC §5).
+/// A plan for one contract (docs/semantics.md#plans).
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Plan {
     /// [`PLAN_FORMAT_VERSION`](crate::PLAN_FORMAT_VERSION) of the build that made it.

@@ -1,4 +1,4 @@
-//! Context-parallel dispatch: which rank owns which query tiles of a planned row (SPEC §11).
+//! Context-parallel dispatch: which rank owns which query tiles of a planned row (docs/semantics.md#many-ranks).
 //!
 //! Contract: [`shard`] maps a self-attention [`Plan`] and a world size `R` to a [`Sharding`], a
 //! deterministic function of (plan, `R`, [`Scheme`], [`CostModel`]) so that every rank computes the
@@ -114,7 +114,7 @@ pub struct CostModel {
 
 impl Default for CostModel {
     fn default() -> Self {
-        // Backward does ~2.5x the forward's products (SPEC §4 FLOP counts: 6·Dqk + 4·Dv vs 2·(Dqk + Dv)).
+        // Backward does ~2.5x the forward's products (docs/semantics.md#attention FLOP counts: 6·Dqk + 4·Dv vs 2·(Dqk + Dv)).
         CostModel {
             partial_overhead: 0.3,
             backward: 2.5,

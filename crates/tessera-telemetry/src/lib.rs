@@ -1,4 +1,4 @@
-//! Gated attention-sink and outlier telemetry summaries (SPEC §6).
+//! Gated attention-sink and outlier telemetry summaries (docs/semantics.md#telemetry).
 //!
 //! # Gating
 //! A [`Telemetry`] (a [`TelemetryConfig`] plus a step counter) is attached once. Before each
@@ -18,7 +18,7 @@
 //! - **sink mass** of a row: `Σ_{j allowed, sink key} p_ij`. **learned sink mass**: `p_sink_i`.
 //! - **entropy** of a row (nats): `−Σ_j p_ij ln p_ij − p_sink ln p_sink` (the learned sink is one
 //!   outcome of the softmax) `= LSE_i − Σ_j p_ij s_ij − p_sink σ_h`.
-//! - **max_logit**: max over allowed pairs of the *pre*-softcap scaled logit (SPEC §4).
+//! - **max_logit**: max over allowed pairs of the *pre*-softcap scaled logit (docs/semantics.md#attention).
 //! - **Outliers of O** `[B, Hq, Lq, Dv]`: per head, `max |o|`, `Σ o²`, the element count, and the
 //!   number of elements with `|o| > ratio × RMS(O[b, h])`, the RMS taken over the element's own
 //!   `(b, h)` slice. Because the threshold depends on one slice only, counts from batch shards

@@ -7,7 +7,7 @@ use crate::summary::{AttnSummary, RowStats};
 use tessera_core::{Error, Result};
 use tessera_mask::Mask;
 
-/// A dense attention problem in f64 (layouts as SPEC §2: Q `[B, Hq, Lq, Dqk]`,
+/// A dense attention problem in f64 (layouts as docs/semantics.md#tensors: Q `[B, Hq, Lq, Dqk]`,
 /// K `[B, Hkv, Lkv, Dqk]`, V `[B, Hkv, Lkv, Dv]`, row-major).
 #[derive(Debug, Clone, Copy)]
 pub struct ReferenceInput<'a> {

@@ -1,4 +1,4 @@
-//! Pictures for people (SPEC §6, §9): the tile-state map of a [`Plan`] and the plot of an
+//! Pictures for people (docs/semantics.md#telemetry, docs/semantics.md#command-line): the tile-state map of a [`Plan`] and the plot of an
 //! attention-telemetry run, as PNG.
 //!
 //! Contract: every function returns the PNG bytes ([`plan_png`], [`telemetry_png`],

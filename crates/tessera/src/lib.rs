@@ -1,7 +1,7 @@
 //! Tessera: block-sparse attention planned at tile granularity.
 //!
 //! This facade is the one crate a downstream user (and the CLI, and the Python bindings)
-//! depends on. It re-exports the end-to-end path of SPEC §1: a [`Mask`] expression, the
+//! depends on. It re-exports the end-to-end path of docs/ARCHITECTURE.md: a [`Mask`] expression, the
 //! planner ([`build_plan`] → [`Plan`]), the attention [`Backend`]s and the surrounding
 //! services (plan [`cache`], document [`pack`]ing, [`export`]ers for Splash and FlexAttention,
 //! tensor [`io`], gated [`telemetry`], PNG pictures in [`viz`]) and the [`conformance`] suite

@@ -13,7 +13,7 @@ isa: str
 amx: str
 
 class Mask:
-    """An attention mask expression (the algebra of SPEC §3)."""
+    """An attention mask expression (the algebra of docs/semantics.md#masks)."""
 
     def __and__(self, other: Mask) -> Mask: ...
     def __or__(self, other: Mask) -> Mask: ...

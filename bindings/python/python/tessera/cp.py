@@ -1,4 +1,4 @@
-"""Context parallelism: a planned row sharded over the ranks of ``torch.distributed`` (SPEC §11).
+"""Context parallelism: a planned row sharded over the ranks of ``torch.distributed`` (docs/semantics.md#many-ranks).
 
 Example (every rank runs the same code)::
 
@@ -216,7 +216,7 @@ def attention(
     layer: int = 0,
     engine: str = "auto",
 ) -> Any:
-    """Exact attention over a sharded row (SPEC §4, §11): this rank's ``q [B, Hq, L/R, Dqk]``,
+    """Exact attention over a sharded row (docs/semantics.md#attention, docs/semantics.md#many-ranks): this rank's ``q [B, Hq, L/R, Dqk]``,
     ``k [B, Hkv, L/R, Dqk]``, ``v [B, Hkv, L/R, Dv]`` (its tokens, :meth:`Sharding.scatter` order),
     with the options of :func:`tessera.torch.attention`. Returns this rank's ``O`` (and ``LSE``).
 

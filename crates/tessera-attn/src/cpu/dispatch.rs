@@ -28,7 +28,7 @@
 //!      store it is a warning, not an error.
 //! - A stored file that cannot be read or parsed, has another format or fingerprint, or names a
 //!   path this CPU cannot run is ignored with a warning, measured again and replaced.
-//! - Why it persists: results are bit-identical run to run (SPEC §4), and the `dot` and widened
+//! - Why it persists: results are bit-identical run to run (docs/semantics.md#attention), and the `dot` and widened
 //!   bf16 paths round differently (P and dS are bf16 operands on `dot`); a decision measured
 //!   afresh by each process could flip between two close candidates.
 

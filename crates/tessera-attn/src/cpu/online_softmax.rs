@@ -2,7 +2,7 @@
 //! tile ([`update_max`]), the column maxima of a score tile ([`column_max`]), and the final
 //! normalisation of a row with the optional sink logit ([`finish_row`]).
 //!
-//! Contract (SPEC §4): a row with nothing allowed yet keeps `-inf` as its max but exponentiates
+//! Contract (docs/semantics.md#attention): a row with nothing allowed yet keeps `-inf` as its max but exponentiates
 //! against 0, so masked logits give exactly 0 and NaN logits stay NaN; a finished row with no
 //! allowed key gets `O = 0` and `LSE = σ` (or `-inf` without a sink), never NaN.
 

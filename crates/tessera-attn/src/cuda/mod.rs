@@ -1,4 +1,4 @@
-//! The CUDA backend's place in the tree (SPEC §1: "CPU today; CUDA next").
+//! The CUDA backend's place in the tree (docs/ARCHITECTURE.md: "CPU today; CUDA next").
 //!
 //! Contract: a GPU backend implements [`Backend`](crate::Backend) next to [`cpu`](crate::cpu):
 //! `prepare` uploads the plan's work lists and partial masks once (its `Prepared` holds the

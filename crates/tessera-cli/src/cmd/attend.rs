@@ -5,7 +5,7 @@
 //! summary line (or one JSON object with `--json`). With `--telemetry F.jsonl` the forward is a
 //! logging step (step 0, layer 0) of the gated telemetry (`tessera::attn::forward_logged`) and its
 //! record is written to F (and included in the `--json` report). All checking of shapes, dtypes and options is
-//! the library's (SPEC §10); this file only checks how the flags combine.
+//! the library's (docs/semantics.md#errors); this file only checks how the flags combine.
 
 use crate::ctx::{check_outputs, print_json, Ctx};
 use crate::maskload::MaskArgs;

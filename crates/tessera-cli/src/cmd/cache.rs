@@ -1,4 +1,4 @@
-//! `tessera cache stats | verify | clear`: inspect and maintain the plan cache (SPEC §7).
+//! `tessera cache stats | verify | clear`: inspect and maintain the plan cache (docs/semantics.md#plan-cache).
 //!
 //! `verify` prints every bad entry and a summary on stdout; it exits 0 only when every entry is
 //! valid, and 2 (with one line on stderr) when any is bad. Bad entries are harmless otherwise:

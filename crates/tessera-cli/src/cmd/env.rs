@@ -1,4 +1,4 @@
-//! `tessera env`: the run manifest (SPEC §7), with the CPU kernel-path decision.
+//! `tessera env`: the run manifest (docs/semantics.md#plan-cache), with the CPU kernel-path decision.
 
 use crate::ctx::{print_json, Ctx};
 use tessera::core::Result;

@@ -1,4 +1,4 @@
-//! `tessera pack`: pack documents into fixed-length rows, or verify a packed file (SPEC §8).
+//! `tessera pack`: pack documents into fixed-length rows, or verify a packed file (docs/semantics.md#packing).
 //!
 //! A thin layer over `tessera::pack`: argument checks, input dispatch by extension (`.npy` means a
 //! tokens array with `--offsets`; anything else is read as JSON lines), and one result line on

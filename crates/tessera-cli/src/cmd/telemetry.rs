@@ -1,4 +1,4 @@
-//! `tessera telemetry plot`: picture of a telemetry JSON-lines file (SPEC §6): sink mass per
+//! `tessera telemetry plot`: picture of a telemetry JSON-lines file (docs/semantics.md#telemetry): sink mass per
 //! head over steps as a heatmap, and max_logit per head over steps.
 //!
 //! The file holds one record per (step, layer) (schema: `docs/telemetry.md`). `--layer N` plots

@@ -1,4 +1,4 @@
-"""Masks for the token layouts people use, each a few leaves of the mask algebra (SPEC §13).
+"""Masks for the token layouts people use, each a few leaves of the mask algebra (docs/semantics.md#masks).
 
 Contract: every helper returns a plain :class:`tessera.Mask` built from ``band``, ``window``
 and ``prefix`` leaves whose per-token integer features are computed here in numpy

@@ -1,4 +1,4 @@
-"""The mask algebra (SPEC §3): leaf constructors and the text form, over the native ``Mask``."""
+"""The mask algebra (docs/semantics.md#masks): leaf constructors and the text form, over the native ``Mask``."""
 
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ def dense(values: Any) -> Mask:
 
 
 def blocks(kv_tiles: Any, block: Union[int, Tuple[int, int]] = 128) -> Mask:
-    """A block selection (SPEC §13): query ``i`` may attend key ``j`` of batch row ``b``, head ``h``
+    """A block selection (docs/semantics.md#masks): query ``i`` may attend key ``j`` of batch row ``b``, head ``h``
     iff key block ``j // kv_block`` is among ``kv_tiles[b, h, i // q_block]``. ``kv_tiles`` is an
     integer array ``[B, H, Tq, k]`` (numpy or torch; a CUDA tensor is copied to the host once;
     ``[H, Tq, k]`` and ``[Tq, k]`` broadcast, as do B or H of 1), ``-1`` meaning none, duplicates

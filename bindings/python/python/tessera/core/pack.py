@@ -1,4 +1,4 @@
-"""Document packing from Python (SPEC §8)."""
+"""Document packing from Python (docs/semantics.md#packing)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from .args import _int_arg
 def pack(
     docs: Sequence[Any], seq_len: int, strategy: str = "best-fit", bos: int = 256
 ) -> Dict[str, Any]:
-    """Packs tokenized documents into rows of ``seq_len`` (SPEC §8): every document starts with
+    """Packs tokenized documents into rows of ``seq_len`` (docs/semantics.md#packing): every document starts with
     ``bos``; longer documents are split. Returns ``tokens``, ``segment_ids`` (-1 = padding) and
     ``positions`` (int32 ``[rows, seq_len]``) and ``stats``; the result is verified."""
     seq_len = _int_arg("pack", "seq_len", seq_len, 2, 2**31)

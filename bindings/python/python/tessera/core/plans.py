@@ -1,4 +1,4 @@
-"""Plans (SPEC §5) as Python objects: :class:`Plan`, :func:`plan`, :func:`plan_from_blocks`, the plan
+"""Plans (docs/semantics.md#plans) as Python objects: :class:`Plan`, :func:`plan`, :func:`plan_from_blocks`, the plan
 cache's counters, and the process-wide handle registry through which compiled steps name a plan
 as data (a handle), never as a constant."""
 
@@ -20,7 +20,7 @@ from .args import _block_pair, _kv_tiles
 # -- key-side documents for other engines -------------------------------------------------------
 #
 # FlexAttention's telemetry (tessera.engines.flex) needs, on the device, which keys are sink keys (the
-# first tokens of each key's document, SPEC §6): the positions below, from the kv segment ids of
+# first tokens of each key's document, docs/semantics.md#telemetry): the positions below, from the kv segment ids of
 # the plan's `document` leaf (`Plan.kv_segments()`, the ids the Tessera kernel's telemetry uses).
 
 
@@ -49,7 +49,7 @@ def _kv_positions(runs: tuple) -> np.ndarray:
 def sink_positions(plan: "Plan") -> np.ndarray:
     """``int32 [B' or 1, Lkv]``: each key's position in its document (``-1`` for padding keys), or
     in the row when the mask has no ``document`` leaf: the sink keys are those below
-    ``sink_tokens`` (SPEC §6)."""
+    ``sink_tokens`` (docs/semantics.md#telemetry)."""
     kv = plan.kv_segments()
     if kv is None:
         return np.arange(plan.shape[3], dtype=np.int32)[None]
@@ -248,7 +248,7 @@ def plan_from_blocks(
     selection_block: Union[int, Tuple[int, int], None] = None,
     cache: bool = False,
 ) -> Plan:
-    """The plan of ``mask & blocks(kv_tiles, selection_block)`` (SPEC §13): a pair is allowed
+    """The plan of ``mask & blocks(kv_tiles, selection_block)`` (docs/semantics.md#masks): a pair is allowed
     when its (query block, key block) tile is selected and ``mask`` allows it. ``kv_tiles`` is an
     integer array ``[B, H, Tq, k]`` of the key blocks each query block keeps (what a MoBA / NSA
     gate's top-k gives; numpy or torch, a CUDA tensor is copied to the host once; ``-1`` = none,

@@ -1,4 +1,4 @@
-"""Context-parallel shardings (SPEC §11), framework-free: which rank owns which query tiles of a
+"""Context-parallel shardings (docs/semantics.md#many-ranks), framework-free: which rank owns which query tiles of a
 planned row, what each rank's rows cost, which K/V tiles it needs, and the cp-sim cost model.
 
 :func:`shard` is a deterministic function of the plan, so every rank computes the same sharding

@@ -1,4 +1,4 @@
-"""Telemetry configuration shared by the torch and JAX frontends (SPEC §6): the checked
+"""Telemetry configuration shared by the torch and JAX frontends (docs/semantics.md#telemetry): the checked
 ``every``/streams/thresholds of a telemetry object and its static (hashable) form. numpy only."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from .args import _int_arg
 def checked_config(
     every: Any, sink_tokens: Any, epsilon: Any, outlier_ratio: Any, streams: Sequence[str]
 ) -> Tuple[int, Dict[str, Any]]:
-    """``every`` and the summary options (SPEC §6), checked (shared with ``tessera.jax``)."""
+    """``every`` and the summary options (docs/semantics.md#telemetry), checked (shared with ``tessera.jax``)."""
     every = _int_arg("Telemetry", "every", every, 0)
     sink_tokens = _int_arg("Telemetry", "sink_tokens", sink_tokens, 0)
     bad = [s for s in streams if s not in ("sink", "outlier")]

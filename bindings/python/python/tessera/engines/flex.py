@@ -1,5 +1,5 @@
 """The FlexAttention engine behind ``tessera.torch.attention`` and ``tessera.cp.attention``
-(SPEC §12): the same semantics (SPEC §4) on any device FlexAttention runs on, over the plan's
+(docs/semantics.md#engines-and-devices): the same semantics (docs/semantics.md#attention) on any device FlexAttention runs on, over the plan's
 ``BlockMask``.
 
 - The plan's ``BlockMask`` is built once per (plan, device) from its work lists and kept on the
@@ -13,7 +13,7 @@
   the LSE: ``O' = O·sigmoid(LSE − σ_h)``, ``LSE' = logaddexp(LSE, σ_h)`` (a row with no allowed key
   keeps ``O = 0``, its LSE becomes ``σ_h``), differentiable in plain torch ops, so ``dσ`` and the
   LSE's gradient flow through FlexAttention's own backward. No host read in the step.
-- Telemetry (SPEC §6) on logging steps only, as fixed-shape device tensors with the Tessera
+- Telemetry (docs/semantics.md#telemetry) on logging steps only, as fixed-shape device tensors with the Tessera
   kernel's per-head layout (``_tessera.TELEMETRY_COLUMNS``): sink mass from one extra pass whose
   ``score_mod`` keeps only the sink keys (its LSE against the row's), entropy from one extra pass
   whose ``score_mod`` weighs each score by ``LSE − s`` (``Σ_j p_j (LSE − s_j)`` is the entropy),

@@ -9,7 +9,7 @@ Priority for tensors on a GPU: ``flex_flash`` (FlexAttention's FlashAttention-4 
 from ``cu_seqlens``, no mask) runs when named: measured on an H200 (torch 2.11, doc-causal,
 H = 16, D = 128, bf16, fwd+bwd), it took 1.17-1.30x the flex engine's time at 8K tokens and 1.21x at
 32K (BENCHMARKS.md, session 18), so ``auto`` does not pick it. For CPU tensors: ``tessera``
-(Tessera's CPU kernels). Every engine keeps SPEC §4 exactly or declines.
+(Tessera's CPU kernels). Every engine keeps the semantics of docs/semantics.md#attention exactly or declines.
 
 Capability probes (``tessera.core.probes``) are called through this module's names
 (:func:`flash_importable`, :func:`varlen_importable`, :func:`device_capability`), so tests fake a

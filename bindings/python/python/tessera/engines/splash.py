@@ -3,7 +3,7 @@ attention. This module holds the kernels' side (:func:`forward`, :func:`backward
 sizes and checks); the route of ``tessera.jax.attention`` that wraps them in a ``custom_vjp`` is
 :mod:`tessera.jax.splash`, and the stable-shape ``MaskInfo`` is :mod:`tessera.core.splash_tables`.
 
-Contract (SPEC §4, §12):
+Contract (docs/semantics.md#attention, docs/semantics.md#engines-and-devices):
 
 * ``splash_info`` turns a plan into a :class:`SplashInfo`, a JAX pytree of Splash ``MaskInfo``
   arrays (forward and dKV) for every batch group of the plan. Its arrays have **stable shapes
@@ -15,7 +15,7 @@ Contract (SPEC §4, §12):
   info as an argument compiles once for all of them, and the plan reaches the step as data. The
   number of active blocks is data too: empty blocks stay marked empty (``block_mask == 0``) and
   Splash skips them.
-* ``splash_attention`` computes SPEC §4 attention with Splash's Pallas kernels: ``scale``
+* ``splash_attention`` computes the attention of docs/semantics.md#attention with Splash's Pallas kernels: ``scale``
   applied to q (Splash does not scale), softcap through Splash's ``attn_logits_soft_cap``, learned
   sinks through Splash's ``sinks`` (the same semantics: ``Z = exp(σ_h) + Σ exp(s)``), rows with no
   allowed key fixed to ``O = 0``, ``LSE = -inf`` (Splash leaves NaN or an average of V there;

@@ -1,4 +1,4 @@
-"""Telemetry on the Splash route (SPEC §6): the Tessera kernel's per-head summary row computed
+"""Telemetry on the Splash route (docs/semantics.md#telemetry): the Tessera kernel's per-head summary row computed
 in JAX from Splash's outputs plus one block-sparse pass over the plan's active tiles.
 
 From Splash's returned O and LSE (the LSE including the learned sink): learned-sink mass

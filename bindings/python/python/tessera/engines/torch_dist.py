@@ -1,4 +1,4 @@
-"""Context-parallel transport over ``torch.distributed`` (SPEC §11): the K/V exchange a rank's
+"""Context-parallel transport over ``torch.distributed`` (docs/semantics.md#many-ranks): the K/V exchange a rank's
 rows need (all-gather, or one all-to-all of the needed tiles), dK/dV back to their owners, the
 group checks, and collectives whose failures say which step failed. Shared by the context-
 parallel paths of the torch engines; the sharding itself is :mod:`tessera.core.sharding`."""
@@ -171,7 +171,7 @@ def _return_grads(sh: Sharding, dk, dv, group, rank: int, mode: str, local_len: 
 
 def _local_sink_flags(sh: Sharding, rank: int, mode: str, batch: int, sink_tokens: int):
     """Sink-key flags ``bool [B, Lkv_local]`` of ``rank``'s local K/V in ``mode``: the flags of the
-    global row (SPEC §6: the first ``sink_tokens`` keys of each document, or of the row) at the
+    global row (docs/semantics.md#telemetry: the first ``sink_tokens`` keys of each document, or of the row) at the
     global positions of the local keys. Cached per (rank, mode, batch, sink_tokens)."""
     key = (rank, mode, batch, sink_tokens)
     f = sh._sink_flags.get(key)

@@ -1,4 +1,4 @@
-"""JAX integration: ``tessera.jax.attention``, one op on every device JAX runs on (SPEC §12).
+"""JAX integration: ``tessera.jax.attention``, one op on every device JAX runs on (docs/semantics.md#engines-and-devices).
 
 On CPU the op runs Tessera's kernels through XLA FFI custom calls (forward, backward and the
 telemetry forward), zero-copy on XLA's buffers; on TPU it runs Splash with the plan's

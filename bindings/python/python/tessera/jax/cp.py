@@ -1,4 +1,4 @@
-"""Context parallelism under ``shard_map`` (SPEC §11): a sharding's local plans as one pytree
+"""Context parallelism under ``shard_map`` (docs/semantics.md#many-ranks): a sharding's local plans as one pytree
 (:class:`CPPlan`), the K/V exchange inside the SPMD program, dK/dV back to their owners, and
 ``scatter``/``gather`` of whole rows."""
 
@@ -230,7 +230,7 @@ def cp_attention(
     backend: str = "auto",
 ) -> Any:
     """Exact attention over a row sharded by ``tessera.cp.shard``, inside ``shard_map`` over
-    ``axis_name`` (SPEC §11): this device's ``q``, ``k``, ``v`` hold its tokens (the row put in
+    ``axis_name`` (docs/semantics.md#many-ranks): this device's ``q``, ``k``, ``v`` hold its tokens (the row put in
     sharded order by :func:`scatter`, then split evenly along L). ``sharding`` is a
     :class:`CPPlan` (:func:`cp_plan`, passed into the program: no recompile for new plans) or a
     ``tessera.cp.Sharding`` (its handles become constants of the trace). ``mode="allgather"``

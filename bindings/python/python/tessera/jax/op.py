@@ -155,7 +155,7 @@ def attention(
     layout: str = "bhld",
     backend: str = "auto",
 ) -> Any:
-    """Exact attention over ``plan`` (SPEC §4): ``softmax(scale·QKᵀ, masked)·V`` with optional
+    """Exact attention over ``plan`` (docs/semantics.md#attention): ``softmax(scale·QKᵀ, masked)·V`` with optional
     softcap ``c·tanh(s/c)`` and learned per-head sink logits (denominator only).
 
     ``q``, ``k``, ``v`` in ``layout`` (``"bhld"``: ``[B, H, L, D]``; ``"blhd"``: ``[B, L, H, D]``),
@@ -200,7 +200,7 @@ def attention(
 
 def _by_platform(q, k, v, ref, scale, softcap, sinks, return_lse, telemetry, layout):
     """``backend="auto"`` under a trace: the FFI route where the step is lowered for CPU, Splash
-    where it is lowered for TPU, a clear lowering error elsewhere (SPEC §12: the kernel a step runs
+    where it is lowered for TPU, a clear lowering error elsewhere (docs/semantics.md#engines-and-devices: the kernel a step runs
     is chosen by the platform it is lowered for). The TPU branch needs the plan's Splash
     ``MaskInfo`` in the step (``plan_ref(plan, splash=True)``) and kv tiles Splash can run; without
     them it lowers to that error, and the CPU branch is unaffected."""

@@ -1,4 +1,4 @@
-"""The Splash route of ``tessera.jax.attention`` (SPEC §4, §12): argument checks, padding to whole
+"""The Splash route of ``tessera.jax.attention`` (docs/semantics.md#attention, docs/semantics.md#engines-and-devices): argument checks, padding to whole
 tiles, and the ``custom_vjp`` around the Splash engine's forward and backward kernels
 (:mod:`tessera.engines.splash`, whose docstring states the contract). ``splash_attention`` takes
 a :class:`~tessera.core.splash_tables.SplashInfo` (``splash_info(plan)``) directly."""
@@ -39,7 +39,7 @@ def splash_attention(
     interpret: Optional[bool] = None,
     block_sizes: Any = None,
 ) -> Union[jax.Array, Tuple[jax.Array, jax.Array]]:
-    """SPEC §4 attention of ``q [B, Hq, Lq, Dqk]``, ``k [B, Hkv, Lkv, Dqk]``,
+    """The attention (docs/semantics.md#attention) of ``q [B, Hq, Lq, Dqk]``, ``k [B, Hkv, Lkv, Dqk]``,
     ``v [B, Hkv, Lkv, Dv]`` (float32 or bfloat16) over the plan behind ``info``, run by Splash.
 
     ``scale`` defaults to ``1/sqrt(Dqk)``; ``softcap`` ``c`` gives ``c·tanh(s/c)``; ``sinks``

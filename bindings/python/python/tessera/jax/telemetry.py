@@ -1,4 +1,4 @@
-"""Telemetry for ``tessera.jax`` (SPEC §6): the gate (a pytree with a traced step), the fixed-shape
+"""Telemetry for ``tessera.jax`` (docs/semantics.md#telemetry): the gate (a pytree with a traced step), the fixed-shape
 per-head summary, its reduction across devices (:func:`reduce_summary`) and the one host read."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ SUMMARY_COLUMNS = _STAT_COLUMNS + 2
 
 
 class Telemetry:
-    """Gated telemetry for ``tessera.jax.attention`` (SPEC §6), device side first.
+    """Gated telemetry for ``tessera.jax.attention`` (docs/semantics.md#telemetry), device side first.
 
     ``Telemetry(every=N)`` is a pytree whose leaf is the step (pass ``tel.at(step)`` into the
     jitted step; a traced step is fine). With ``telemetry=tel`` the op also returns the step's
@@ -33,7 +33,7 @@ class Telemetry:
     no Python branch looks at a live value. Under ``shard_map``, :func:`reduce_summary` (done by
     :func:`cp_attention`) combines summaries across devices with ``psum``/``pmax`` before they
     leave them. On the host, :meth:`collect` keeps the device arrays of a step (no read) and
-    :meth:`read` reads them once and returns the records of SPEC §6 (the JSON-lines schema of
+    :meth:`read` reads them once and returns the records of docs/semantics.md#telemetry (the JSON-lines schema of
     ``tessera telemetry plot``)."""
 
     def __init__(

@@ -145,7 +145,7 @@ def attention(
     layer: int = 0,
     engine: str = "auto",
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
-    """Exact attention over ``plan`` (SPEC §4): ``softmax(scale·QKᵀ, masked)·V`` with optional
+    """Exact attention over ``plan`` (docs/semantics.md#attention): ``softmax(scale·QKᵀ, masked)·V`` with optional
     softcap ``c·tanh(s/c)`` and learned per-head sink logits (denominator only).
 
     ``q [B, Hq, Lq, Dqk]``, ``k [B, Hkv, Lkv, Dqk]``, ``v [B, Hkv, Lkv, Dv]`` on CPU, float32 or

@@ -1,4 +1,4 @@
-"""Gated attention telemetry from Python (SPEC §6), on one process or reduced across ranks.
+"""Gated attention telemetry from Python (docs/semantics.md#telemetry), on one process or reduced across ranks.
 
 ``Telemetry(every=N)`` decides per step whether attention calls log. On a logging step
 ``tessera.torch.attention(..., telemetry=tel, layer=i)`` (or ``tessera.cp.attention``) runs the
@@ -10,7 +10,7 @@ learned-sink mass, entropy, max logit, output max/RMS/outlier counts per head, a
 them in the JSON-lines schema ``tessera telemetry plot`` reads. Call ``tel.advance()`` once per
 step.
 
-Across ranks (``group=``, SPEC §11–12): the per-rank partials never reach the host. ``read()`` is
+Across ranks (``group=``, docs/semantics.md#many-ranks, docs/semantics.md#engines-and-devices): the per-rank partials never reach the host. ``read()`` is
 collective: the partials of every logged layer are packed into one buffer per reduction kind and
 reduced on the tensors' device over the group(s) -- one all-reduce MAX (max logit, max |O|, the
 per-(b, h) Σ O² of context-parallel calls), then one all-reduce SUM (row counts, Σ sink mass,

@@ -1,4 +1,4 @@
-//! The telemetry variant of the forward kernel (SPEC §6, sink stream).
+//! The telemetry variant of the forward kernel (docs/semantics.md#telemetry, sink stream).
 //!
 //! The item kernel the plain forward would run (`forward::item_with`, or `forward::bf16::item` where
 //! `forward::select` picks the AVX512-BF16 bf16 kernel), instantiated with [`TelObserver`]
