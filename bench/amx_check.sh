@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 40 on a machine whose CPU reports amx_bf16 (a lent GPU machine's host may; this repo's
+# The AMX-BF16 path on a machine whose CPU reports amx_bf16 (a lent GPU machine's host may; this repo's
 # usual CPUs do not): whether Tessera uses AMX there and why not, the Python bf16 tests with the
 # AMX path forced (against float64 and real torch), then bench/torch_attention.py in bf16 on the
 # AMX and the `vdpbf16ps` paths, D = 64 and 128, PyTorch (SDPA, compiled flex) timed in the same

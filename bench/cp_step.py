@@ -8,7 +8,7 @@ tile 128. `--ranks` processes, one kernel thread each (RAYON_NUM_THREADS=1,
 torch.set_num_threads(1)). A step is barrier → forward + backward → barrier, timed on every
 rank; the step time is the slowest rank's, median of `--reps` steps after one warm-up step.
 Also prints each scheme's modelled max/mean cost, the busiest receiver's K/V tiles in needed mode
-and that as a fraction of an all-gather. `--web` draws the row from issue 41's packed web mix
+and that as a fraction of an all-gather. `--web` draws the row from the packed web-document mix
 instead (1 % of documents 32K-128K tokens, no extra long document); `--balance-cap` is the balanced
 scheme's cap on max/mean cost. `--model-only` prints the sharding numbers without running ranks.
 
@@ -128,7 +128,7 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--schemes", default="contiguous,zigzag,perdoc_zigzag,balanced")
     ap.add_argument("--modes", default="allgather,needed")
-    ap.add_argument("--web", action="store_true", help="issue 41's packed web-document mix")
+    ap.add_argument("--web", action="store_true", help="the packed web-document mix")
     ap.add_argument("--balance-cap", type=float, default=1.02)
     ap.add_argument("--model-only", action="store_true", help="sharding numbers only, no ranks")
     ap.add_argument("--json", action="store_true")

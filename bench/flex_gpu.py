@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Tessera on a GPU against FlexAttention with `create_block_mask` (issue 38), one process, one GPU.
+"""Tessera on a GPU against FlexAttention with `create_block_mask`, one process, one GPU.
 
 Masks: causal within documents (lognormal document lengths, seeded) and a sliding window, one row,
 at `--lens` tokens (default 8K, 32K, 128K), H = 16, D = 128, bf16, BLOCK_SIZE 128.
@@ -161,7 +161,7 @@ def attention(lens, reps, dev, window, block, heads, dim, dtype, only=None):
     cbm = torch.compile(create_block_mask)
     # on CPU (the smoke run) FlexAttention's unfused path, as the engine's own CPU path
     # Static shapes, as the flex engine compiles: with dynamo's default, the second length
-    # recompiles into a dynamic-shape kernel (session 18: 32K's baseline ran one, ~1.4x slower).
+    # recompiles into a dynamic-shape kernel (the H200 run of 2026-11-28: 32K's baseline ran one, ~1.4x slower).
     cflex = flex_attention if dev.type == "cpu" else torch.compile(flex_attention, dynamic=False)
     rows = []
     for n in lens:

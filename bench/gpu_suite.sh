@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The GPU record of issue 38 in one run on a one-GPU CUDA machine without network access, in under
+# The GPU record (BENCHMARKS.md's NVIDIA rows) in one run on a one-GPU CUDA machine without network access, in under
 # 8 minutes: the environment (GPU, driver, torch, whether flash_attn.cute and varlen_attn import),
 # bench/flex_gpu.py first, on a quiet GPU (plan -> device BlockMask vs compiled create_block_mask at
 # 8K/32K/128K; attention fwd+bwd per engine vs flex with create_block_mask's mask, doc-causal at 8K
 # and 32K; the example's train step at 8K, bf16 autocast), then the GPU suite (`pytest -m gpu`:
-# every earlier GPU test and the engines of issue 38, in three processes so FlexAttention's kernel
+# every GPU test, the torch engines' included, in three processes so FlexAttention's kernel
 # compilations overlap).
 #
 # Usage: bench/gpu_suite.sh [OUT_DIR]   (needs `tessera` importable: an installed wheel, a
@@ -59,7 +59,7 @@ tail -n +"$((env_lines + 1))" "$OUT_DIR/flex_gpu.log"  # the bench's part (the e
 echo "== pytest -m gpu"
 # Three pytest processes side by side, each with its own inductor/triton caches (eight xdist workers
 # sharing one cache failed their first FlexAttention compilations with NoValidChoicesError; two
-# processes, test_gpu.py's rest with the engines, ran past 210 s on a slow start in session 18).
+# processes, test_gpu.py's rest with the engines, ran past 210 s on a slow start on an H200 on 2026-11-28).
 run_suite() {  # name, -k expression, test file
   (cd bindings/python && TORCHINDUCTOR_CACHE_DIR=/tmp/ind_$1 TRITON_CACHE_DIR=/tmp/tri_$1 \
    timeout "$SUITE_S" $PY -m pytest "$3" -m gpu ${2:+-k "$2"} \

@@ -689,7 +689,7 @@ def _slug(name: str) -> str:
 
 
 def bar(r: dict) -> int:
-    """The issue's bar for a result: 10x at 4K tokens, 100x at 64K, 200x for 32K doc-causal."""
+    """The target speedup for a result: 10x at 4K tokens, 100x at 64K, 200x for 32K doc-causal."""
     if r["family"].startswith("doc-causal"):
         return 200
     return 100 if r["tokens"] >= 60000 else 10

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Plans from per-step block selections (issue #32, docs/semantics.md#masks): `tessera.plan_from_blocks` against
+"""Plans from per-step block selections (docs/block-selections.md, docs/semantics.md#masks): `tessera.plan_from_blocks` against
 FlexAttention's `BlockMask.from_kv_blocks` on the same indices, in one process, on the CPU.
 
 Problem: one row of `--len` tokens (default 32K) of documents (mean 2K tokens, seeded), H=8 heads,
@@ -17,8 +17,8 @@ What is timed:
 - `torch from_kv_blocks`: `BlockMask.from_kv_blocks(kv_num_blocks, kv_indices, BLOCK_SIZE=128,
   mask_mod=causal & document, seq_lengths=(L, L))`: block tables only. Every selected block is
   marked partial (the mask_mod runs on all of it), none is full, and blocks the document mask
-  empties stay in the tables: less than the plan holds, so this is the cheap baseline the bar
-  names.
+  empties stay in the tables: less than the plan holds, so this is the cheapest
+  baseline.
 - `torch from_kv_blocks ∩ mask's BlockMask`: the fair equivalent in torch of what the plan holds
   at block level: the selection's dense block table AND the mask's block states (from
   `create_block_mask(causal & document)`, built once per batch and not counted here; its time is

@@ -19,7 +19,7 @@ time (the round's: the slowest rank's) and in process CPU time (the round's: the
 time blocked on a peer is not CPU time, and on a shared machine CPU time is far less disturbed by
 other jobs than wall time); the order of the three variants rotates from round to round.
 Reported: medians of the step times and of the per-round ratios quiet/off and logging/quiet.
-Bars (issue 31), judged on CPU time: quiet/off <= 1.01, logging/quiet <= 1.10.
+Targets, judged on CPU time: quiet/off <= 1.01, logging/quiet <= 1.10.
 
 `--parallel dp`: data parallelism instead (every rank its own `--len` row through
 `tessera.torch.attention`, the same variants).

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Planning a union of many leaves (issue 32 item 4): k `document` leaves over 4,126 tokens,
+"""Planning a union of many leaves: k `document` leaves over 4,126 tokens,
 either scattered (40 random tokens each: every leaf reaches most tiles) or narrow (one run of 64
 tokens each: a leaf reaches a tile or two per row), planned with `cache=False`; medians of 3.
 Also the scattered union as every head of `heads([...] * 8)` (one shared head plan).
