@@ -21,7 +21,7 @@ pub struct CpSimArgs {
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// Document mix: `tokens` (30% of the row's tokens in 32K-128K documents) or `web` (packed web
-    /// documents: 1% of documents 32K-128K, issue 41).
+    /// documents: 1% of documents 32K-128K).
     #[arg(long, default_value = "tokens", value_parser = ["tokens", "web"])]
     pub mix: String,
     /// Balanced scheme's cap on the busiest rank's cost over the mean.
