@@ -3,7 +3,8 @@ each engine states, for given inputs, the reasons it cannot run them exactly; ``
 fixed priority list and takes the first engine with none. The choice and every skipped engine's
 reasons are kept as a readable record (:func:`last_dispatch`).
 
-Priority for tensors on a GPU: ``flex_flash`` (FlexAttention's FlashAttention-4 backend), then
+For XLA tensors (torch_xla): ``splash`` (JAX Splash through ``call_jax``: Mosaic on TPU, Pallas
+interpret mode on PJRT CPU; :mod:`tessera.engines.xla_splash`). Priority for tensors on a GPU: ``flex_flash`` (FlexAttention's FlashAttention-4 backend), then
 ``flex`` (FlexAttention's Triton kernel over the plan's BlockMask, with the analytic
 ``mask_mod``). ``varlen`` (``torch.nn.attention.varlen.varlen_attn``: packed causal documents
 from ``cu_seqlens``, no mask) runs when named: measured on an H200 (torch 2.11, doc-causal,
@@ -26,9 +27,10 @@ from typing import Any, Dict, List
 from ..core.flex_mask import causal_documents, kept_cu_seqlens
 from ..core.probes import device_capability, flash_importable, varlen_importable, varlen_params, warm  # noqa: F401
 
-ENGINES = ("auto", "tessera", "flex", "flex_flash", "varlen")
+ENGINES = ("auto", "tessera", "flex", "flex_flash", "varlen", "splash")
 GPU_PRIORITY = ("flex_flash", "flex")
 CPU_PRIORITY = ("tessera",)
+XLA_PRIORITY = ("splash",)
 
 _LAST: Dict[str, Any] = {}
 
@@ -147,7 +149,14 @@ def _varlen_reasons(i: Inputs) -> List[str]:
     return r
 
 
+def _splash_reasons(i: Inputs) -> List[str]:
+    from . import xla_splash
+
+    return xla_splash.reasons(i.q, i.plan)
+
+
 REASONS = {
+    "splash": _splash_reasons,
     "tessera": _tessera_reasons,
     "flex": _flex_reasons,
     "flex_flash": _flash_reasons,
@@ -163,13 +172,14 @@ def select(engine: Any, i: Inputs) -> str:
         raise ValueError(f"engine: expected one of {ENGINES}, got {engine!r}")
     skipped: Dict[str, List[str]] = {}
     if engine != "auto":
-        if engine in ("flex_flash", "varlen"):
+        if engine in ("flex_flash", "varlen", "splash"):
             why = REASONS[engine](i)
             if why:
                 raise RuntimeError(f"engine={engine!r} cannot run these inputs: " + "; ".join(why))
         chosen = engine
     else:
-        order = CPU_PRIORITY if i.q.device.type == "cpu" else GPU_PRIORITY
+        dev = i.q.device.type
+        order = CPU_PRIORITY if dev == "cpu" else XLA_PRIORITY if dev == "xla" else GPU_PRIORITY
         chosen = order[-1]
         for name in order:
             why = REASONS[name](i)

@@ -65,6 +65,7 @@ def _loads(data: bytes) -> Any:
 
 def _register() -> None:
     import jax
+    import jax.export  # a submodule: not an attribute of jax until imported (jax < 0.8)
 
     reg = jax.export.register_pytree_node_serialization
     reg(PlanRef, serialized_name="tessera.jax.PlanRef", serialize_auxdata=_dumps,
