@@ -82,7 +82,7 @@ const MAX_GRID: usize = 1 << 28;
 /// How many 16-key SIMD compares one step of a run walk is counted as (a step is a dependent
 /// load, a lookup and a store; a compare one vector op of a row's loop). On Zen 4 the 4K tree
 /// planned as fast with 1 as with 4 (within noise); 4 keeps walks off columns whose keys' runs
-/// mostly land in Full tiles (BENCHMARKS.md, session 15).
+/// mostly land in Full tiles (BENCHMARKS.md, 2026-11-28, commit 5ba8a91).
 const RUN_STEP_COST: u64 = 4;
 
 /// Which stage-2 path the leaf takes per kv-tile column (tests force each one).

@@ -57,9 +57,9 @@ class CompactMask:
 # device as their eight tables, written by the host (1 MiB of tables at the limit; doc-causal
 # 32K: 0.19 ms on a Zen 4 against 0.09 ms for the tiles), rather than as the non-empty tiles
 # expanded there: on an H200 the expansion's ~17 launches took 0.6-0.9 ms whatever the size
-# (session 18), one copy of the tables should take ~0.1 ms (predicted, not yet measured on a
-# GPU). Larger grids keep the O(active tiles) upload: the tables grow with the square of the
-# length.
+# (BENCHMARKS.md, 2026-11-28, commit a8c6176), one copy of the tables should take ~0.1 ms
+# (predicted, not yet measured on a GPU). Larger grids keep the O(active tiles) upload: the
+# tables grow with the square of the length.
 DEVICE_DENSE_CELLS = 1 << 16
 
 

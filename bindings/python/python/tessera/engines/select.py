@@ -9,7 +9,7 @@ interpret mode on PJRT CPU; :mod:`tessera.engines.xla_splash`). Priority for ten
 ``mask_mod``). ``varlen`` (``torch.nn.attention.varlen.varlen_attn``: packed causal documents
 from ``cu_seqlens``, no mask) runs when named: measured on an H200 (torch 2.11, doc-causal,
 H = 16, D = 128, bf16, fwd+bwd), it took 1.17-1.30x the flex engine's time at 8K tokens and 1.21x at
-32K (BENCHMARKS.md, session 18), so ``auto`` does not pick it. For CPU tensors: ``tessera``
+32K (BENCHMARKS.md, 2026-11-28, commit a8c6176), so ``auto`` does not pick it. For CPU tensors: ``tessera``
 (Tessera's CPU kernels). Every engine keeps the semantics of docs/semantics.md#attention exactly or declines.
 
 Capability probes (``tessera.core.probes``) are called through this module's names
