@@ -97,7 +97,7 @@ class _Static:
     lq: int
     lkv: int
     tel: Any  # the telemetry config on a logging step, else None
-    spmd: Any  # (mesh description, batch axis) under SPMD, else None
+    spmd: Any  # (mesh, batch axis) under SPMD (the kernels see per-device shapes), else None
 
 
 class _DevicePlan:
@@ -110,51 +110,52 @@ class _DevicePlan:
 _on_device: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 
 
-def _pack(arrays: List[np.ndarray]) -> Tuple[np.ndarray, tuple]:
-    """One ``uint8`` buffer holding ``arrays`` (bool as 0/1 bytes), each at a 4-byte aligned
-    offset, and the static layout that finds them again."""
+def _pack(arrays: List[np.ndarray], rows: int) -> Tuple[np.ndarray, tuple]:
+    """``arrays`` (each with a leading axis of 1 or ``rows``) as one ``uint8 [rows, N]`` buffer
+    (bool as 0/1 bytes), each array at a 4-byte aligned offset of every row, and the static
+    layout (dtype, per-row shape, offset) that finds them again."""
     layout, parts, off = [], [], 0
     for a in arrays:
-        a = np.ascontiguousarray(a)
-        if a.dtype == np.bool_:
+        a = np.ascontiguousarray(np.broadcast_to(a, (rows,) + a.shape[1:]))
+        name = "bool" if a.dtype == np.bool_ else a.dtype.name
+        if name == "bool":
             a = a.astype(np.uint8)
-            name = "bool"
-        else:
-            name = a.dtype.name
-        raw = a.reshape(-1).view(np.uint8)
+        raw = a.reshape(rows, -1).view(np.uint8)
         pad = (-off) % 4
         if pad:
-            parts.append(np.zeros(pad, np.uint8))
+            parts.append(np.zeros((rows, pad), np.uint8))
             off += pad
-        layout.append((name, tuple(int(s) for s in a.shape), off))
+        layout.append((name, tuple(int(x) for x in a.shape[1:]), off))
         parts.append(raw)
-        off += raw.size
-    buf = np.concatenate(parts) if parts else np.zeros(0, np.uint8)
-    return buf, tuple(layout)
+        off += raw.shape[1]
+    return np.ascontiguousarray(np.concatenate(parts, axis=1)), tuple(layout)
 
 
 def _unpack(buf: Any, layout: tuple) -> List[Any]:
-    """The arrays :func:`_pack` packed, sliced and bit-cast from ``buf`` inside the JAX function."""
+    """The arrays :func:`_pack` packed (``[rows, ...]``), sliced and bit-cast from ``buf`` inside
+    the JAX function (``buf`` may hold fewer rows than packed: a device's batch shard)."""
     import jax
     import jax.numpy as jnp
 
+    rows = buf.shape[0]
     out = []
     for name, shape, off in layout:
         dt = np.dtype(np.uint8 if name == "bool" else name)
         n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
-        raw = jax.lax.slice_in_dim(buf, off, off + n)
+        raw = jax.lax.slice_in_dim(buf, off, off + n, axis=1)
         if name == "bool":
             a = raw != 0
         elif dt.itemsize == 1:
             a = jax.lax.bitcast_convert_type(raw, dt)
         else:
-            a = jax.lax.bitcast_convert_type(raw.reshape(-1, dt.itemsize), dt)
-        out.append(jnp.reshape(a, shape))
+            a = jax.lax.bitcast_convert_type(raw.reshape(rows, -1, dt.itemsize), dt)
+        out.append(jnp.reshape(a, (rows,) + shape))
     return out
 
 
 def device_plan(plan: Any, device: Any, max_partial_blocks: Optional[int]) -> _DevicePlan:
-    """``plan``'s Splash tables and sink positions as one ``uint8`` tensor on ``device``: built and
+    """``plan``'s Splash tables and sink positions as one ``uint8 [R, N]`` tensor on ``device``
+    (``R`` = 1 when the mask and its documents do not vary along batch rows, else B): built and
     moved once per (plan, device, bound), then kept on the plan (one host-to-device transfer; no
     host read)."""
     import torch
@@ -169,7 +170,8 @@ def device_plan(plan: Any, device: Any, max_partial_blocks: Optional[int]) -> _D
     info = splash_tables.splash_info(plan, max_partial_blocks=max_partial_blocks)
     arrays = [np.asarray(a) for a in info.tree_flatten()[0]]
     arrays.append(np.asarray(sink_positions(plan), dtype=np.int32))
-    buf, layout = _pack(arrays)
+    rows = 1 if all(a.shape[0] == 1 for a in arrays) else plan.shape[0]
+    buf, layout = _pack(arrays, rows)
     dp = _DevicePlan(torch.from_numpy(buf).to(device), layout, info.meta)
     _on_device.setdefault(plan, {})[key] = dp
     return dp
@@ -198,52 +200,32 @@ def _operands(q: Any, k: Any, v: Any, buf: Any, st: _Static):
     return _padded(qs, lq_p), _padded(k, lkv_p), _padded(v, lkv_p), arrays, kernel_arrays, pos, lq_p
 
 
-def _sharded(st: _Static, fn, *args):
-    """``fn(*args)`` (Splash's kernels, batch-major operands) under ``shard_map`` over the SPMD
-    mesh's batch axis when the call runs under SPMD, else as is."""
-    if st.spmd is None:
-        return fn(*args)
-    import jax
-    from jax.sharding import PartitionSpec as P
-
-    from torch_xla.distributed.spmd import Mesh
-
-    mesh_str, axis = st.spmd
-    mesh = Mesh.from_str(mesh_str).get_jax_mesh()
-    flat, tree = jax.tree_util.tree_flatten(args)
-    # batch-major operands (q, k, v, O, dO, LSE, ...) are split over the batch axis; the plan's
-    # tables (a group axis of 1, or unbatched) and the sinks are replicated
-    specs = [P(axis) if (getattr(x, "ndim", 0) >= 3 and x.shape[0] == st.spmd_batch) else P() for x in flat]
-    del tree
-    try:
-        from jax import shard_map as _sm  # jax >= 0.7
-    except ImportError:  # pragma: no cover
-        from jax.experimental.shard_map import shard_map as _sm
-
-    def body(*flat_args):
-        return fn(*jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(args), flat_args))
-
-    out_shapes = jax.eval_shape(body, *flat)
-    out_specs = jax.tree_util.tree_map(lambda s: P(axis) if s.ndim >= 3 else P(), out_shapes)
-    return _sm(body, mesh=mesh, in_specs=tuple(specs), out_specs=out_specs, check_vma=False)(*flat)
+# call_jax keeps one output tree per function (the last traced), so each function returns the same
+# structure in every specialization: the logged forward is its own function, and the backward
+# always returns a dσ (zeros without sinks).
 
 
-def _jax_forward(q, k, v, sinks, buf, st: _Static):
-    """O, the LSE (empty rows fixed), Splash's own padded LSE (the backward's residual) and, on a
-    logging step, the per-head telemetry summary ``[Hq, TELEMETRY_COLUMNS]``."""
-    import jax.numpy as jnp
-
+def _forward_core(q, k, v, sinks, buf, st: _Static):
     from . import splash as _splash
 
     qp, kp, vp, arrays, kernel_arrays, pos, _ = _operands(q, k, v, buf, st)
     o, lse_out, _, lse_raw = _splash.forward(st.cfg, qp, kp, vp, sinks, kernel_arrays)
-    o, lse_out = o[:, :, : st.lq], lse_out[:, :, : st.lq]
-    if st.tel is None:
-        return o, lse_out, lse_raw
+    return o[:, :, : st.lq], lse_out[:, :, : st.lq], lse_raw, arrays, pos
+
+
+def _jax_forward(q, k, v, sinks, buf, st: _Static):
+    """O, the LSE (empty rows fixed) and Splash's own padded LSE (the backward's residual)."""
+    return _forward_core(q, k, v, sinks, buf, st)[:3]
+
+
+def _jax_forward_logged(q, k, v, sinks, buf, st: _Static):
+    """:func:`_jax_forward`'s outputs and the per-head telemetry summary
+    ``float32 [Hq, TELEMETRY_COLUMNS]`` of a logging step."""
     import jax
 
     from .splash_telemetry import summary
 
+    o, lse_out, lse_raw, arrays, pos = _forward_core(q, k, v, sinks, buf, st)
     sg = jax.lax.stop_gradient
     stats = summary(sg(q), sg(k), sg(o), sg(lse_out), None if sinks is None else sg(sinks), arrays, pos,
                     block=st.block, batched=st.cfg.batched, scale=st.scale, softcap=st.cfg.softcap,
@@ -262,6 +244,8 @@ def _jax_backward(q, k, v, sinks, buf, o, lse_raw, do, dlse, st: _Static):
     dq, dk, dv, dsinks = _splash.backward(st.cfg, qp, kp, vp, sinks, op, lse_raw, kernel_arrays, dop, dlsep)
     dq = (dq[:, :, : st.lq].astype(jnp.float32) * st.scale).astype(q.dtype)
     dk, dv = dk[:, :, : st.lkv].astype(k.dtype), dv[:, :, : st.lkv].astype(v.dtype)
+    if dsinks is None:
+        dsinks = jnp.zeros((q.shape[1],), jnp.float32)
     return dq, dk, dv, dsinks
 
 
@@ -274,27 +258,97 @@ def _call_jax(fn, args: tuple, name: str):
     return xb.call_jax(fn, args, {}, name)
 
 
+class _Manual:
+    """Manual SPMD sharding around the kernels (torch_xla SPMD with a global mesh): batch-major
+    tensors are split over the mesh's first axis (``batch_axis``; replicated when the batch does
+    not divide over it), everything else replicated; per-device partial sums (dσ, telemetry)
+    come back stacked on a new leading axis and are reduced by ordinary, partitioned XLA ops."""
+
+    def __init__(self, mesh: Any, batch: int) -> None:
+        self.mesh = mesh
+        n = int(mesh.mesh_shape[0])
+        self.axis = (mesh.axis_names[0] if mesh.axis_names else 0) if batch % n == 0 else None
+        self.parts = n if self.axis is not None else 1
+
+    def _spec(self, t: Any, batch_major: bool) -> tuple:
+        return ((self.axis if batch_major else None),) + (None,) * (t.dim() - 1)
+
+    def enter(self, t: Any, batch_major: bool) -> Any:
+        import torch_xla.distributed.spmd as xs
+
+        if t is None:
+            return None
+        return xs.enable_manual_sharding(t, self._spec(t, batch_major), mesh=self.mesh).global_tensor
+
+    def leave(self, t: Any, full_shape: Any) -> Any:
+        import torch_xla.distributed.spmd as xs
+
+        return xs.disable_manual_sharding(t, self._spec(t, True), full_shape, mesh=self.mesh).global_tensor
+
+    def leave_partials(self, t: Any) -> Any:
+        """A per-device partial ``[...]`` as ``[parts, ...]`` (one slice per batch shard)."""
+        import torch_xla.distributed.spmd as xs
+
+        t = t.unsqueeze(0)
+        spec = (self.axis,) + (None,) * (t.dim() - 1)
+        full = (self.parts,) + tuple(t.shape[1:])
+        return xs.disable_manual_sharding(t, spec, full, mesh=self.mesh).global_tensor
+
+
+def _reduce_stats(stacked: Any) -> Any:
+    """Per-shard telemetry summaries ``[parts, Hq, C]`` merged exactly: sums of numerators and
+    denominators, maxima of the two max columns (max logit, max |O|)."""
+    import torch
+
+    total = stacked.sum(0)
+    mx = stacked.amax(0)
+    col = torch.arange(stacked.shape[-1], device=stacked.device)
+    is_max = (col == 4) | (col == 5)
+    return torch.where(is_max, mx, total)
+
+
 def _autograd():
     import torch
 
     class SplashXla(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, q, k, v, sinks, buf, st):
-            outs = _call_jax(_jax_forward, (q, k, v, sinks, buf, st), "tessera_splash_fwd")
-            o, lse, lse_raw = outs[:3]
-            ctx.save_for_backward(q, k, v, sinks, buf, o, lse_raw)
-            ctx.st = st
-            ctx.mark_non_differentiable(lse_raw, *outs[3:])
+        def forward(ctx, q, k, v, sinks, buf, st, manual):
+            fn = _jax_forward if st.tel is None else _jax_forward_logged
+            ins = (q, k, v, sinks, buf)
+            if manual is not None:
+                # the plan's tables are batch-major when they hold one row per batch row
+                ins = tuple(manual.enter(t, i < 3 or (i == 4 and st.cfg.batched)) for i, t in enumerate(ins))
+            outs = list(_call_jax(fn, ins + (st,), "tessera_splash_fwd"))
+            # saved in the kernels' (per-device) shapes: the backward runs on the same shards
+            ctx.save_for_backward(*ins, outs[0], outs[2])
+            ctx.st, ctx.manual, ctx.has_sinks = st, manual, sinks is not None
+            if manual is not None:
+                outs[0] = manual.leave(outs[0], q.shape[:3] + v.shape[3:])
+                outs[1] = manual.leave(outs[1], q.shape[:3])
+                outs[2] = torch.zeros((), device=q.device)  # the residual stays inside
+                if len(outs) > 3:
+                    outs[3] = _reduce_stats(manual.leave_partials(outs[3]))
+            ctx.mark_non_differentiable(*outs[2:])
             return tuple(outs)
 
         @staticmethod
         def backward(ctx, do, dlse, *_):
             q, k, v, sinks, buf, o, lse_raw = ctx.saved_tensors
+            manual = ctx.manual
+            if manual is not None:
+                do = manual.enter(do, True)
+                dlse = None if dlse is None else manual.enter(dlse, True)
             if dlse is None:
                 dlse = torch.zeros(o.shape[:3], dtype=torch.float32, device=o.device)
             dq, dk, dv, dsinks = _call_jax(
                 _jax_backward, (q, k, v, sinks, buf, o, lse_raw, do, dlse, ctx.st), "tessera_splash_bwd")
-            return dq, dk, dv, dsinks, None, None
+            if manual is not None:
+                # the per-device shapes are known here only through the saved inputs
+                dq = manual.leave(dq, (dq.shape[0] * manual.parts,) + tuple(dq.shape[1:]))
+                dk = manual.leave(dk, (dk.shape[0] * manual.parts,) + tuple(dk.shape[1:]))
+                dv = manual.leave(dv, (dv.shape[0] * manual.parts,) + tuple(dv.shape[1:]))
+                dsinks = manual.leave_partials(dsinks).sum(0)
+            return dq, dk, dv, (dsinks if ctx.has_sinks else None), None, None, None
 
     return SplashXla
 
@@ -302,9 +356,9 @@ def _autograd():
 _Fn = None
 
 
-def _spmd(q: Any) -> Any:
-    """``(mesh description, batch axis name)`` when ``q`` runs under torch_xla SPMD with a global
-    mesh, else None."""
+def _manual(q: Any) -> Optional[_Manual]:
+    """The manual sharding to run the kernels under: under torch_xla SPMD with a global mesh
+    (``xs.set_global_mesh``), else None (one device, or replicas of their own)."""
     try:
         import torch_xla.runtime as xr
         import torch_xla.distributed.spmd as xs
@@ -315,7 +369,7 @@ def _spmd(q: Any) -> Any:
     mesh = xs.get_global_mesh()
     if mesh is None:
         return None
-    return str(mesh), mesh.axis_names[0] if mesh.axis_names else None
+    return _Manual(mesh, int(q.shape[0]))
 
 
 def attention(q, k, v, plan, *, scale: float, softcap: Optional[float], sinks: Any, return_lse: bool,
@@ -335,17 +389,18 @@ def attention(q, k, v, plan, *, scale: float, softcap: Optional[float], sinks: A
     dp = device_plan(plan, q.device, max_partial_blocks)
     tq, tk = dp.meta.block
     logging = telemetry is not None and telemetry.should_log()
-    spmd = _spmd(q)
-    cfg = _Cfg(_block_sizes(None, tq, tk), softcap, None, sinks is not None, dp.meta.groups[0] > 1)
+    manual = _manual(q)
+    cfg = _Cfg(_block_sizes(None, tq, tk), softcap, None, sinks is not None, dp.buf.shape[0] > 1)
     tel = None
     if logging:
         from ..core.telemetry import _TelConfig
 
         tel = _TelConfig(telemetry.every, **telemetry.config)
+    spmd = None if manual is None else (str(manual.mesh), manual.axis)
     st = _Static(cfg, dp.layout, (tq, tk), float(scale), int(q.shape[2]), int(k.shape[2]), tel, spmd)
     if _Fn is None:
         _Fn = _autograd()
-    outs = _Fn.apply(q, k, v, sinks, dp.buf, st)
+    outs = _Fn.apply(q, k, v, sinks, dp.buf, st, manual)
     o, lse = outs[0], outs[1]
     if logging:
         telemetry._record(layer, sinks is not None, outs[3], q.shape[0] * q.shape[2])
