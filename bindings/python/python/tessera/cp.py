@@ -31,7 +31,7 @@ import torch
 
 from . import _tessera
 from .core import sharding as _core
-from .core.args import _int_arg
+from .core.args import _int_arg, layout_hint
 from .core.plans import Plan
 from .core.sharding import MODES, SCHEMES, _check_len, _mode, doc_mix, simulate
 from .engines import flex as _flex
@@ -251,6 +251,7 @@ def attention(
             raise ValueError(
                 f"{name}: expected this rank's [B, H, {sharding.tokens_per_rank}, D], "
                 f"got shape {tuple(t.shape)}"
+                + layout_hint(name, tuple(t.shape), sharding.tokens_per_rank, None)
             )
     lp = sharding.local_plan(rank, mode)
     kshape = (k.shape[0], k.shape[1], lp.shape[3], k.shape[3])

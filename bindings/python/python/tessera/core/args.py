@@ -75,6 +75,76 @@ def layout_name(layout: str) -> str:
     return "[B, H, L, D]" if layout == "bhld" else "[B, L, H, D]"
 
 
+def _as_bhld(shape: Sequence[int], layout: str) -> Tuple[int, ...]:
+    s = tuple(int(x) for x in shape)
+    return s if layout == "bhld" else (s[0], s[2], s[1], s[3])
+
+
+def _fits(q: Tuple[int, ...], lkv: int, shape: Sequence[int], groups: Sequence[int]) -> bool:
+    """Whether ``q`` ``(B, Hq, Lq, D)`` and ``Lkv`` are what a plan of ``shape`` and ``groups``
+    serves. A plan of one row (head) of a mask that does not vary along rows (heads) serves any
+    batch size (head count)."""
+    pb, ph, plq, plkv = shape
+    gb, gh = groups
+    batch_ok = pb == q[0] or (pb == 1 and gb == 1)
+    heads_ok = ph == q[1] or (ph == 1 and gh == 1)
+    return batch_ok and heads_ok and (plq, plkv) == (q[2], lkv)
+
+
+def layout_hint(name: str, shape: Sequence[int], seq_len: int, layout: Optional[str]) -> str:
+    """``""``, or, when 4-D ``shape`` has ``seq_len`` on the L axis of the other layout and not on
+    ``layout``'s (``None``: ``[B, H, L, D]`` only, no ``layout`` argument), the fix to append to an
+    error about ``name``'s length."""
+    read_as = layout or "bhld"
+    other = "blhd" if read_as == "bhld" else "bhld"
+    axis, other_axis = (2, 1) if read_as == "bhld" else (1, 2)
+    if len(shape) != 4 or shape[axis] == seq_len or shape[other_axis] != seq_len:
+        return ""
+    if layout is None:
+        return f"; it looks {layout_name(other)}: pass {name}.transpose(1, 2) (a view, no copy)"
+    return f'; it looks {layout_name(other)}: pass layout="{other}"'
+
+
+def check_plan_fit(
+    q_shape: Sequence[int],
+    k_shape: Sequence[int],
+    shape: Sequence[int],
+    groups: Sequence[int],
+    layout: Optional[str] = "bhld",
+    plan_arg: str = "plan",
+) -> None:
+    """A ``ValueError`` unless 4-D ``q`` and ``k`` (in ``layout``) fit a plan of ``shape`` ``(B,
+    H, Lq, Lkv)`` and ``groups``. Shared by every frontend. ``layout`` ``None``: the frontend
+    reads ``[B, H, L, D]`` only (``tessera.torch``: no ``layout`` argument).
+
+    ``[B, L, H, D]`` tensors given as ``[B, H, L, D]`` (JAX's own attention and most model code
+    use ``[B, T, N, H]``) would otherwise read as H=L and L=H and blame the plan: when the shapes
+    fit the plan with axes 1 and 2 swapped, the error says so and names the fix."""
+    read_as = layout or "bhld"
+    q, k = _as_bhld(q_shape, read_as), _as_bhld(k_shape, read_as)
+    if _fits(q, k[2], shape, groups):
+        return
+    other = "blhd" if read_as == "bhld" else "bhld"
+    q2, k2 = _as_bhld(q_shape, other), _as_bhld(k_shape, other)
+    if _fits(q2, k2[2], shape, groups):
+        pb, ph, plq, plkv = shape
+        lens = f"L={plq}" if plq == plkv else f"Lq={plq}, Lkv={plkv}"
+        if layout is None:
+            fix = (f"tessera.torch.attention reads {layout_name(read_as)}: pass q.transpose(1, 2), "
+                   "k.transpose(1, 2), v.transpose(1, 2) (views, no copy)")
+        else:
+            fix = f'layout="{read_as}" reads it as {layout_name(read_as)}: pass layout="{other}"'
+        raise ValueError(
+            f"q: shape {tuple(int(x) for x in q_shape)} is {layout_name(other)} for this plan "
+            f"(B={pb}, H={ph}, {lens}), but {fix}"
+        )
+    pb, ph, plq, plkv = shape
+    raise ValueError(
+        f"{plan_arg}: built for B={pb} H={ph} Lq={plq} Lkv={plkv}, but q/k give "
+        f"B={q[0]} H={q[1]} Lq={q[2]} Lkv={k[2]}"
+    )
+
+
 def check_qkv(
     q: Any,
     k: Any,
@@ -101,20 +171,8 @@ def check_qkv(
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise TypeError(f"k, v: expected the dtype of q ({q.dtype}), got {k.dtype} and {v.dtype}")
 
-    def bhld(t):
-        return tuple(t.shape) if layout == "bhld" else (t.shape[0], t.shape[2], t.shape[1], t.shape[3])
-
-    (b, hq, lq, dqk), kb, vb = bhld(q), bhld(k), bhld(v)
-    pb, ph, plq, plkv = shape
-    gb, gh = groups
-    # As tessera.torch: a plan of one row (head) of a uniform mask serves any batch (head count).
-    batch_ok = pb == b or (pb == 1 and gb == 1)
-    heads_ok = ph == hq or (ph == 1 and gh == 1)
-    if not (batch_ok and heads_ok) or (plq, plkv) != (lq, kb[2]):
-        raise ValueError(
-            f"{plan_arg}: built for B={pb} H={ph} Lq={plq} Lkv={plkv}, but q/k give "
-            f"B={b} H={hq} Lq={lq} Lkv={kb[2]}"
-        )
+    (b, hq, lq, dqk), kb, vb = (_as_bhld(t.shape, layout) for t in (q, k, v))
+    check_plan_fit(q.shape, k.shape, shape, groups, layout, plan_arg)
     if kb[0] != b or vb[0] != b or kb[1] != vb[1] or kb[2] != vb[2]:
         raise ValueError(
             f"k, v: expected {layout_name(layout)} with B={b} and matching Hkv, Lkv; got "

@@ -136,9 +136,20 @@ def _mode(mode: str) -> str:
     return mode
 
 
-def _check_len(name: str, shape: Tuple[int, ...], dim: int, want: int) -> None:
-    if not -len(shape) <= dim < len(shape) or shape[dim] != want:
-        raise ValueError(f"{name}: expected length {want} at dim {dim}, got shape {shape}")
+def _check_len(name: str, shape: Tuple[int, ...], dim: int, want: int, arg: str = "dim") -> None:
+    """``shape[dim] == want`` (the row's tokens), else a ``ValueError`` that names ``x`` in the
+    caller's terms (what is passed is q, k, v, labels, ...) and the axis that has ``want``."""
+    if -len(shape) <= dim < len(shape) and shape[dim] == want:
+        return
+    found = f"length {shape[dim]}" if -len(shape) <= dim < len(shape) else "no such axis"
+    fits = [i for i, n in enumerate(shape) if n == want]
+    fix = (f"; axis {fits[0]} has {want}: pass {arg}={fits[0]}" if len(fits) == 1 else
+           f"; pass {arg}= the axis of length {want}")
+    raise ValueError(
+        f"{name} (q, k, v or another whole-row array): expected length {want} (the row's "
+        f"tokens) at {arg}={dim}, found {found} in shape {tuple(shape)}{fix} (q, k, v: {arg}=2 "
+        f"for [B, H, L, D], {arg}=1 for [B, L, H, D])"
+    )
 
 
 def shard(

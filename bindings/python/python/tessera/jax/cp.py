@@ -10,9 +10,9 @@ from typing import Any, List, NamedTuple, Optional
 import numpy as np
 
 from .. import _tessera
-from ..core.args import layout_name
+from ..core.args import layout_hint, layout_name
 from ..core.plans import Plan
-from ..core.sharding import Sharding, _mode
+from ..core.sharding import Sharding, _check_len, _mode
 from ..engines.native_xla import _join, _release_later, _split
 from .op import LAYOUTS, attention
 from .plans import PlanRef, _Meta, _meta, _register_pytrees
@@ -259,6 +259,7 @@ def cp_attention(
             raise ValueError(
                 f"{name}: expected this device's {layout_name(layout)} with L = "
                 f"{a.tokens_per_rank} (tokens per rank), got shape {tuple(getattr(t, 'shape', ()))}"
+                + layout_hint(name, tuple(getattr(t, "shape", ())), a.tokens_per_rank, layout)
             )
     kx = _exchange(k, cpp, axis_name, seq_axis)
     vx = _exchange(v, cpp, axis_name, seq_axis)
@@ -294,8 +295,7 @@ def _permutation(x: Any, sharding: Any, axis: int) -> np.ndarray:
     if not isinstance(sharding, Sharding):
         raise TypeError(f"sharding: expected a tessera.cp.Sharding, got {type(sharding).__name__}")
     perm = sharding.permutation()
-    if not -x.ndim <= axis < x.ndim or x.shape[axis] != len(perm):
-        raise ValueError(f"x: expected length {len(perm)} at axis {axis}, got shape {tuple(x.shape)}")
+    _check_len("x", tuple(x.shape), axis, len(perm), arg="axis")
     return perm
 
 

@@ -10,7 +10,7 @@ from typing import Any, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from ..core.args import _int_arg
+from ..core.args import _int_arg, check_plan_fit
 from ..core import flex_tables
 from ..core.plans import Plan, check_plan
 from ..engines import flex as _flex
@@ -75,17 +75,8 @@ def _check(q: Tensor, k: Tensor, v: Tensor, plan: Any, sinks: Optional[Tensor], 
     if not isinstance(plan, Plan):
         raise TypeError(f"plan: expected a tessera.Plan, got {type(plan).__name__}")
     b, hq, lq, dqk = q.shape
-    pb, ph, plq, plkv = plan.shape
-    gb, gh = plan.groups
-    # A plan built for one row (head) of a mask that does not vary along rows (heads) serves any
-    # batch size (head count).
-    batch_ok = pb == b or (pb == 1 and gb == 1)
-    heads_ok = ph == hq or (ph == 1 and gh == 1)
-    if not (batch_ok and heads_ok) or (plq, plkv) != (lq, k.shape[2]):
-        raise ValueError(
-            f"plan: built for B={pb} H={ph} Lq={plq} Lkv={plkv}, but q/k give "
-            f"B={b} H={hq} Lq={lq} Lkv={k.shape[2]}"
-        )
+    # No layout argument here: [B, L, H, D] tensors get an error that says to transpose.
+    check_plan_fit(q.shape, k.shape, plan.shape, plan.groups, layout=None)
     if k.shape[0] != b or v.shape[0] != b or k.shape[1] != v.shape[1] or k.shape[2] != v.shape[2]:
         raise ValueError(
             f"k, v: expected [B, Hkv, Lkv, D] with B={b} and matching Hkv, Lkv; got "

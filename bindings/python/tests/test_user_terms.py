@@ -1,0 +1,113 @@
+"""Errors in the caller's terms (docs/python.md, docs/jax.md): a layout mix-up names the fix
+instead of blaming the plan. Real torch and jax, no mocks."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import tessera
+import tessera.cp
+
+torch = pytest.importorskip("torch")
+import tessera.torch as tt  # noqa: E402
+
+
+B, H, L, D = 1, 4, 256, 16
+
+
+@pytest.fixture(scope="module")
+def doc_plan():
+    ids = np.repeat(np.arange(4), L // 4)
+    return tessera.plan(tessera.causal() & tessera.document(ids), q_len=L, heads=H, block=32)
+
+
+def _blhd(seed=0, b=B, h=H, n=L, d=D):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(b, n, h, d, generator=g) for _ in range(3)]
+
+
+# -- 1. layout mix-ups name the fix ------------------------------------------------------------
+
+
+def test_torch_blhd_tensors_get_told_to_transpose_not_that_the_plan_is_wrong(doc_plan):
+    q, k, v = _blhd()
+    want = (r"q: shape \(1, 256, 4, 16\) is \[B, L, H, D\] for this plan \(B=1, H=4, L=256\), but "
+            r"tessera\.torch\.attention reads \[B, H, L, D\]: pass q\.transpose\(1, 2\)")
+    with pytest.raises(ValueError, match=want):
+        tt.attention(q, k, v, doc_plan)
+    # the advice is right: the transposed views run
+    out = tt.attention(*(x.transpose(1, 2) for x in (q, k, v)), doc_plan)
+    assert out.shape == (B, H, L, D)
+    # a real mismatch still blames the plan, with both shapes
+    with pytest.raises(ValueError, match=r"plan: built for B=1 H=4 Lq=256 Lkv=256, but q/k give B=1 H=4 Lq=128"):
+        tt.attention(*(torch.zeros(1, H, 128, D) for _ in range(3)), doc_plan)
+
+
+def test_torch_layout_hint_holds_for_a_plan_that_serves_any_batch():
+    plan = tessera.plan(tessera.causal(), q_len=L, heads=H, block=32)  # uniform: any B
+    q, k, v = _blhd(b=3)
+    with pytest.raises(ValueError, match=r"is \[B, L, H, D\] for this plan.*q\.transpose\(1, 2\)"):
+        tt.attention(q, k, v, plan)
+
+
+jax = pytest.importorskip("jax")
+jnp = pytest.importorskip("jax.numpy")
+import tessera.jax as tj  # noqa: E402
+
+
+def test_jax_blhd_arrays_get_told_to_pass_layout_blhd_eagerly_and_under_jit(doc_plan):
+    q, k, v = (jnp.asarray(x.numpy()) for x in _blhd())
+    want = (r'q: shape \(1, 256, 4, 16\) is \[B, L, H, D\] for this plan \(B=1, H=4, L=256\), but '
+            r'layout="bhld" reads it as \[B, H, L, D\]: pass layout="blhd"')
+    with pytest.raises(ValueError, match=want):
+        tj.attention(q, k, v, doc_plan)
+    with pytest.raises(ValueError, match=want):
+        jax.jit(lambda q, k, v, p: tj.attention(q, k, v, p))(q, k, v, doc_plan)
+    o = tj.attention(q, k, v, doc_plan, layout="blhd")  # the advice runs
+    assert o.shape == q.shape
+    # and the other way round
+    qt, kt, vt = (x.transpose(0, 2, 1, 3) for x in (q, k, v))
+    with pytest.raises(ValueError, match=r'layout="blhd" reads it as \[B, L, H, D\]: pass layout="bhld"'):
+        tj.attention(qt, kt, vt, doc_plan, layout="blhd")
+
+
+def test_jax_cp_attention_and_scatter_name_q_k_v_and_the_axis_to_pass(doc_plan):
+    sh = tessera.cp.shard(doc_plan, 2)
+    cpp = tj.cp_plan(sh, "allgather")
+    q, k, v = (jnp.asarray(x.numpy()) for x in _blhd())
+    # docs/jax.md's CP snippet with the first example's [B, L, H, D] row and axis=2
+    with pytest.raises(ValueError, match=(r"x \(q, k, v or another whole-row array\): expected length 256 "
+                                          r"\(the row's tokens\) at axis=2, found length 4 in shape "
+                                          r"\(1, 256, 4, 16\); axis 1 has 256: pass axis=1")):
+        tj.scatter(q, sh, axis=2)
+    with pytest.raises(ValueError, match=r"x \(q, k, v.*pass axis=1"):
+        tj.gather(q, sh, axis=2)
+    # this device's tokens in [B, L/R, H, D] under the default layout
+    local = q[:, : L // 2]
+    with pytest.raises(ValueError, match=r'q: expected this device\'s \[B, H, L, D\] with L = 128.*pass layout="blhd"'):
+        tj.cp_attention(local, local, local, cpp, "cp")
+
+
+def test_torch_cp_attention_names_the_transpose(tmp_path):
+    # One rank of a real gloo group (a subprocess: this process keeps torch.distributed unset).
+    script = textwrap.dedent(f"""
+        import numpy as np, torch, torch.distributed as dist, tessera, tessera.cp
+        dist.init_process_group("gloo", init_method="file://{tmp_path}/store", rank=0, world_size=1)
+        plan = tessera.plan(tessera.causal(), q_len=256, heads=4, block=32)
+        sh = tessera.cp.shard(plan, 1)
+        q = torch.zeros(1, 256, 4, 16)
+        try:
+            tessera.cp.attention(q, q, q, sh)
+        except ValueError as e:
+            print(e)
+        dist.destroy_process_group()
+    """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "q: expected this rank's [B, H, 256, D], got shape (1, 256, 4, 16)" in r.stdout, r.stdout
+    assert "it looks [B, L, H, D]: pass q.transpose(1, 2)" in r.stdout, r.stdout
