@@ -1,17 +1,21 @@
-"""Errors in the caller's terms (docs/python.md, docs/jax.md): a layout mix-up names the fix
-instead of blaming the plan. Real torch and jax, no mocks."""
+"""Errors and telemetry in the caller's terms (docs/python.md, docs/jax.md): a layout mix-up names
+the fix instead of blaming the plan, and telemetry misuse is not silent (a layer recorded twice
+in a step warns; `learned_sink_mass` is null without sinks on both frontends). Real torch and
+jax, no mocks."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import numpy as np
 import pytest
 
 import tessera
 import tessera.cp
+from tessera.core.telemetry import TelemetryWarning
 
 torch = pytest.importorskip("torch")
 import tessera.torch as tt  # noqa: E402
@@ -111,3 +115,79 @@ def test_torch_cp_attention_names_the_transpose(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "q: expected this rank's [B, H, 256, D], got shape (1, 256, 4, 16)" in r.stdout, r.stdout
     assert "it looks [B, L, H, D]: pass q.transpose(1, 2)" in r.stdout, r.stdout
+
+
+# -- 2. telemetry misuse is not silent ----------------------------------------------------------
+
+
+def test_torch_forgotten_advance_warns_once_and_advance_keeps_quiet(doc_plan):
+    q, k, v = (x.transpose(1, 2) for x in _blhd())
+    tel = tessera.Telemetry(every=1)
+    with pytest.warns(TelemetryWarning, match=r"layer 0 was recorded twice at step 0.*tel\.advance\(\)") as got:
+        for _ in range(3):  # three training steps without advance(): folded into one record
+            for layer in (0, 1):
+                tt.attention(q, k, v, doc_plan, telemetry=tel, layer=layer)
+    assert len([w for w in got if issubclass(w.category, TelemetryWarning)]) == 1  # once
+    recs = tel.read()
+    assert [(r["step"], r["layer"]) for r in recs] == [(0, 0), (0, 1)]
+    assert recs[0]["tokens"] == 3 * B * L  # the three steps' rows in one record
+    ok = tessera.Telemetry(every=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TelemetryWarning)
+        for _ in range(3):
+            for layer in (0, 1):
+                tt.attention(q, k, v, doc_plan, telemetry=ok, layer=layer)
+            ok.advance()
+        assert [(r["step"], r["layer"]) for r in ok.read()] == [(s, l) for s in range(3) for l in (0, 1)]
+
+
+def test_torch_read_and_write_jsonl_drain(doc_plan, tmp_path):
+    q, k, v = (x.transpose(1, 2) for x in _blhd())
+    tel = tessera.Telemetry(every=1)
+    tt.attention(q, k, v, doc_plan, telemetry=tel)
+    assert tel.write_jsonl(tmp_path / "t.jsonl") == 1
+    assert tel.read() == []  # what write_jsonl wrote is gone, as docs/python.md says
+
+
+def _jax_summary(q, k, v, plan, tel, sinks=None):
+    return tj.attention(q, k, v, plan, sinks=sinks, telemetry=tel)[1]
+
+
+@pytest.mark.parametrize("claimed", [None, True], ids=["no_flag", "flag_says_sinks"])
+def test_jax_learned_sink_mass_is_null_without_sinks_as_in_torch(doc_plan, claimed):
+    qt, kt, vt = (x.transpose(1, 2).contiguous() for x in _blhd(3))
+    q, k, v = (jnp.asarray(x.numpy()) for x in (qt, kt, vt))
+    tel = tj.Telemetry(every=1)
+    tel.collect(0, {0: _jax_summary(q, k, v, doc_plan, tel.at(0))},
+                **({} if claimed is None else {"learned_sinks": claimed}))
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        (rec,) = tel.read()
+    assert rec["learned_sink_mass"] is None
+    said = [w for w in got if issubclass(w.category, TelemetryWarning)]
+    assert len(said) == (0 if claimed is None else 1)
+    if said:
+        assert "learned_sinks=True" in str(said[0].message) and "null" in str(said[0].message)
+    ttel = tessera.Telemetry(every=1)
+    tt.attention(qt, kt, vt, doc_plan, telemetry=ttel)
+    (trec,) = ttel.read()
+    assert trec["learned_sink_mass"] is None
+    ttel.advance()
+    # with sinks both give values, and the JAX summary says so itself
+    s = np.linspace(-1.0, 1.0, H).astype(np.float32)
+    tel.collect(1, {0: _jax_summary(q, k, v, doc_plan, tel.at(1), sinks=jnp.asarray(s))})
+    (rec,) = tel.read()
+    tt.attention(qt, kt, vt, doc_plan, sinks=torch.from_numpy(s), telemetry=ttel)
+    (trec,) = ttel.read()
+    assert np.allclose(rec["learned_sink_mass"], trec["learned_sink_mass"], rtol=1e-5)
+
+
+def test_jax_collecting_one_step_twice_warns_once(doc_plan):
+    q, k, v = (jnp.asarray(x.transpose(1, 2).contiguous().numpy()) for x in _blhd(4))
+    tel = tj.Telemetry(every=1)
+    with pytest.warns(TelemetryWarning, match=r"layer 2 was recorded twice at step 0.*tel\.at\(step\)") as got:
+        for _ in range(3):  # every step passed as step 0
+            tel.collect(0, {2: _jax_summary(q, k, v, doc_plan, tel.at(0))})
+    assert len([w for w in got if issubclass(w.category, TelemetryWarning)]) == 1
+    (rec,) = tel.read()
+    assert rec["tokens"] == 3 * B * L

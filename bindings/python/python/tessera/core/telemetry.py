@@ -3,9 +3,34 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict, NamedTuple, Sequence, Tuple
+import warnings
+from typing import Any, Dict, NamedTuple, Sequence, Set, Tuple
 
 from .args import _int_arg
+
+
+class TelemetryWarning(UserWarning):
+    """Telemetry use that is most likely a mistake (docs/python.md#telemetry); filter this
+    category where it is intended (micro-batches of one step recorded on purpose)."""
+
+
+def warn_folded(warned: Set[str], step: int, layer: int, how: str, stacklevel: int) -> None:
+    """Warns, once per telemetry object (``warned`` holds the kinds already said), that ``layer``
+    was recorded twice at ``step``: its record merges the calls, which folds training steps into
+    one when the step was not moved on (``how`` says how to move it). ``stacklevel`` counts from
+    the caller of this function to the user's line."""
+    if "folded" in warned:
+        return
+    warned.add("folded")
+    warnings.warn(
+        f"telemetry: layer {layer} was recorded twice at step {step}; records are per (step, "
+        f"layer), so the record of step {step} merges both calls (or, read in between, two "
+        f"records share step {step}): training steps are folded into one. {how} If the calls "
+        "are micro-batches of one step (gradient accumulation), merging them is intended: "
+        "filter tessera.core.telemetry.TelemetryWarning. (Said once per telemetry object.)",
+        TelemetryWarning,
+        stacklevel=stacklevel + 1,
+    )
 
 
 def checked_config(

@@ -23,13 +23,15 @@ LAYOUTS = ("bhld", "blhd")
 BACKENDS = ("auto", "ffi", "splash")
 
 
-def _coverage(q, layout: str) -> np.ndarray:
-    """A logging step's two coverage columns per head, as (hi, lo) pairs: the query rows
-    summarised (``B·Lq`` of this call) and the devices reduced (1)."""
+def _coverage(q, layout: str, has_sinks: bool) -> np.ndarray:
+    """A logging step's three coverage columns per head, as (hi, lo) pairs: the query rows
+    summarised (``B·Lq`` of this call), the devices reduced (1) and the devices whose call had
+    learned sinks (1 or 0: ``learned_sink_mass`` is null without, as in the torch op's records)."""
     b, hq, lq = (q.shape[0], q.shape[1], q.shape[2]) if layout == "bhld" else (q.shape[0], q.shape[2], q.shape[1])
     rows = b * lq
     hi = float(np.float32(rows))  # exact below 2**24; the lo word carries any remainder
-    return np.broadcast_to(np.array([[hi, rows - hi], [1.0, 0.0]], np.float32), (hq, 2, 2))
+    cols = [[hi, rows - hi], [1.0, 0.0], [float(has_sinks), 0.0]]
+    return np.broadcast_to(np.array(cols, np.float32), (hq, 3, 2))
 
 
 def _on_logging_steps(every: int, step: Any, logged, plain, args):
@@ -52,7 +54,7 @@ def _core_impl(q, k, v, handle, sinks, step, cfg: _Cfg):
     if cfg.tel is None:
         o, lse, _ = _forward_call(q, k, v, handle, sinks, cfg, False)
         return o, lse, jnp.zeros((0,), np.float32)
-    cov = _coverage(q, cfg.layout)
+    cov = _coverage(q, cfg.layout, sinks.shape[0] > 0)  # no sinks: an empty array (static)
 
     def logged(args):
         o, lse, _, stats = _forward_call(*args, cfg, True)
@@ -164,7 +166,7 @@ def attention(
     q's layout and dtype, and with ``return_lse`` the natural-log ``LSE`` (``[B, Hq, Lq]`` or
     ``[B, Lq, Hq]``, float32); gradients flow to q, k, v, sinks and through the LSE. Rows with no
     allowed key give ``O = 0`` (``LSE = -inf``). With ``telemetry`` (a :class:`Telemetry` at a
-    step) the result gains the step's summary (``float32 [Hq, 11, 2]``, zeros on non-logging
+    step) the result gains the step's summary (``float32 [Hq, 12, 2]``, zeros on non-logging
     steps) as its last element. ``backend``: ``"auto"`` (FFI on CPU, Splash on TPU), ``"ffi"``
     or ``"splash"`` (Pallas interpret mode off TPU). The choice is the platform's the step is
     lowered for, not the default device's: ``jax.export(..., platforms=["tpu"])`` or an AOT
@@ -304,7 +306,7 @@ def _splash_summary(q, k, o, lse, sinks, info, pos, scale, softcap, telemetry):
     from ..engines.splash_telemetry import summary
 
     cfg = telemetry.config
-    cov = _coverage(q, "bhld")
+    cov = _coverage(q, "bhld", sinks is not None)
     sg = jax.lax.stop_gradient
     args = (sg(q), sg(k), sg(o), sg(lse), None if sinks is None else sg(jnp.asarray(sinks)))
     arrays = info.tree_flatten()[0]

@@ -3,21 +3,23 @@ per-head summary, its reduction across devices (:func:`reduce_summary`) and the 
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from .. import _tessera
 from ..core.args import _int_arg
-from ..core.telemetry import _TelConfig, checked_config
+from ..core.telemetry import TelemetryWarning, _TelConfig, checked_config, warn_folded
 
 
 _STAT_COLUMNS = _tessera.TELEMETRY_COLUMNS
 
 
 # A summary's columns: the kernel's stats, then the query rows summarised and the devices reduced
-# into it (the records' `tokens` and `ranks`).
-SUMMARY_COLUMNS = _STAT_COLUMNS + 2
+# into it (the records' `tokens` and `ranks`), then the devices whose call had learned sinks: the
+# summary itself says whether `learned_sink_mass` is a value or null (docs/semantics.md#telemetry),
+# as the torch op's records do, instead of a flag the caller must repeat.
+SUMMARY_COLUMNS = _STAT_COLUMNS + 3
 
 
 # -- telemetry --------------------------------------------------------------------------------
@@ -28,7 +30,7 @@ class Telemetry:
 
     ``Telemetry(every=N)`` is a pytree whose leaf is the step (pass ``tel.at(step)`` into the
     jitted step; a traced step is fine). With ``telemetry=tel`` the op also returns the step's
-    per-head summary, ``float32 [Hq, 11, 2]``: a ``lax.cond`` on the traced step runs the
+    per-head summary, ``float32 [Hq, 12, 2]``: a ``lax.cond`` on the traced step runs the
     telemetry kernel on logging steps and the plain kernel (zeros for the summary) otherwise, so
     no Python branch looks at a live value. Under ``shard_map``, :func:`reduce_summary` (done by
     :func:`cp_attention`) combines summaries across devices with ``psum``/``pmax`` before they
@@ -52,7 +54,8 @@ class Telemetry:
             c["outlier_stream"],
         )
         self.step = step
-        self._pending: List[Tuple[int, int, bool, Any]] = []
+        self._pending: List[Tuple[int, int, Optional[bool], Any]] = []
+        self._warned: set = set()  # warning kinds already said (shared with at()'s copies)
 
     @property
     def every(self) -> int:
@@ -64,35 +67,61 @@ class Telemetry:
         t.config = self.config
         t.step = step
         t._pending = self._pending
+        t._warned = self._warned
         return t
 
     def should_log(self, step: int) -> bool:
         """Whether ``step`` is a logging step (host side, for :meth:`collect`)."""
         return self.config.every > 0 and int(step) % self.config.every == 0
 
-    def collect(self, step: int, summaries: Dict[int, Any], learned_sinks: bool = False) -> None:
+    def collect(self, step: int, summaries: Dict[int, Any], learned_sinks: Optional[bool] = None) -> None:
         """Keeps ``{layer: summary}`` of ``step`` (device arrays, not read) when it is a logging
-        step; ``learned_sinks`` says whether the layers used sink logits."""
+        step. Each summary says whether its call had learned sinks (``learned_sink_mass`` is null
+        without, as in ``tessera.torch`` records); ``learned_sinks`` is not needed, and a value
+        that the summary contradicts warns once at the read. A layer collected twice for one
+        ``step`` before a read merges into one record and warns once (``TelemetryWarning``): pass
+        each step's own number to ``tel.at(step)`` and ``collect(step, ...)``."""
         step = _int_arg("collect", "step", step, 0)
         if not self.should_log(step):
             return
+        claimed = None if learned_sinks is None else bool(learned_sinks)
+        seen = {(p[0], p[1]) for p in self._pending}
         for layer, s in sorted(summaries.items()):
             layer = _int_arg("collect", "layer", layer, 0, 2**32)
-            self._pending.append((step, layer, bool(learned_sinks), s))
+            if (step, layer) in seen:
+                warn_folded(self._warned, step, layer,
+                            "Pass each step's own number to tel.at(step) and tel.collect(step, ...).", 2)
+            self._pending.append((step, layer, claimed, s))
 
     def read(self) -> List[Dict[str, Any]]:
-        """The records of every collected (step, layer) since the last read: the one host read."""
+        """The records of every collected (step, layer) since the last read: the one host read.
+        It drains: a second ``read()`` (or ``write_jsonl`` after it) returns only what was
+        collected since."""
         import json
 
         if not self._pending:
             return []
         full = np.stack([_stats64(np.asarray(s)) for *_, s in self._pending])
+        learned = [bool(x > 0) for x in full[:, 0, _STAT_COLUMNS + 2]]
+        for p, has in zip(self._pending, learned):
+            if p[2] is not None and p[2] != has and "learned_sinks" not in self._warned:
+                import warnings
+
+                self._warned.add("learned_sinks")
+                warnings.warn(
+                    f"collect: learned_sinks={p[2]}, but layer {p[1]}'s summary of step {p[0]} was "
+                    f"made {'with' if has else 'without'} sinks: its learned_sink_mass is "
+                    f"{'a value' if has else 'null'}, as the summary says (learned_sinks is not "
+                    "needed). (Said once per telemetry object.)",
+                    TelemetryWarning,
+                    stacklevel=2,
+                )
         c = self.config
         lines = _tessera.telemetry_records(
             np.ascontiguousarray(full[:, :, :_STAT_COLUMNS]),
             [p[0] for p in self._pending],
             [p[1] for p in self._pending],
-            [p[2] for p in self._pending],
+            learned,
             max(c.every, 1),
             c.sink_tokens,
             c.epsilon,
@@ -106,7 +135,8 @@ class Telemetry:
         return [json.loads(x) for x in lines]
 
     def write_jsonl(self, path: Any) -> int:
-        """Appends the records of :meth:`read` to ``path`` (JSON lines); returns how many."""
+        """Appends the records of :meth:`read` to ``path`` (JSON lines); returns how many. It
+        drains as :meth:`read` does: keep the records with ``read()`` *or* write them, not both."""
         import json
 
         records = self.read()
@@ -125,11 +155,12 @@ def _unflatten_tel(config: _TelConfig, children) -> Telemetry:
     t.config = config
     (t.step,) = children
     t._pending = []
+    t._warned = set()
     return t
 
 
 def _stats64(s: np.ndarray) -> np.ndarray:
-    """``float64 [Hq, 11]`` from the op's ``float32 [Hq, 11, 2]`` (hi, lo) pairs."""
+    """``float64 [Hq, 12]`` from the op's ``float32 [Hq, 12, 2]`` (hi, lo) pairs."""
     s = np.asarray(s)
     if s.ndim != 3 or s.shape[1:] != (SUMMARY_COLUMNS, 2):
         raise ValueError(f"summary: expected float32 [Hq, {SUMMARY_COLUMNS}, 2], got shape {s.shape}")

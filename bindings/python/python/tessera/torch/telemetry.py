@@ -7,8 +7,10 @@ per-head summary as a small fixed-shape tensor; nothing is read on the host insi
 ``tel.read()`` does the one deferred read and returns the records (sink mass, sink rate,
 learned-sink mass, entropy, max logit, output max/RMS/outlier counts per head, and ``ranks`` and
 ``tokens``: how many ranks and query rows the record covers); ``tel.write_jsonl(path)`` appends
-them in the JSON-lines schema ``tessera telemetry plot`` reads. Call ``tel.advance()`` once per
-step.
+them in the JSON-lines schema ``tessera telemetry plot`` reads. Both drain: what one returns or
+writes, the next does not. Call ``tel.advance()`` once per step, after its attention calls: one
+record per (step, layer), merging that layer's calls of the step (a layer recorded twice in a
+step warns once, ``TelemetryWarning``: a forgotten ``advance()`` folds steps).
 
 Across ranks (``group=``, docs/semantics.md#many-ranks, docs/semantics.md#engines-and-devices): the per-rank partials never reach the host. ``read()`` is
 collective: the partials of every logged layer are packed into one buffer per reduction kind and
@@ -29,7 +31,7 @@ from datetime import timedelta
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .. import _tessera
-from ..core.telemetry import checked_config
+from ..core.telemetry import checked_config, warn_folded
 
 
 # Columns of the SUM buffer per head: the stats row's sums plus two NaN flags.
@@ -130,6 +132,11 @@ class Telemetry:
         self.every = every
         self.step = 0
         self._pending: List[tuple] = []
+        # (step, layer) recorded since the last advance(); a repeat means calls were folded into
+        # one record, said once (warnings are raised outside compiled code: see _warn_folded).
+        self._recorded: set = set()
+        self._folded: Optional[Tuple[int, int]] = None
+        self._warned: set = set()
         # Steps are the same on every rank (lockstep): whether a logging step happened since the
         # last read (at step `_read_at`) decides, identically on every rank, whether a read
         # reduces at all.
@@ -215,11 +222,31 @@ class Telemetry:
         return self.every > 0 and self.step % self.every == 0
 
     def advance(self) -> None:
-        """Moves to the next step (call once per training step)."""
+        """Moves to the next step: call it once per training step, after the step's attention
+        calls. Records are per (step, layer): calls of one layer between two ``advance()`` are
+        merged into one record (a ``TelemetryWarning`` says so once)."""
+        self._warn_folded()
+        self._recorded.clear()
         self.step += 1
 
     def _record(self, layer: int, learned_sinks: bool, stats: Any, tokens: int = 0, cp: Any = None) -> None:
+        key = (self.step, int(layer))
+        if key in self._recorded:
+            self._folded = key
+            # warnings.warn breaks a torch.compile(fullgraph=True) trace: a compiled step only
+            # notes the repeat, and advance() or read() (eager) say it.
+            import torch
+
+            if not torch.compiler.is_compiling():
+                self._warn_folded(3)  # the user's attention(...) call
+        self._recorded.add(key)
         self._pending.append((self.step, int(layer), bool(learned_sinks), stats, int(tokens), cp))
+
+    def _warn_folded(self, stacklevel: int = 2) -> None:
+        if self._folded is not None:
+            warn_folded(self._warned, *self._folded,
+                        "Call tel.advance() once per training step, after its attention calls.",
+                        stacklevel + 1)
 
     def _check_not_per_rank(self) -> None:
         """A Telemetry without a group in a job of several ranks would read one rank's slice as if
@@ -243,6 +270,8 @@ class Telemetry:
     # -- the read ----------------------------------------------------------------------------------
     def read(self) -> List[Dict[str, Any]]:
         """The records of every logged (step, layer) since the last read: the one host read.
+        It drains: the records it returns are gone (a second ``read()``, or a ``write_jsonl``
+        after it, returns or writes only what was logged since).
 
         With a group, collective: every rank of the group calls it at the same cadence and gets
         the reduced records. It reduces on a logging step or when one passed since the last read
@@ -250,6 +279,7 @@ class Telemetry:
         returns ``[]``. A rank that does not call it makes the others raise within the group's
         timeout."""
         self._check_not_per_rank()
+        self._warn_folded()
         if not self._groups:
             return self._read_local()
         # Reduce on a logging step, or when one passed since the last read: a function of the
@@ -434,7 +464,8 @@ class Telemetry:
         return out
 
     def write_jsonl(self, path: "str | os.PathLike[str]", *, all_ranks: bool = False) -> int:
-        """Appends the records of :meth:`read` to ``path`` (JSON lines); returns how many.
+        """Appends the records of :meth:`read` to ``path`` (JSON lines); returns how many. It
+        drains as :meth:`read` does: keep the records with ``read()`` *or* write them, not both.
 
         With a group, collective like :meth:`read`: rank 0 of the group writes (every rank with
         ``all_ranks=True``; give each its own path then); every rank returns the count."""
