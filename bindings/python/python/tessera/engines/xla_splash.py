@@ -109,6 +109,10 @@ class _DevicePlan:
 
 _on_device: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 
+# What this engine did to the runtime, for the receipt (tessera.torch.xla): plan tables moved to a
+# device (host-to-device transfers), and host reads of device values (none: nothing here reads).
+counters = {"plan_uploads": 0, "host_reads": 0}
+
 
 def _pack(arrays: List[np.ndarray], rows: int) -> Tuple[np.ndarray, tuple]:
     """``arrays`` (each with a leading axis of 1 or ``rows``) as one ``uint8 [rows, N]`` buffer
@@ -173,6 +177,7 @@ def device_plan(plan: Any, device: Any, max_partial_blocks: Optional[int]) -> _D
     rows = 1 if all(a.shape[0] == 1 for a in arrays) else plan.shape[0]
     buf, layout = _pack(arrays, rows)
     dp = _DevicePlan(torch.from_numpy(buf).to(device), layout, info.meta)
+    counters["plan_uploads"] += 1
     _on_device.setdefault(plan, {})[key] = dp
     return dp
 
@@ -250,6 +255,18 @@ def _jax_backward(q, k, v, sinks, buf, o, lse_raw, do, dlse, st: _Static):
 
 
 # -- torch autograd ----------------------------------------------------------------------------------
+
+
+def specializations() -> int:
+    """How many graphs call_jax has lowered for this engine's functions in this process (a new
+    one after warm-up would be a recompilation of Tessera's doing)."""
+    try:
+        import torch_xla.core.xla_builder as xb
+
+        ours = {id(f) for f in (_jax_forward, _jax_forward_logged, _jax_backward)}
+        return sum(len(c._cache) for (key, _), c in xb._JAX_TO_XLA_COMPUTATION_CACHE.items() if key in ours)
+    except Exception:  # a torch_xla whose cache is laid out otherwise: unknown
+        return -1
 
 
 def _call_jax(fn, args: tuple, name: str):
