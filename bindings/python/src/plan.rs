@@ -175,8 +175,75 @@ pub fn plan(
                 build_plan_within(&m, shape, tile, KEEP_MASK_BYTES).map(|p| (Arc::new(p), "built"))
             }
         })
-        .map_err(to_py)?;
+        .map_err(|e| to_py(python_segment_names(e, &m, shape)))?;
     Ok(PyPlan::new(inner, Some(m), source))
+}
+
+/// The planner names a `document` leaf's ids by the CLI's flags (`q-segments`, `kv-segments`).
+/// From Python the caller passed `ids` / `kv_ids` (`tessera.document`) or `segments` /
+/// `q_segments` / `kv_segments` (`tessera.mask`): an error about them names those, and the
+/// plan length the ids had to match.
+fn python_segment_names(e: tessera::Error, m: &Mask, shape: PlanShape) -> tessera::Error {
+    let tessera::Error::InvalidArgument {
+        arg,
+        expected,
+        found,
+    } = e
+    else {
+        return e;
+    };
+    let kv_side = match arg.as_str() {
+        "q-segments" => false,
+        "kv-segments" => true,
+        _ => {
+            return tessera::Error::InvalidArgument {
+                arg,
+                expected,
+                found,
+            }
+        }
+    };
+    let rows_ok = |r: usize| r == 1 || r == shape.batch;
+    // One array serves both sides when the caller passed one (`document(ids)`, `segments=`):
+    // the first leaf that does not fit is the one validation refused.
+    let shared = m
+        .nodes()
+        .find_map(|n| match n {
+            Mask::Document(s)
+                if s.q.len() != shape.q_len
+                    || s.kv.len() != shape.kv_len
+                    || !rows_ok(s.q.rows())
+                    || !rows_ok(s.kv.rows()) =>
+            {
+                Some(s.q == s.kv)
+            }
+            _ => None,
+        })
+        .unwrap_or(false);
+    let arg = match (shared, kv_side) {
+        (true, _) => "ids (the document ids; segments= of tessera.mask)",
+        (false, false) => "ids (the query-side document ids; q_segments= of tessera.mask)",
+        (false, true) => "kv_ids (the key-side document ids; kv_segments= of tessera.mask)",
+    };
+    let (expected, found) = if expected.starts_with("length ") {
+        let want = match (shared, kv_side) {
+            (_, false) => format!("length {} (the plan's q_len)", shape.q_len),
+            (true, true) => format!(
+                "length {} (the plan's kv_len: the same ids serve the keys; pass kv_ids for keys \
+                 of another length)",
+                shape.kv_len
+            ),
+            (false, true) => format!("length {} (the plan's kv_len)", shape.kv_len),
+        };
+        (want, format!("length {found}"))
+    } else {
+        (expected, format!("{found} rows"))
+    };
+    tessera::Error::InvalidArgument {
+        arg: arg.to_string(),
+        expected,
+        found,
+    }
 }
 
 /// Counters of the process-wide plan cache.
@@ -195,6 +262,17 @@ pub fn cache_stats(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     let warnings: Vec<String> = cache().warnings().iter().map(|w| w.to_string()).collect();
     d.set_item("warnings", warnings)?;
     Ok(d)
+}
+
+/// How many tiles one of `m` picture cells covers along an axis of `n` tiles (`n / m`, or both
+/// neighbours when `m` does not divide `n`), as [`PyPlan::__repr__`] splits them.
+fn span(n: usize, m: usize) -> String {
+    let m = m.max(1);
+    if n.is_multiple_of(m) {
+        (n / m).to_string()
+    } else {
+        format!("{}-{}", n / m, n / m + 1)
+    }
 }
 
 /// Cell of the text picture covering tiles `[q0, q1) × [k0, k1)` of group 0.
@@ -284,12 +362,40 @@ impl PyPlan {
     fn contract(&self) -> String {
         self.tiles.contract.to_string()
     }
-    /// Statistics: tiles by state, unique partial masks, allowed pairs, density, ...
+    /// Statistics: tiles by state, unique partial masks, allowed pairs, density, ... Tile
+    /// counts cover the `[B', H', Tq, Tk]` grid (`tile_grid`: one grid serves every batch row
+    /// and head along which the mask does not vary), pairs the whole `[B, H, Lq, Lkv]`; `units`
+    /// says so per key.
     #[getter]
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         // The whole plan's (its unique masks and bytes).
-        let s = &self.whole(py)?.stats;
+        let p = self.whole(py)?;
+        let s = &p.stats;
         let d = PyDict::new(py);
+        let grid = (p.batch_groups, p.head_groups, p.q_tiles, p.kv_tiles);
+        d.set_item("tile_grid", grid)?;
+        let tiles = format!(
+            "tiles of the [B', H', Tq, Tk] = [{}, {}, {}, {}] grid (tile_grid)",
+            grid.0, grid.1, grid.2, grid.3
+        );
+        let sh = p.shape;
+        let pairs = format!(
+            "(query, key) pairs of the whole [B, H, Lq, Lkv] = [{}, {}, {}, {}]",
+            sh.batch, sh.heads, sh.q_len, sh.kv_len
+        );
+        let units = PyDict::new(py);
+        for key in ["tiles", "empty_tiles", "partial_tiles", "full_tiles"] {
+            units.set_item(key, &tiles)?;
+        }
+        units.set_item("unique_partial_masks", "distinct partial-tile bitmasks")?;
+        units.set_item("head_plans", "distinct (batch row, head) masks planned")?;
+        units.set_item("allowed_pairs", &pairs)?;
+        units.set_item("density", format!("allowed_pairs / all {pairs}"))?;
+        units.set_item("tile_density", "non-empty tiles / tiles (of tile_grid)")?;
+        units.set_item("grid_width", "tiles in the longest forward tile row")?;
+        units.set_item("plan_bytes", "bytes")?;
+        units.set_item("build_ms", "milliseconds")?;
+        d.set_item("units", units)?;
         d.set_item("tiles", s.tiles)?;
         d.set_item("empty_tiles", s.empty_tiles)?;
         d.set_item("partial_tiles", s.partial_tiles)?;
@@ -346,9 +452,12 @@ impl PyPlan {
         let (_, states) = p.states();
         let w = nk.min(32);
         let h = nq.min(32);
+        // Units on the line: density counts pairs of the whole problem, the tile counts one
+        // [B', H'] grid of tiles (one head's grid when the mask does not vary along heads).
         let mut out = format!(
             "tessera.Plan(mask='{}', shape=(B={}, H={}, Lq={}, Lkv={}), block={}x{}, \
-             density={:.4}, tiles: {} full, {} partial, {} empty)\n",
+             density={:.4} of B*H*Lq*Lkv pairs, tiles of the [B'={}, H'={}, Tq={}, Tk={}] grid: \
+             {} full, {} partial, {} empty)\n",
             p.mask,
             s.batch,
             s.heads,
@@ -357,6 +466,10 @@ impl PyPlan {
             p.tile.q,
             p.tile.kv,
             p.stats.density,
+            p.batch_groups,
+            p.head_groups,
+            nq,
+            nk,
             p.stats.full_tiles,
             p.stats.partial_tiles,
             p.stats.empty_tiles
@@ -371,6 +484,15 @@ impl PyPlan {
                 out.push(ch);
             }
             out.push('\n');
+        }
+        if h < nq || w < nk {
+            // A shrunk picture says so: its cells are blocks of tiles, not tiles.
+            out.push_str(&format!(
+                "  (shrunk: {h} of {nq} tile rows, {w} of {nk} tile columns; each cell covers \
+                 {} x {} tiles: ██ all full, ░░ some allowed, blank all empty)\n",
+                span(nq, h),
+                span(nk, w)
+            ));
         }
         if p.batch_groups * p.head_groups > 1 {
             out.push_str("  (batch row 0, head 0 shown)\n");

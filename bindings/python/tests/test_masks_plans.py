@@ -501,8 +501,10 @@ def test_repr_draws_one_cell_per_tile_for_small_grids(mask, lq, lkv, block):
 def test_repr_of_a_large_grid_is_bounded():
     p = tessera.plan(tessera.causal(), q_len=16 * 200, block=16)
     lines = repr(p).rstrip("\n").split("\n")
-    assert len(lines) == 1 + 32 and all(len(x) == 2 + 64 for x in lines[1:])
-    assert "█" in lines[-1] and lines[1].strip() != ""
+    # 32 picture rows, then the line that says the picture is shrunk and how
+    assert len(lines) == 1 + 32 + 1 and all(len(x) == 2 + 64 for x in lines[1:-1])
+    assert "█" in lines[-2] and lines[1].strip() != ""
+    assert lines[-1].startswith("  (shrunk: 32 of 200 tile rows, 32 of 200 tile columns; each cell covers 6-7 x 6-7")
 
 
 def test_save_png(tmp_path):

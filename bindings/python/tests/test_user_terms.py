@@ -1,7 +1,8 @@
 """Errors and telemetry in the caller's terms (docs/python.md, docs/jax.md): a layout mix-up names
-the fix instead of blaming the plan, and telemetry misuse is not silent (a layer recorded twice
-in a step warns; `learned_sink_mass` is null without sinks on both frontends). Real torch and
-jax, no mocks."""
+the fix instead of blaming the plan, wrong-length document ids name the argument the caller
+passed, plan statistics and pictures say their units, and telemetry misuse is not silent (a
+layer recorded twice in a step warns; `learned_sink_mass` is null without sinks on both
+frontends). Real torch and jax, no mocks."""
 
 from __future__ import annotations
 
@@ -191,3 +192,45 @@ def test_jax_collecting_one_step_twice_warns_once(doc_plan):
     assert len([w for w in got if issubclass(w.category, TelemetryWarning)]) == 1
     (rec,) = tel.read()
     assert rec["tokens"] == 3 * B * L
+
+
+# -- 3. names the caller wrote ------------------------------------------------------------------
+
+
+def test_wrong_length_document_ids_name_ids_and_kv_ids_with_both_lengths():
+    ids = np.repeat(np.arange(4), 32)  # 128 ids
+    with pytest.raises(ValueError, match=r"^ids \(the document ids; segments= of tessera\.mask\): expected "
+                                         r"length 256 \(the plan's q_len\), found length 128$"):
+        tessera.plan(tessera.causal() & tessera.document(ids), q_len=256)
+    with pytest.raises(ValueError, match=r"^ids \(the document ids.*expected length 256 \(the plan's "
+                                         r"kv_len: the same ids serve the keys; pass kv_ids"):
+        tessera.plan(tessera.document(ids), q_len=128, kv_len=256)
+    with pytest.raises(ValueError, match=r"^kv_ids \(the key-side document ids; kv_segments= of "
+                                         r"tessera\.mask\): expected length 256 \(the plan's kv_len\), "
+                                         r"found length 100$"):
+        tessera.plan(tessera.document(ids, np.zeros(100, np.int64)), q_len=128, kv_len=256)
+    with pytest.raises(ValueError, match=r"^ids \(the query-side document ids; q_segments= .*found length 128$"):
+        tessera.plan(tessera.document(ids, np.zeros(256, np.int64)), q_len=200, kv_len=256)
+    with pytest.raises(ValueError, match=r"segments= of tessera\.mask\): expected length 64"):
+        tessera.plan(tessera.mask("causal & document", segments=ids), q_len=64)
+    with pytest.raises(ValueError, match=r"^ids .*expected 1 or 3 rows \(the batch size\), found 2 rows$"):
+        tessera.plan(tessera.document(np.stack([ids, ids])), q_len=128, batch=3)
+
+
+def test_plan_stats_and_picture_say_their_units():
+    p = tessera.plan(tessera.causal(), q_len=64 * 16, heads=8, block=16)  # 64 x 64 tiles, one grid
+    s = p.stats
+    assert s["tile_grid"] == (1, 1, 64, 64)
+    assert s["tiles"] == 64 * 64 and s["allowed_pairs"] == 8 * 1024 * 1025 // 2
+    assert "[B', H', Tq, Tk] = [1, 1, 64, 64]" in s["units"]["tiles"]
+    assert "[B, H, Lq, Lkv] = [1, 8, 1024, 1024]" in s["units"]["allowed_pairs"]
+    head, *rest = str(p).rstrip("\n").split("\n")
+    assert "density=0.5005 of B*H*Lq*Lkv pairs" in head
+    assert f"tiles of the [B'=1, H'=1, Tq=64, Tk=64] grid: {s['full_tiles']} full" in head
+    assert len(rest) == 32 + 1
+    assert rest[-1] == ("  (shrunk: 32 of 64 tile rows, 32 of 64 tile columns; each cell covers 2 x 2 "
+                        "tiles: ██ all full, ░░ some allowed, blank all empty)")
+    odd = tessera.plan(tessera.causal(), q_len=50 * 16, kv_len=20 * 16, block=16)
+    assert "(shrunk: 32 of 50 tile rows, 20 of 20 tile columns; each cell covers 1-2 x 1 tiles" in str(odd)
+    small = tessera.plan(tessera.causal(), q_len=64, block=16)
+    assert "shrunk" not in str(small)

@@ -135,7 +135,10 @@ class Plan:
 
     @property
     def stats(self) -> Dict[str, Any]:
-        """Tiles by state, unique partial masks, allowed pairs, density, grid width, bytes."""
+        """Tiles by state, unique partial masks, allowed pairs, density, grid width, bytes. Tile
+        counts are of the ``[B', H', Tq, Tk]`` grid in ``"tile_grid"`` (one grid serves every
+        head and batch row along which the mask does not vary); ``allowed_pairs`` and
+        ``density`` count pairs of the whole ``[B, H, Lq, Lkv]``; ``"units"`` says so per key."""
         return self._p.stats
 
     def kv_segments(self) -> Optional[np.ndarray]:
