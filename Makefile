@@ -3,12 +3,15 @@
 # later runs reuse it. `make demo` runs the main job on built-in defaults; `make train` trains the
 # example GPT through Tessera (examples/README.md), after installing the example's extras;
 # `make train-jax` trains the same GPT in plain JAX through tessera.jax.attention.
+# `make test-xla` runs the torch_xla suite (docs/torch-xla.md) in its own environment beside
+# .venv: torch 2.9, torch_xla 2.9 and jax 0.7.1 (the torch_xla[pallas] pins), the package installed
+# from the one abi3 wheel `make wheel` builds. PJRT runs on the CPU client; `make test` skips it.
 
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PY_DEPS := numpy torch jax pytest maturin ml_dtypes safetensors flatbuffers
 
-.PHONY: test test-rust test-python python-package demo train train-jax
+.PHONY: test test-rust test-python python-package demo train train-jax test-xla wheel
 
 test: test-rust test-python
 
@@ -45,3 +48,25 @@ train-jax: python-package
 	$(PY) -m pip install -q -r examples/requirements.txt
 	cargo build --release
 	$(PY) examples/train_gpt_jax.py
+
+# The one abi3 wheel (every CPython >= 3.9 on x86-64 Linux); installs without a Rust toolchain.
+WHEEL_DIR := bindings/python/target/wheels
+wheel: $(VENV)/.deps
+	rm -f $(WHEEL_DIR)/tessera-*.whl
+	$(VENV)/bin/maturin build --release -m bindings/python/Cargo.toml -o $(WHEEL_DIR)
+
+XLA_VENV ?= .venv-xla
+XLA_PY := $(XLA_VENV)/bin/python
+# torch_xla 2.9's wheel is one for CPU and TPU; its call_jax needs torchax, whose current release
+# imports flax. The jax pins are torch_xla[pallas]'s.
+XLA_DEPS := torch==2.9.0 torch_xla==2.9.0 jax==0.7.1 jaxlib==0.7.1 torchax flax pytest numpy ml_dtypes
+
+$(XLA_VENV)/.deps: Makefile
+	python3 -m venv $(XLA_VENV)
+	$(XLA_PY) -m pip install -q --no-cache-dir --upgrade pip
+	$(XLA_PY) -m pip install -q --no-cache-dir $(XLA_DEPS)
+	touch $@
+
+test-xla: $(XLA_VENV)/.deps wheel
+	$(XLA_PY) -m pip install -q --no-deps --force-reinstall $(WHEEL_DIR)/tessera-*.whl
+	PJRT_DEVICE=CPU TESSERA_WHEEL="$$(ls $(WHEEL_DIR)/tessera-*.whl)" $(XLA_PY) -m pytest bindings/python/tests/test_torch_xla.py -q

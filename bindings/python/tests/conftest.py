@@ -479,3 +479,16 @@ def launch_ranks(run, world: int, spec, prefix: str, timeout_s: float = 240.0, c
     for r, res in enumerate(out):
         assert "crash" not in res, f"rank {r}:\n{res['crash']}"
     return out, codes, extra
+
+
+def unregister_duration_listener(listener) -> None:
+    """``jax.monitoring.unregister_event_duration_listener`` (jax >= 0.7.2), or its private
+    predecessor on older JAX (the package supports JAX 0.7.1 on)."""
+    import jax.monitoring as m
+
+    fn = getattr(m, "unregister_event_duration_listener", None)
+    if fn is None:
+        from jax._src import monitoring as _m
+
+        fn = _m._unregister_event_duration_listener_by_callback
+    fn(listener)

@@ -31,6 +31,7 @@ import tessera.jax as tj  # noqa: E402
 import tessera.torch as tt  # noqa: E402
 from tessera import _tessera  # noqa: E402
 from conftest import (  # noqa: E402
+    unregister_duration_listener,
     causal,
     chunk,
     dense,
@@ -49,6 +50,7 @@ F32_TOL = 1e-5  # docs/semantics.md#attention: ‖x − ref‖/‖ref‖ for O, 
 LSE_TOL = 1e-4  # docs/semantics.md#attention: LSE absolute error
 BF16_TOL = 1e-2
 BLHD = (0, 2, 1, 3)  # [B, H, L, D] <-> [B, L, H, D]
+
 
 
 def _np(x):
@@ -456,7 +458,7 @@ class _Compiles:
         return self
 
     def __exit__(self, *exc):
-        jax.monitoring.unregister_event_duration_listener(self._listener)
+        unregister_duration_listener(self._listener)
 
 
 def test_the_jitted_grad_step_is_one_graph_with_the_ffi_custom_calls_and_no_host_callback():

@@ -21,6 +21,7 @@ pytest.importorskip("jax.experimental.pallas.ops.tpu.splash_attention.splash_att
 import tessera  # noqa: E402
 from tessera.jax.splash import SplashInfo, splash_attention, splash_info  # noqa: E402
 from conftest import (  # noqa: E402
+    unregister_duration_listener,
     brute_states,
     causal,
     document,
@@ -35,6 +36,7 @@ from conftest import (  # noqa: E402
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk  # noqa: E402
 
 F32_TOL, BF16_TOL, LSE_TOL = 1e-5, 1e-2, 1e-4
+
 
 
 def _t(x):
@@ -238,7 +240,7 @@ def test_plans_with_different_documents_share_one_compiled_step():
         outs = [step(q, k1, v1, info) for info in infos]
         jax.block_until_ready(outs)
     finally:
-        monitoring.unregister_event_duration_listener(listener)
+        unregister_duration_listener(listener)
     assert len(traces) == 1 and step._cache_size() == 1
     assert len(compiles) == 1, compiles
 

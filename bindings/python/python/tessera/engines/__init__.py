@@ -11,6 +11,8 @@
 - :mod:`.native_xla`: Tessera's CPU kernels as XLA FFI custom calls, and the plan-handle
   registry they read.
 - :mod:`.splash`: JAX Splash (Pallas; Mosaic on TPU) over the plan's ``MaskInfo``.
+- :mod:`.xla_splash`: the same Splash kernels on torch_xla's XLA tensors through ``call_jax``
+  (the plan as one device tensor, torch autograd, manual SPMD sharding).
 - :mod:`.torch_dist`: the K/V exchange and dK/dV return of context parallelism over
   ``torch.distributed`` (shared by the torch engines' context-parallel paths).
 

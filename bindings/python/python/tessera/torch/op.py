@@ -135,6 +135,7 @@ def attention(
     telemetry: Optional[Telemetry] = None,
     layer: int = 0,
     engine: str = "auto",
+    max_partial_blocks: Optional[int] = None,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Exact attention over ``plan`` (docs/semantics.md#attention): ``softmax(scale·QKᵀ, masked)·V`` with optional
     softcap ``c·tanh(s/c)`` and learned per-head sink logits (denominator only).
@@ -159,6 +160,14 @@ def attention(
     says which engine ran and why the others were skipped. On the GPU engines float16 is
     accepted too; sink values are not checked (that would read them on the host).
 
+    On XLA tensors (torch_xla on PJRT: TPU, or the CPU client) ``auto`` runs ``splash``: JAX
+    Splash over the plan's ``MaskInfo`` through ``call_jax`` (Mosaic on TPU, Pallas interpret mode
+    elsewhere; kv tiles must be multiples of 128), forward and backward, with telemetry on logging
+    steps; see docs/torch-xla.md. The plan enters the graph as one device tensor whose shape
+    depends on the plan's shapes and ``max_partial_blocks`` only (the bound its unique partial
+    blocks are padded to; default the next power of two of the plan's count): fix it to keep one
+    compiled graph for plans whose partial-block counts differ. Other engines ignore it.
+
     Under ``torch.autocast`` q, k and v are cast to the autocast dtype of their device first (as
     ``scaled_dot_product_attention`` is), so mixed inputs (float32 rotary q/k beside a bfloat16
     v) run in that dtype.
@@ -173,6 +182,12 @@ def attention(
     scale, softcap = _scale_softcap(q, scale, softcap)
     logging = telemetry is not None and telemetry.should_log()
     eng = _select.select(engine, _select.Inputs(q, k, v, plan, sinks, softcap, return_lse, logging, scale))
+    if eng == "splash":
+        from ..engines import xla_splash as _xla
+
+        return _xla.attention(q, k, v, plan, scale=scale, softcap=softcap, sinks=sinks,
+                              return_lse=return_lse, telemetry=telemetry, layer=layer,
+                              max_partial_blocks=max_partial_blocks)
     if eng == "varlen":
         from ..engines import varlen as _varlen
 
