@@ -36,6 +36,10 @@ pub struct BlockSelection {
     digest: [u8; 32],
     slice_digests: Vec<[u8; 32]>,
     label: String,
+    /// Errors name the data `kv_tiles` alone (the Python argument), whatever the text form
+    /// calls it (a name made from the content, see [`BlockSelection::with_text_name`]).
+    #[serde(default)]
+    errors_as_argument: bool,
 }
 
 impl BlockSelection {
@@ -154,13 +158,20 @@ impl BlockSelection {
             digest: *h.finalize().as_bytes(),
             slice_digests,
             label,
+            errors_as_argument: false,
         })
     }
 
     /// Checks the selection against a problem shape: `Tq == ceil(q_len / q_block)`, every
     /// entry below `ceil(kv_len / kv_block)`, batch and head dims 1 or the problem's.
     pub fn check(&self, batch: usize, heads: usize, q_len: usize, kv_len: usize) -> Result<()> {
-        let arg = || arg_name(&self.label);
+        let arg = || {
+            if self.errors_as_argument {
+                PY_NAME.to_string()
+            } else {
+                arg_name(&self.label)
+            }
+        };
         let tq = q_len.div_ceil(self.q_block);
         if self.rows != tq {
             return Err(Error::invalid(
@@ -236,6 +247,21 @@ impl BlockSelection {
     /// How the text form names the data (a file path or mapping key).
     pub fn label(&self) -> &str {
         &self.label
+    }
+
+    /// The same selection under another name in the text form (the digest covers the content
+    /// and block sizes, never the name).
+    pub fn with_label(mut self, label: impl Into<String>) -> Self {
+        self.label = label.into();
+        self
+    }
+
+    /// The same selection named `name` in the text form while its errors keep naming the data
+    /// `kv_tiles`, the argument it came from (the Python `blocks(kv_tiles)` names it by content).
+    pub fn with_text_name(mut self, name: impl Into<String>) -> Self {
+        self.label = name.into();
+        self.errors_as_argument = true;
+        self
     }
 
     /// Distinct selected blocks over every row.

@@ -128,6 +128,11 @@ pub struct Segments {
     pub q: SegmentIds,
     /// Segment ids of the keys.
     pub kv: SegmentIds,
+    /// How the text form names the query-side and key-side ids (`document(Q, KV)`, or
+    /// `document(Q)` when both are the same name); `None` prints the bare `document`, whose ids
+    /// come from the resolver's one unnamed set (`--segments`, Python `segments=`).
+    #[serde(default)]
+    pub names: Option<(String, String)>,
 }
 
 impl Segments {
@@ -136,6 +141,7 @@ impl Segments {
         Arc::new(Segments {
             q: ids.clone(),
             kv: ids,
+            names: None,
         })
     }
 
@@ -148,7 +154,20 @@ impl Segments {
                 kv.rows,
             ));
         }
-        Ok(Arc::new(Segments { q, kv }))
+        Ok(Arc::new(Segments { q, kv, names: None }))
+    }
+
+    /// Segment ids named in the text form: `q` named `q_name`, `kv` named `kv_name` (the same
+    /// name for self-attention prints `document(NAME)`); row counts checked as [`Segments::cross`].
+    pub fn named(
+        q_name: impl Into<String>,
+        q: SegmentIds,
+        kv_name: impl Into<String>,
+        kv: SegmentIds,
+    ) -> Result<Arc<Self>> {
+        let mut s = Arc::unwrap_or_clone(Self::cross(q, kv)?);
+        s.names = Some((q_name.into(), kv_name.into()));
+        Ok(Arc::new(s))
     }
 
     /// Batch rows covered: the larger of the two sides.
@@ -212,25 +231,7 @@ impl DenseMask {
     /// Builds a dense mask from a shape (rank 2, 3 or 4) and one bool per element (row-major).
     /// `label` is how the text form names it (usually the file path).
     pub fn new(shape: &[usize], values: &[bool], label: impl Into<String>) -> Result<Self> {
-        let (batch, heads, q_len, kv_len) = match *shape {
-            [l, m] => (1, 1, l, m),
-            [h, l, m] => (1, h, l, m),
-            [b, h, l, m] => (b, h, l, m),
-            _ => {
-                return Err(Error::invalid(
-                    "dense mask",
-                    "shape [Lq, Lkv], [H, Lq, Lkv] or [B, H, Lq, Lkv]",
-                    format!("{shape:?}"),
-                ))
-            }
-        };
-        if shape.contains(&0) {
-            return Err(Error::invalid(
-                "dense mask",
-                "non-zero dimensions",
-                format!("{shape:?}"),
-            ));
-        }
+        let (batch, heads, q_len, kv_len) = dense_dims(shape)?;
         let n = batch * heads * q_len * kv_len;
         if values.len() != n {
             return Err(Error::invalid(
@@ -251,24 +252,80 @@ impl DenseMask {
                 }
             }
         }
+        Ok(Self::from_parts(
+            shape.len(),
+            (batch, heads, q_len, kv_len),
+            bits,
+            label,
+        ))
+    }
+
+    /// The dense mask of `shape` (rank 2, 3 or 4) from its rows already packed as this type
+    /// stores them: per row `ceil(Lkv / 64)` words, bit `j % 64` of word `j / 64` is key `j`.
+    /// Bits past `Lkv` must be clear (they would change the digest, not the mask), so the
+    /// result equals [`DenseMask::new`] of the same values. Costs `Lq·Lkv/8` bytes per slice,
+    /// against `new`'s one bool per pair on the way in.
+    pub fn from_words(shape: &[usize], words: Vec<u64>, label: impl Into<String>) -> Result<Self> {
+        let (batch, heads, q_len, kv_len) = dense_dims(shape)?;
+        let words_per_row = kv_len.div_ceil(64);
+        let n = batch * heads * q_len * words_per_row;
+        if words.len() != n {
+            return Err(Error::invalid(
+                "dense mask",
+                format!("{n} words for shape {shape:?} (ceil(Lkv / 64) per row)"),
+                words.len(),
+            ));
+        }
+        if kv_len % 64 != 0 {
+            let pad = !0u64 << (kv_len % 64);
+            if let Some(r) = words
+                .chunks(words_per_row)
+                .position(|row| row[words_per_row - 1] & pad != 0)
+            {
+                return Err(Error::invalid(
+                    "dense mask",
+                    format!("clear bits past Lkv = {kv_len} in every row"),
+                    format!("set bits in row {r}"),
+                ));
+            }
+        }
+        Ok(Self::from_parts(
+            shape.len(),
+            (batch, heads, q_len, kv_len),
+            words,
+            label,
+        ))
+    }
+
+    /// The mask of packed `bits` (validated) with its digest.
+    fn from_parts(
+        rank: usize,
+        (batch, heads, q_len, kv_len): (usize, usize, usize, usize),
+        bits: Vec<u64>,
+        label: impl Into<String>,
+    ) -> Self {
         let mut h = blake3::Hasher::new();
-        for d in [shape.len(), batch, heads, q_len, kv_len] {
+        for d in [rank, batch, heads, q_len, kv_len] {
             h.update(&(d as u64).to_le_bytes());
         }
-        for w in &bits {
-            h.update(&w.to_le_bytes());
+        // The words' bytes in blocks: per-word updates cost more than the hashing itself.
+        let mut buf = Vec::with_capacity(8 * 4096);
+        for block in bits.chunks(4096) {
+            buf.clear();
+            buf.extend(block.iter().flat_map(|w| w.to_le_bytes()));
+            h.update(&buf);
         }
-        Ok(DenseMask {
+        DenseMask {
             batch,
             heads,
-            rank: shape.len(),
+            rank,
             q_len,
             kv_len,
-            words_per_row,
+            words_per_row: kv_len.div_ceil(64),
             bits,
             digest: *h.finalize().as_bytes(),
             label: label.into(),
-        })
+        }
     }
 
     /// Batch dimension (1 unless the array is 4-d).
@@ -299,6 +356,13 @@ impl DenseMask {
     /// Where the array came from (its file name), for the canonical text.
     pub fn label(&self) -> &str {
         &self.label
+    }
+
+    /// The same array under another name in the text form (the digest is unchanged: it covers
+    /// the content, never the name).
+    pub fn with_label(mut self, label: impl Into<String>) -> Self {
+        self.label = label.into();
+        self
     }
 
     /// BLAKE3 digest of the shape and bits (part of the plan contract).
@@ -340,4 +404,37 @@ pub(crate) fn slice_index(batch: usize, heads: usize, b: usize, h: usize) -> usi
     let b = if batch == 1 { 0 } else { b };
     let h = if heads == 1 { 0 } else { h };
     b * heads + h
+}
+
+/// `(batch, heads, q_len, kv_len)` of a dense mask's shape (rank 2, 3 or 4, no zero dimension).
+fn dense_dims(shape: &[usize]) -> Result<(usize, usize, usize, usize)> {
+    let dims = match *shape {
+        [l, m] => (1, 1, l, m),
+        [h, l, m] => (1, h, l, m),
+        [b, h, l, m] => (b, h, l, m),
+        _ => {
+            return Err(Error::invalid(
+                "dense mask",
+                "shape [Lq, Lkv], [H, Lq, Lkv] or [B, H, Lq, Lkv]",
+                format!("{shape:?}"),
+            ))
+        }
+    };
+    if shape.contains(&0) {
+        return Err(Error::invalid(
+            "dense mask",
+            "non-zero dimensions",
+            format!("{shape:?}"),
+        ));
+    }
+    // The element count must fit (the packed rows are allocated from it).
+    let n = shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
+    if n.is_none() {
+        return Err(Error::invalid(
+            "dense mask",
+            "fewer than 2^64 elements",
+            format!("{shape:?}"),
+        ));
+    }
+    Ok(dims)
 }

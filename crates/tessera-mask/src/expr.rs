@@ -695,7 +695,11 @@ impl std::fmt::Display for Mask {
                 Mask::Window { left, right } => write!(f, "window({left}, {right})")?,
                 Mask::Chunk { size } => write!(f, "chunk({size})")?,
                 Mask::Prefix { len } => write!(f, "prefix({len})")?,
-                Mask::Document(_) => f.write_str("document")?,
+                Mask::Document(s) => match &s.names {
+                    None => f.write_str("document")?,
+                    Some((q, kv)) if q == kv => write!(f, "document({})", list_arg(q))?,
+                    Some((q, kv)) => write!(f, "document({}, {})", list_arg(q), list_arg(kv))?,
+                },
                 Mask::Band { features, lo, hi } => write!(
                     f,
                     "band({}, {}, {lo}, {hi})",

@@ -7,12 +7,18 @@
 //! unary   := '!' unary | primary
 //! primary := '(' expr ')' | 'heads' '(' expr (',' expr)* ')' | leaf
 //! leaf    := full | causal ['(' [offset=]INT ')'] | window '(' [left=]INT [',' [right=]INT] ')'
-//!          | chunk '(' [size=]INT ')' | prefix '(' [len=]INT ')' | document | dense '(' NAME ')'
+//!          | chunk '(' [size=]INT ')' | prefix '(' [len=]INT ')'
+//!          | document ['(' NAME [',' NAME] ')'] | dense '(' NAME ')'
 //!          | band '(' NAME ',' NAME ',' [lo=]INT ',' [hi=]INT ')' | blocks '(' INT ',' INT ',' NAME ')'
 //! NAME    := '"' (any char but '"' | '""')* '"' | "'" (any char but "'" | "''")* "'" | RAW
 //! ```
 //! Errors carry the 1-based column and what was expected there. `band(F, G, LO, HI)` allows
 //! `LO <= F[i] - G[j] <= HI` for the integer features named `F` and `G` (`LO > HI` is an error).
+//!
+//! `document(NAME)` and `document(Q, KV)` name their segment ids (the same ids on both sides,
+//! or query-side and key-side ids), read like `band` names, so that one expression can hold
+//! `document` leaves over different ids; the bare `document` takes the resolver's one unnamed
+//! set ([`Resolver::segments`]).
 //!
 //! `blocks(QB, KVB, NAME)` is a block selection (docs/semantics.md#masks, [`BlockSelection`]) of query blocks
 //! of QB tokens by key blocks of KVB tokens; its name comes last and is read like a `dense` name
@@ -61,6 +67,15 @@ pub trait Resolver {
         Err(Error::invalid(
             format!("band feature {}", list_arg(name)),
             "a feature loader",
+            "none available",
+        ))
+    }
+    /// The segment ids `[L]` or `[B, L]` named `name` (an argument of `document(...)`).
+    /// Resolvers without named ids keep this default: an error naming the leaf.
+    fn segment_ids(&self, name: &str) -> Result<SegmentIds> {
+        Err(Error::invalid(
+            format!("document({})", list_arg(name)),
+            "named segment ids (Python: documents={'NAME': ids})",
             "none available",
         ))
     }
@@ -254,10 +269,7 @@ impl Parser<'_> {
                 self.no_args()?;
                 Ok(Mask::Full)
             }
-            "document" => {
-                self.no_args()?;
-                self.resolver.segments().map(Mask::Document)
-            }
+            "document" => self.document(),
             "causal" => {
                 let args = self.int_args(&["offset"], 0)?;
                 Ok(Mask::Causal {
@@ -339,6 +351,33 @@ impl Parser<'_> {
                 format!("unknown leaf '{other}'"),
             )),
         }
+    }
+
+    /// `document` after its name: nothing (the resolver's unnamed ids), `()`, `(NAME)` (the
+    /// same ids for queries and keys) or `(Q, KV)`.
+    fn document(&mut self) -> Result<Mask> {
+        let save = self.pos;
+        if !self.eat('(') {
+            self.pos = save;
+            return self.resolver.segments().map(Mask::Document);
+        }
+        if self.eat(')') {
+            return self.resolver.segments().map(Mask::Document);
+        }
+        let q_name = self.data_name(true, "a segment-ids name (or ')')")?;
+        let kv_name = if self.eat(',') {
+            self.data_name(true, "a segment-ids name (the key-side ids)")?
+        } else {
+            q_name.clone()
+        };
+        self.expect(')')?;
+        let q = self.resolver.segment_ids(&q_name)?;
+        let kv = if kv_name == q_name {
+            q.clone()
+        } else {
+            self.resolver.segment_ids(&kv_name)?
+        };
+        Segments::named(q_name, q, kv_name, kv).map(Mask::Document)
     }
 
     /// `blocks` after its name: `(QB, KVB, PATH)` with QB, KVB >= 1.
