@@ -217,6 +217,15 @@ def test_wrong_length_document_ids_name_ids_and_kv_ids_with_both_lengths():
         tessera.plan(tessera.document(np.stack([ids, ids])), q_len=128, batch=3)
 
 
+def test_cross_attention_ids_with_other_row_counts_name_kv_ids():
+    q2, k3 = np.zeros((2, 8), np.int64), np.zeros((3, 8), np.int64)
+    with pytest.raises(ValueError, match=r"^kv_ids: expected 1 or 2 rows \(as ids\), found 3$"):
+        tessera.document(q2, k3)
+    with pytest.raises(ValueError, match=r"^kv_segments: expected 1 or 2 rows \(as q_segments\), found 3$"):
+        tessera.mask("document", q_segments=q2, kv_segments=k3)
+    assert tessera.document(q2, k3[:1]) is not None  # one row broadcasts
+
+
 def test_plan_stats_and_picture_say_their_units():
     p = tessera.plan(tessera.causal(), q_len=64 * 16, heads=8, block=16)  # 64 x 64 tiles, one grid
     s = p.stats
