@@ -116,6 +116,8 @@ def mask(
     seg = None if segments is None else _int_ids("segments", segments)
     qs = None if q_segments is None else _int_ids("q_segments", q_segments)
     ks = None if kv_segments is None else _int_ids("kv_segments", kv_segments)
+    if qs is not None and ks is not None:
+        _cross_rows("q_segments", qs, "kv_segments", ks)
     table = None
     if dense is not None:
         if not isinstance(dense, dict):
@@ -124,8 +126,6 @@ def mask(
     feats = None
     if features is not None:
         if not isinstance(features, dict):
-    if qs is not None and ks is not None:
-        _cross_rows("q_segments", qs, "kv_segments", ks)
             raise TypeError("features: expected a dict of name -> integer array")
         feats = {str(k): _int_ids(f"features['{k}']", v, "a feature") for k, v in features.items()}
     sel = None
