@@ -36,6 +36,7 @@ fn _tessera(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(mask::prefix, m)?)?;
     m.add_function(wrap_pyfunction!(mask::document, m)?)?;
     m.add_function(wrap_pyfunction!(mask::dense, m)?)?;
+    m.add_function(wrap_pyfunction!(mask::dense_words, m)?)?;
     m.add_function(wrap_pyfunction!(mask::band, m)?)?;
     m.add_function(wrap_pyfunction!(mask::heads, m)?)?;
     m.add_function(wrap_pyfunction!(mask::blocks, m)?)?;

@@ -3,8 +3,12 @@
 //! `~`; `mask(text, ...)` parses the CLI's expression language with the segment ids, dense arrays,
 //! band features and block selections passed in.
 //!
-//! Contract: a `Mask` is immutable; `str(mask)` is its canonical form (data named by digest), so
-//! two masks with the same semantics and data print the same. Integer arrays (segment ids, band
+//! Contract: a `Mask` is immutable. `str(mask)` is its text form (Rust's `Display`, the CLI's
+//! language) and `tessera.mask(str(m), **m.data())` is a mask equal to `m`: the typed
+//! constructors name their data by content (`document(ids_<hex>)`, `band(f_<hex>, ...)`,
+//! `dense(dense_<hex>)`, `blocks(QB, KVB, sel_<hex>)`, the first 8 bytes of the data's BLAKE3
+//! digest), so different data never share a name. `mask.canonical()` is the canonical form
+//! (operands sorted, data by full digest): equality and hashing use it. Integer arrays (segment ids, band
 //! features) arrive as int64 numpy arrays `[L]` or `[B, L]`, block selections as int64
 //! `[B, H, Tq, k]` (or `[H, Tq, k]`, `[Tq, k]`); the Python layer converts torch tensors and lists.
 
@@ -44,11 +48,26 @@ impl PyMask {
             inner: !self.inner.clone(),
         }
     }
+    /// The text form, which `tessera.mask(str(m), **m.data())` parses back to an equal mask.
     fn __str__(&self) -> String {
-        self.inner.canonical()
+        self.inner.to_string()
     }
     fn __repr__(&self) -> String {
-        format!("tessera.Mask('{}')", self.inner.canonical())
+        format!("tessera.Mask('{}')", self.inner)
+    }
+    /// The canonical form: `&`/`|` operands sorted and deduplicated, data by digest; equal
+    /// masks (same semantics and data) have equal canonical forms.
+    fn canonical(&self) -> String {
+        self.inner.canonical()
+    }
+    /// The keyword arguments of `tessera.mask` that resolve the data named in `str(self)`:
+    /// `segments` (or `q_segments` and `kv_segments`) for a bare `document`, and the
+    /// `documents`, `features`, `dense` and `blocks` mappings by name (copies of the data,
+    /// numpy arrays). `ValueError` when the text form cannot tell two data apart: one name for
+    /// two different arrays, or bare `document` leaves over different ids (masks parsed
+    /// separately with the same names and combined).
+    fn data<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        mask_data(py, &self.inner)
     }
     fn __eq__(&self, other: &Bound<'_, PyAny>) -> bool {
         other
@@ -87,6 +106,187 @@ impl PyMask {
     fn allowed(&self, i: usize, j: usize, b: usize, h: usize) -> bool {
         self.inner.allowed(b, h, i, j)
     }
+}
+
+/// The first 8 bytes of `digest` in hex after `prefix`: the name the typed constructors give
+/// their data, so that equal data share a name and different data (almost surely) do not.
+fn content_name(prefix: &str, digest: &[u8; 32]) -> String {
+    digest[..8].iter().fold(String::from(prefix), |mut s, b| {
+        use std::fmt::Write as _;
+        let _ = write!(s, "{b:02x}");
+        s
+    })
+}
+
+/// Records `value` (with its digest) under `name` in one of [`mask_data`]'s tables, refusing a
+/// second, different value under the same name.
+fn bind<T>(
+    table: &mut Vec<(String, [u8; 32], T)>,
+    what: &str,
+    name: &str,
+    digest: &[u8; 32],
+    value: impl FnOnce() -> T,
+) -> PyResult<()> {
+    match table.iter().find(|(n, _, _)| n == name) {
+        Some((_, d, _)) if d == digest => Ok(()),
+        Some(_) => Err(PyValueError::new_err(format!(
+            "mask: two different {what} are both named '{name}' in the text form; rebuild the \
+             mask with distinct names (or with the typed constructors, which name data by content)"
+        ))),
+        None => {
+            table.push((name.to_string(), *digest, value()));
+            Ok(())
+        }
+    }
+}
+
+/// A `[rows, L]` int64 numpy copy of `ids`.
+fn ids_array<'py>(py: Python<'py>, ids: &SegmentIds) -> PyResult<Bound<'py, PyAny>> {
+    Ok(ids
+        .ids()
+        .to_vec()
+        .into_pyarray(py)
+        .reshape([ids.rows(), ids.len()])?
+        .into_any())
+}
+
+/// A bool numpy copy of a dense mask in the rank it was given (the rank is part of its digest).
+fn dense_array<'py>(py: Python<'py>, d: &DenseMask) -> PyResult<Bound<'py, PyAny>> {
+    let (lq, lkv) = (d.q_len(), d.kv_len());
+    let slices = d.batch() * d.heads();
+    let mut vals = Vec::with_capacity(slices * lq * lkv);
+    for s in 0..slices {
+        for i in 0..lq {
+            let row = d.row_bits(s, i);
+            vals.extend((0..lkv).map(|j| (row[j / 64] >> (j % 64)) & 1 == 1));
+        }
+    }
+    let shape: Vec<usize> = match d.rank() {
+        2 => vec![lq, lkv],
+        3 => vec![d.heads(), lq, lkv],
+        _ => vec![d.batch(), d.heads(), lq, lkv],
+    };
+    Ok(vals.into_pyarray(py).reshape(shape)?.into_any())
+}
+
+/// A block selection as int64 `[B, H, Tq, k]` (`k` its longest row, `-1` padding): the same
+/// selection (its digest covers the sorted distinct entries and block sizes only).
+fn blocks_array<'py>(py: Python<'py>, s: &BlockSelection) -> PyResult<Bound<'py, PyAny>> {
+    let slices = s.batch() * s.heads();
+    let tq = s.rows();
+    let k = (0..slices)
+        .flat_map(|sl| (0..tq).map(move |r| (sl, r)))
+        .map(|(sl, r)| s.row(sl, r).len())
+        .max()
+        .unwrap_or(0);
+    let mut v = vec![-1i64; slices * tq * k];
+    for sl in 0..slices {
+        for r in 0..tq {
+            let at = (sl * tq + r) * k;
+            for (c, &t) in s.row(sl, r).iter().enumerate() {
+                v[at + c] = i64::from(t);
+            }
+        }
+    }
+    Ok(v.into_pyarray(py)
+        .reshape([s.batch(), s.heads(), tq, k])?
+        .into_any())
+}
+
+/// [`PyMask::data`]: every data leaf of `m` (walked without recursion) bound by its name.
+fn mask_data<'py>(py: Python<'py>, m: &Mask) -> PyResult<Bound<'py, PyDict>> {
+    type Table<'m, T> = Vec<(String, [u8; 32], T)>;
+    let mut unnamed: Option<&Segments> = None;
+    let mut documents: Table<&SegmentIds> = Vec::new();
+    let mut features: Table<&SegmentIds> = Vec::new();
+    let mut dense: Table<&DenseMask> = Vec::new();
+    let mut blocks: Table<&BlockSelection> = Vec::new();
+    for node in m.nodes() {
+        match node {
+            Mask::Document(s) => match &s.names {
+                Some((qn, kn)) => {
+                    bind(&mut documents, "segment ids", qn, s.q.digest(), || &s.q)?;
+                    bind(&mut documents, "segment ids", kn, s.kv.digest(), || &s.kv)?;
+                }
+                None => match unnamed {
+                    Some(u) if u.q.digest() != s.q.digest() || u.kv.digest() != s.kv.digest() => {
+                        return Err(PyValueError::new_err(
+                            "mask: two bare `document` leaves over different segment ids; the \
+                             text form names one set (build them with tessera.document, which \
+                             names each set)",
+                        ))
+                    }
+                    _ => unnamed = Some(s),
+                },
+            },
+            Mask::Band { features: f, .. } => {
+                bind(
+                    &mut features,
+                    "band features",
+                    &f.q_name,
+                    f.q.digest(),
+                    || &f.q,
+                )?;
+                bind(
+                    &mut features,
+                    "band features",
+                    &f.kv_name,
+                    f.kv.digest(),
+                    || &f.kv,
+                )?;
+            }
+            Mask::Dense(d) => bind(&mut dense, "dense arrays", d.label(), d.digest(), || &**d)?,
+            Mask::Blocks(b) => bind(
+                &mut blocks,
+                "block selections",
+                b.label(),
+                b.digest(),
+                || &**b,
+            )?,
+            _ => {}
+        }
+    }
+    let out = PyDict::new(py);
+    if let Some(s) = unnamed {
+        if s.q.digest() == s.kv.digest() {
+            out.set_item("segments", ids_array(py, &s.q)?)?;
+        } else {
+            out.set_item("q_segments", ids_array(py, &s.q)?)?;
+            out.set_item("kv_segments", ids_array(py, &s.kv)?)?;
+        }
+    }
+    let put = |key: &str, items: Vec<(String, Bound<'py, PyAny>)>| -> PyResult<()> {
+        if !items.is_empty() {
+            let d = PyDict::new(py);
+            for (k, v) in items {
+                d.set_item(k, v)?;
+            }
+            out.set_item(key, d)?;
+        }
+        Ok(())
+    };
+    let arrays = |t: Table<&SegmentIds>| -> PyResult<Vec<(String, Bound<'py, PyAny>)>> {
+        t.into_iter()
+            .map(|(n, _, v)| Ok((n, ids_array(py, v)?)))
+            .collect()
+    };
+    put("documents", arrays(documents)?)?;
+    put("features", arrays(features)?)?;
+    put(
+        "dense",
+        dense
+            .into_iter()
+            .map(|(n, _, v)| Ok((n, dense_array(py, v)?)))
+            .collect::<PyResult<_>>()?,
+    )?;
+    put(
+        "blocks",
+        blocks
+            .into_iter()
+            .map(|(n, _, v)| Ok((n, blocks_array(py, v)?)))
+            .collect::<PyResult<_>>()?,
+    )?;
+    Ok(out)
 }
 
 /// Keeps alive the mask data that read-only numpy views of [`PyMask::_tree`] borrow.
@@ -282,10 +482,16 @@ pub fn document(
     kv_ids: Option<PyReadonlyArrayDyn<'_, i64>>,
 ) -> PyResult<PyMask> {
     let q = segment_ids("ids", ids)?;
-    let seg = match kv_ids {
-        None => Segments::shared(q),
-        Some(k) => Segments::cross(q, segment_ids("kv_ids", k)?).map_err(to_py)?,
+    let kv = match kv_ids {
+        None => q.clone(),
+        Some(k) => segment_ids("kv_ids", k)?,
     };
+    // Named by content, so that str() tells documents over different ids apart.
+    let (qn, kn) = (
+        content_name("ids_", q.digest()),
+        content_name("ids_", kv.digest()),
+    );
+    let seg = Segments::named(qn, q, kn, kv).map_err(to_py)?;
     Ok(wrap(Mask::document(seg)))
 }
 
@@ -304,13 +510,49 @@ pub fn band(
     }
     let q = int_rows("q_feature", "a feature", q_feature)?;
     let kv = int_rows("kv_feature", "a feature", kv_feature)?;
-    let features = BandFeatures::new("q_feature", q, "kv_feature", kv);
+    let (qn, kn) = (
+        content_name("f_", q.digest()),
+        content_name("f_", kv.digest()),
+    );
+    let features = BandFeatures::new(qn, q, kn, kv);
     Ok(wrap(Mask::band(features, lo, hi)))
 }
 
 #[pyfunction]
 pub fn dense(values: PyReadonlyArrayDyn<'_, bool>) -> PyResult<PyMask> {
-    Ok(wrap(Mask::dense(dense_mask("dense", values)?)))
+    let d = dense_mask("dense", values)?;
+    let name = content_name("dense_", d.digest());
+    Ok(wrap(Mask::dense(d.with_label(name))))
+}
+
+/// `dense` from rows already packed (uint64 `[..., Lq, ceil(kv_len / 64)]`, bit `j % 64` of word
+/// `j / 64` is key `j`, bits past `kv_len` clear): the same mask as `dense` of the unpacked bools
+/// at an eighth of the memory on the way in (`tessera.from_mask_mod` packs as it evaluates).
+#[pyfunction]
+pub fn dense_words(
+    py: Python<'_>,
+    words: PyReadonlyArrayDyn<'_, u64>,
+    kv_len: usize,
+) -> PyResult<PyMask> {
+    let mut shape = words.shape().to_vec();
+    if kv_len == 0 || shape.last() != Some(&kv_len.div_ceil(64)) {
+        return Err(PyValueError::new_err(format!(
+            "dense: expected words [..., Lq, {}] for kv_len={kv_len}, got {shape:?}",
+            kv_len.div_ceil(64)
+        )));
+    }
+    if let Some(last) = shape.last_mut() {
+        *last = kv_len;
+    }
+    let w: Vec<u64> = match words.as_slice() {
+        Ok(s) => s.to_vec(),
+        Err(_) => words.as_array().iter().copied().collect(),
+    };
+    let d = py
+        .detach(|| DenseMask::from_words(&shape, w, "dense"))
+        .map_err(to_py)?;
+    let name = content_name("dense_", d.digest());
+    Ok(wrap(Mask::dense(d.with_label(name))))
 }
 
 /// An int64 array's shape and entries (row-major).
@@ -324,21 +566,28 @@ fn int_entries(a: &PyReadonlyArrayDyn<'_, i64>) -> (Vec<usize>, Vec<i64>) {
 }
 
 /// The `blocks` leaf: key blocks `kv_tiles [B, H, Tq, k]` (-1 = none) selected per query
-/// block, for blocks of `q_block` x `kv_block` tokens; `label` names the data in the text form.
+/// block, for blocks of `q_block` x `kv_block` tokens; `label` names the data in the text form
+/// (by default `sel_<hex>`, by content; errors name it `kv_tiles`).
 #[pyfunction]
-#[pyo3(signature = (kv_tiles, q_block, kv_block, label="kv_tiles"))]
+#[pyo3(signature = (kv_tiles, q_block, kv_block, label=None))]
 pub fn blocks(
     py: Python<'_>,
     kv_tiles: PyReadonlyArrayDyn<'_, i64>,
     q_block: usize,
     kv_block: usize,
-    label: &str,
+    label: Option<&str>,
 ) -> PyResult<PyMask> {
     let (shape, v) = int_entries(&kv_tiles);
     let sel = py
-        .detach(|| BlockSelection::new(&shape, &v, q_block, kv_block, label))
+        .detach(|| BlockSelection::new(&shape, &v, q_block, kv_block, "kv_tiles"))
         .map_err(to_py)?;
-    Ok(wrap(Mask::blocks(sel)))
+    Ok(wrap(Mask::blocks(match label {
+        Some(l) => sel.with_label(l),
+        None => {
+            let name = content_name("sel_", sel.digest());
+            sel.with_text_name(name)
+        }
+    })))
 }
 
 #[pyfunction]
@@ -355,6 +604,8 @@ pub fn heads(masks: Vec<PyRef<'_, PyMask>>) -> PyResult<PyMask> {
 /// leaves resolve to.
 struct Data {
     segments: Option<Arc<Segments>>,
+    /// Segment ids of `document(NAME)` / `document(Q, KV)` leaves.
+    documents: HashMap<String, SegmentIds>,
     dense: HashMap<String, DenseMask>,
     features: HashMap<String, SegmentIds>,
     /// Shape and entries of each block selection (its block sizes come from the text).
@@ -372,10 +623,23 @@ impl Resolver for Data {
         })
     }
     fn dense(&self, name: &str) -> TResult<DenseMask> {
-        self.dense.get(name).cloned().ok_or_else(|| {
+        // Labelled by its name in the text (errors while converting named it `dense['NAME']`).
+        self.dense
+            .get(name)
+            .map(|d| d.clone().with_label(name))
+            .ok_or_else(|| {
+                tessera::Error::invalid(
+                    format!("dense({name})"),
+                    "an array passed as dense={'NAME': array}",
+                    "no such name",
+                )
+            })
+    }
+    fn segment_ids(&self, name: &str) -> TResult<SegmentIds> {
+        self.documents.get(name).cloned().ok_or_else(|| {
             tessera::Error::invalid(
-                format!("dense({name})"),
-                "an array passed as dense={'NAME': array}",
+                format!("document({name})"),
+                "segment ids passed as documents={'NAME': ids}",
                 "no such name",
             )
         })
@@ -426,8 +690,10 @@ fn named_arrays<'py, E: numpy::Element, T>(
 
 /// Parses a mask expression (`causal & document`, `window(4K) | prefix(64)`,
 /// `band(t, t, 0, 64)` with `features={'t': ...}`, ...).
+// One argument per keyword of `tessera.mask` (each data mapping its own, as the text names them).
+#[allow(clippy::too_many_arguments)]
 #[pyfunction]
-#[pyo3(signature = (expr, segments=None, q_segments=None, kv_segments=None, dense=None, features=None, blocks=None))]
+#[pyo3(signature = (expr, segments=None, q_segments=None, kv_segments=None, dense=None, features=None, blocks=None, documents=None))]
 pub fn mask(
     expr: &str,
     segments: Option<PyReadonlyArrayDyn<'_, i64>>,
@@ -436,6 +702,7 @@ pub fn mask(
     dense: Option<&Bound<'_, PyDict>>,
     features: Option<&Bound<'_, PyDict>>,
     blocks: Option<&Bound<'_, PyDict>>,
+    documents: Option<&Bound<'_, PyDict>>,
 ) -> PyResult<PyMask> {
     let segments = match (segments, q_segments, kv_segments) {
         (Some(s), None, None) => Some(Segments::shared(segment_ids("segments", s)?)),
@@ -455,6 +722,9 @@ pub fn mask(
     };
     let data = Data {
         segments,
+        documents: named_arrays(documents, "documents", "int64", |n, a| {
+            int_rows(n, "segment ids", a)
+        })?,
         dense: named_arrays(dense, "dense", "bool", |n, a| dense_mask(n, a))?,
         features: named_arrays(features, "features", "int64", |n, a| {
             int_rows(n, "a feature", a)

@@ -41,17 +41,7 @@ def document(ids: Any, kv_ids: Any = None) -> Mask:
     batch row) or ``[B, L]``; pass ``kv_ids`` for cross attention."""
     q = _int_ids("ids", ids)
     k = None if kv_ids is None else _int_ids("kv_ids", kv_ids)
-    if k is not None:
-        _cross_rows("ids", q, "kv_ids", k)
     return _tessera.document(q, k)
-
-
-def _cross_rows(q_name: str, q: Any, kv_name: str, k: Any) -> None:
-    """Cross attention's ids agree on rows (1 broadcasts), checked here so that the error names
-    the caller's arguments (the planner's own check names the CLI's flags)."""
-    rq, rk = (a.shape[0] if a.ndim == 2 else 1 for a in (q, k))
-    if rq != rk and 1 not in (rq, rk):
-        raise ValueError(f"{kv_name}: expected 1 or {rq} rows (as {q_name}), found {rk}")
 
 
 def band(q_feature: Any, kv_feature: Any, lo: int, hi: int) -> Mask:
@@ -104,20 +94,26 @@ def mask(
     dense: Optional[Dict[str, Any]] = None,
     features: Optional[Dict[str, Any]] = None,
     blocks: Optional[Dict[str, Any]] = None,
+    documents: Optional[Dict[str, Any]] = None,
 ) -> Mask:
     """Parses a mask expression in the CLI's language, e.g. ``"causal & document"`` with
-    ``segments=ids``, ``"window(4K) | prefix(64)"``, ``"heads(causal, full)"``,
+    ``segments=ids``, ``"causal & document(a) | document(b, c)"`` with ``documents={"a": ids,
+    ...}`` (``document(NAME)``: the same ids for queries and keys, ``document(Q, KV)``: cross
+    attention), ``"window(4K) | prefix(64)"``, ``"heads(causal, full)"``,
     ``"dense(m) & causal"`` with ``dense={"m": array}``, ``"band(t, t, 0, 64)"`` with
     ``features={"t": ints}`` (integer arrays ``[L]`` or ``[B, L]``), or
     ``"causal & blocks(128, 128, sel)"`` with ``blocks={"sel": kv_tiles}`` (``blocks(QB, KVB,
-    NAME)``: see :func:`blocks`)."""
+    NAME)``: see :func:`blocks`).
+
+    Round trip: ``mask(str(m), **m.data())`` equals ``m`` (``==``, hence the same plans) for
+    every mask ``m``; ``m.data()`` holds the arrays under the names ``str(m)`` uses (the typed
+    constructors name data by content: ``ids_<hex>``, ``f_<hex>``, ``dense_<hex>``,
+    ``sel_<hex>``)."""
     if not isinstance(expr, str):
         raise TypeError(f"expr: expected a str, got {type(expr).__name__}")
     seg = None if segments is None else _int_ids("segments", segments)
     qs = None if q_segments is None else _int_ids("q_segments", q_segments)
     ks = None if kv_segments is None else _int_ids("kv_segments", kv_segments)
-    if qs is not None and ks is not None:
-        _cross_rows("q_segments", qs, "kv_segments", ks)
     table = None
     if dense is not None:
         if not isinstance(dense, dict):
@@ -128,9 +124,14 @@ def mask(
         if not isinstance(features, dict):
             raise TypeError("features: expected a dict of name -> integer array")
         feats = {str(k): _int_ids(f"features['{k}']", v, "a feature") for k, v in features.items()}
+    docs = None
+    if documents is not None:
+        if not isinstance(documents, dict):
+            raise TypeError("documents: expected a dict of name -> integer array")
+        docs = {str(k): _int_ids(f"documents['{k}']", v) for k, v in documents.items()}
     sel = None
     if blocks is not None:
         if not isinstance(blocks, dict):
             raise TypeError("blocks: expected a dict of name -> integer array")
         sel = {str(k): _kv_tiles(f"blocks['{k}']", v) for k, v in blocks.items()}
-    return _tessera.mask(expr, seg, qs, ks, table, feats, sel)
+    return _tessera.mask(expr, seg, qs, ks, table, feats, sel, docs)
