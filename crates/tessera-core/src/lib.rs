@@ -3,6 +3,7 @@
 //! Contract: every other crate reports failures through [`Error`], stores tensors as [`Tensor`]
 //! (row-major, contiguous, f32 or bf16 or integer storage), records counters in [`metrics`] and
 //! finds its per-user cache directory with [`cache_dir`] and writes digests as text with [`hex()`](fn@hex).
+//! Every CPU feature check goes through [`cpu_features`] (where `TESSERA_HIDE_ISA` hides features).
 //! Nothing here knows about masks, plans or kernels.
 //!
 //! ```
@@ -18,6 +19,7 @@
 
 pub mod budget;
 pub mod cache_dir;
+pub mod cpu_features;
 pub mod error;
 pub mod hex;
 pub mod metrics;

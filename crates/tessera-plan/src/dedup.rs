@@ -161,13 +161,12 @@ mod x86 {
     use super::KEYS;
     use std::arch::x86_64::*;
     use std::sync::OnceLock;
+    use tessera_core::cpu_features::{has, Feature};
 
     /// AVX-512 with the 64-bit popcount (Ice Lake and Zen 4 on; not Skylake-SP).
     pub(super) fn has_avx512_popcnt() -> bool {
         static HAS: OnceLock<bool> = OnceLock::new();
-        *HAS.get_or_init(|| {
-            is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512vpopcntdq")
-        })
+        *HAS.get_or_init(|| has(Feature::Avx512f) && has(Feature::Avx512vpopcntdq))
     }
 
     #[target_feature(enable = "avx512f,avx512vpopcntdq")]

@@ -91,11 +91,12 @@ impl OutlierStats {
     pub fn of_f32(x: &[f32], ratio: f64) -> OutlierStats {
         #[cfg(target_arch = "x86_64")]
         {
-            if is_x86_feature_detected!("avx512f") {
+            use tessera_core::cpu_features::{has, Feature};
+            if has(Feature::Avx512f) {
                 // SAFETY: the CPU has the features the copy is compiled for.
                 return unsafe { of_f32_avx512(x, ratio) };
             }
-            if is_x86_feature_detected!("avx2") {
+            if has(Feature::Avx2) {
                 // SAFETY: as above.
                 return unsafe { of_f32_avx2(x, ratio) };
             }

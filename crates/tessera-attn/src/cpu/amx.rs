@@ -61,28 +61,12 @@ fn probe() -> Result<(), &'static str> {
     self_check()
 }
 
-/// Whether the CPU reports AMX-BF16 and AMX-TILE (CPUID; `is_x86_feature_detected!` has no
-/// stable AMX names) and the OS enabled the tile state (XCR0 bits 17-18), or why not; asks no
-/// permission.
+/// Whether the CPU reports AMX-BF16 and AMX-TILE and the OS enabled the tile state, and
+/// `TESSERA_HIDE_ISA` does not hide it, or why not; asks no permission. The one check is
+/// [`tessera_core::cpu_features::amx_hardware`].
 #[cfg(target_arch = "x86_64")]
 pub(crate) fn hardware() -> Result<(), &'static str> {
-    use std::arch::x86_64::{__cpuid, __cpuid_count};
-    if __cpuid(0).eax < 7 {
-        return Err("the CPU has no AMX-BF16 (CPUID has no leaf 7)");
-    }
-    let leaf7 = __cpuid_count(7, 0);
-    if leaf7.edx & (1 << 22) == 0 || leaf7.edx & (1 << 24) == 0 {
-        return Err("the CPU has no AMX-BF16 (CPUID)");
-    }
-    if __cpuid(1).ecx & (1 << 27) == 0 {
-        return Err("the OS has not enabled XSAVE (no OSXSAVE)");
-    }
-    // SAFETY: OSXSAVE is set, so XGETBV is available.
-    let xcr0 = unsafe { xgetbv0() };
-    if xcr0 & (0b11 << 17) != 0b11 << 17 {
-        return Err("the OS has not enabled the AMX tile state (XCR0 bits 17-18)");
-    }
-    Ok(())
+    tessera_core::cpu_features::amx_hardware()
 }
 
 /// A product on the tile unit against the model's, before any kernel uses AMX: a layout or
@@ -139,17 +123,6 @@ unsafe fn agrees_with_model<U: Unit>() -> bool {
 #[cfg(not(target_arch = "x86_64"))]
 fn probe() -> Result<(), &'static str> {
     Err("AMX exists only on x86-64")
-}
-
-/// XCR0.
-///
-/// # Safety
-/// The CPU must support XGETBV (CPUID.1:ECX.OSXSAVE).
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "xsave")]
-unsafe fn xgetbv0() -> u64 {
-    // SAFETY: the caller checked OSXSAVE.
-    unsafe { std::arch::x86_64::_xgetbv(0) }
 }
 
 /// Linux grants the tile data state to a process only on request (`arch_prctl`

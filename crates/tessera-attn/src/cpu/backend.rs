@@ -43,11 +43,8 @@ impl CpuBackend {
     /// The backend running both dtypes on one kernel copy (for testing the fallbacks): f32 on
     /// its f32 kernels, bf16 on `vdpbf16ps` for [`Isa::Avx512Bf16`], else widened to f32.
     pub fn with_isa(isa: Isa) -> Result<Self> {
-        if !isa.supported() {
-            return Err(Error::Unsupported(format!(
-                "kernel copy {} needs CPU features this machine lacks",
-                isa.name()
-            )));
+        if let Some(why) = isa.unsupported_reason() {
+            return Err(Error::Unsupported(why));
         }
         Ok(CpuBackend {
             f32_isa: isa,

@@ -197,7 +197,7 @@ pub fn decision() -> &'static Decision {
             .get_or_init(|| tessera_core::cache_dir::resolve(None))
             .clone();
         let env = env_text();
-        metrics::unrecorded(|| {
+        let mut d = metrics::unrecorded(|| {
             decide(
                 Caps::detect(),
                 env.as_deref(),
@@ -205,7 +205,11 @@ pub fn decision() -> &'static Decision {
                 &cpu_model(),
                 &mut measure,
             )
-        })
+        });
+        // The decision is where the library reports the environment it ran under.
+        d.warnings
+            .extend(tessera_core::cpu_features::hide_warning());
+        d
     })
 }
 

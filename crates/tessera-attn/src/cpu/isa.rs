@@ -8,6 +8,32 @@
 //! copy is only ever called on a CPU that has its features ([`Isa::supported`]), which is what
 //! makes the `unsafe` calls of the `#[target_feature]` copies sound.
 
+use tessera_core::cpu_features::{has, state, Feature, State};
+
+/// What [`Isa::Avx2`] needs.
+const AVX2: [Feature; 2] = [Feature::Avx2, Feature::Fma];
+/// What [`Isa::Avx512`] needs (its `#[target_feature]` list in [`isa_entry!`]).
+const AVX512: [Feature; 5] = [
+    Feature::Avx512f,
+    Feature::Avx512bw,
+    Feature::Avx512vl,
+    Feature::Avx512dq,
+    Feature::Fma,
+];
+/// What [`Isa::Avx512Bf16`] needs.
+const AVX512_BF16: [Feature; 6] = [
+    Feature::Avx512f,
+    Feature::Avx512bw,
+    Feature::Avx512vl,
+    Feature::Avx512dq,
+    Feature::Fma,
+    Feature::Avx512bf16,
+];
+
+fn has_all(features: impl IntoIterator<Item = Feature>) -> bool {
+    features.into_iter().all(has)
+}
+
 /// Instruction set of the kernel copy a [`CpuBackend`](super::CpuBackend) runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Isa {
@@ -38,43 +64,62 @@ impl Isa {
         Isa::Portable,
     ];
 
-    /// The widest copy this CPU supports.
+    /// The widest copy this CPU supports (features hidden by `TESSERA_HIDE_ISA` count as absent:
+    /// [`tessera_core::cpu_features`]).
     pub fn detect() -> Isa {
-        #[cfg(target_arch = "x86_64")]
-        {
-            if is_x86_feature_detected!("avx512f")
-                && is_x86_feature_detected!("avx512bw")
-                && is_x86_feature_detected!("avx512vl")
-                && is_x86_feature_detected!("avx512dq")
-                && is_x86_feature_detected!("fma")
-            {
-                if is_x86_feature_detected!("avx512bf16") {
-                    return Isa::Avx512Bf16;
-                }
-                return Isa::Avx512;
+        if has_all(AVX512) {
+            if has(Feature::Avx512bf16) {
+                return Isa::Avx512Bf16;
             }
-            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-                return Isa::Avx2;
-            }
+            return Isa::Avx512;
+        }
+        if has_all(AVX2) {
+            return Isa::Avx2;
         }
         Isa::Portable
     }
 
     /// Whether this CPU can run the copy.
     pub fn supported(self) -> bool {
-        match self {
-            Isa::Portable => true,
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx512Bf16 => Isa::detect() == Isa::Avx512Bf16,
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx512Amx => Isa::detect() == Isa::Avx512Bf16 && crate::cpu::amx::unit().is_some(),
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 => matches!(Isa::detect(), Isa::Avx512 | Isa::Avx512Bf16),
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"),
-            #[cfg(not(target_arch = "x86_64"))]
-            _ => false,
+        self.unsupported_reason().is_none()
+    }
+
+    /// The copies this CPU runs, widest first (what tests iterate over).
+    pub fn available() -> Vec<Isa> {
+        Isa::ALL.into_iter().filter(|i| i.supported()).collect()
+    }
+
+    /// Why this CPU cannot run the copy (`None` when it can): the features it needs and whether
+    /// they are hidden by `TESSERA_HIDE_ISA` or absent; for errors and test skip messages.
+    pub fn unsupported_reason(self) -> Option<String> {
+        let (needs, features): (&str, &[Feature]) = match self {
+            Isa::Portable => return None,
+            Isa::Avx2 => ("AVX2 and FMA", &AVX2),
+            Isa::Avx512 => ("AVX-512F/BW/VL/DQ and FMA", &AVX512),
+            Isa::Avx512Bf16 | Isa::Avx512Amx => {
+                ("AVX-512F/BW/VL/DQ, FMA and AVX512-BF16", &AVX512_BF16)
+            }
+        };
+        let states: Vec<State> = features.iter().map(|&f| state(f)).collect();
+        let why = if states.contains(&State::Absent) {
+            Some("which this CPU lacks")
+        } else if states.contains(&State::Hidden) {
+            Some("hidden by TESSERA_HIDE_ISA")
+        } else {
+            None
+        };
+        if let Some(why) = why {
+            return Some(format!("kernel copy {} needs {needs}, {why}", self.name()));
         }
+        #[cfg(target_arch = "x86_64")]
+        if self == Isa::Avx512Amx && crate::cpu::amx::unit().is_none() {
+            let why = crate::cpu::amx::status().err().unwrap_or("unused");
+            return Some(format!(
+                "kernel copy {} needs AMX-BF16 (or TESSERA_AMX_MODEL=1): {why}",
+                self.name()
+            ));
+        }
+        None
     }
 
     /// Short lowercase name (`avx512-bf16`, `avx512`, `avx2`, `portable`).
@@ -112,7 +157,8 @@ macro_rules! isa_entry {
             }
             match isa {
                 // SAFETY: `Isa::detect`, `CpuBackend::with_isa`/`with_paths` and the dispatch
-                // decision only hand out copies whose features this CPU has.
+                // decision only hand out copies whose features this CPU has (they ask
+                // `tessera_core::cpu_features::has`, which hiding can only make stricter).
                 #[cfg(target_arch = "x86_64")]
                 crate::cpu::isa::Isa::Avx512
                 | crate::cpu::isa::Isa::Avx512Bf16

@@ -478,6 +478,7 @@ pub(crate) fn prefetch_rows(src: Src<'_>, off: usize, n: usize, dim: usize) {
 mod tests {
     use super::*;
     use crate::cpu::simd::{Avx512, Portable};
+    use tessera_core::cpu_features::{has, Feature};
     use tessera_core::tensor::ViewData;
 
     /// Copy `S`'s `load_transposed` writes exactly what the element-by-element path writes, for
@@ -522,8 +523,8 @@ mod tests {
     /// The AVX-512 16 × 16 blocks (f32 rows).
     #[test]
     fn block_transpose_equals_scalar() {
-        if !(is_x86_feature_detected!("avx512f")) {
-            eprintln!("skipped: no AVX-512F on this CPU");
+        if !(has(Feature::Avx512f)) {
+            eprintln!("skipped: needs AVX-512F, hidden or absent");
             return;
         }
         // AVX-512F was detected above (the WIDE copy's blocks need it).
@@ -533,8 +534,8 @@ mod tests {
     /// The AVX2 8 × 8 blocks (f32 and bf16 rows).
     #[test]
     fn ymm_block_transpose_equals_scalar() {
-        if !(is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")) {
-            eprintln!("skipped: no AVX2+FMA on this CPU");
+        if !(has(Feature::Avx2) && has(Feature::Fma)) {
+            eprintln!("skipped: needs AVX2+FMA, hidden or absent");
             return;
         }
         // AVX2 and FMA were detected above (the YMM copy's blocks need them).
@@ -544,8 +545,8 @@ mod tests {
     /// The 32-bit word transpose moves every word (NaN bit patterns included) to its place.
     #[test]
     fn word_transpose_moves_words_unchanged() {
-        if !(is_x86_feature_detected!("avx512f")) {
-            eprintln!("skipped: no AVX-512F on this CPU");
+        if !(has(Feature::Avx512f)) {
+            eprintln!("skipped: needs AVX-512F, hidden or absent");
             return;
         }
         let (sl, ld) = (37, 21);

@@ -76,8 +76,9 @@ mod workspace;
 #[cfg(target_arch = "x86_64")]
 pub use amx::MODEL_ENV as AMX_MODEL_ENV;
 
-/// Whether the CPU reports AMX-BF16 and the OS enabled the tile state (what `tessera env` lists as
-/// a CPU feature; [`amx_status`] says whether the kernels use it).
+/// Whether the CPU reports AMX-BF16, the OS enabled the tile state and `TESSERA_HIDE_ISA` does
+/// not hide it ([`tessera_core::cpu_features::amx_hardware`]; [`amx_status`] says whether the
+/// kernels use it).
 pub fn amx_hardware() -> bool {
     #[cfg(target_arch = "x86_64")]
     return amx::hardware().is_ok();
@@ -87,10 +88,17 @@ pub fn amx_hardware() -> bool {
 
 /// Whether this process runs the AMX kernels ([`Isa::Avx512Amx`]), and on what: `Ok("AMX-BF16")`,
 /// `Ok("the software model ...")` under `TESSERA_AMX_MODEL=1`, or `Err` with the reason AMX is
-/// not used (no AMX-BF16, no OS support, the permission refused, the self-check failed).
+/// not used (no AVX512-BF16 or AMX-BF16, no OS support, the permission refused, the self-check
+/// failed, hidden by `TESSERA_HIDE_ISA`).
 pub fn amx_status() -> std::result::Result<&'static str, &'static str> {
     #[cfg(target_arch = "x86_64")]
     {
+        // The rest of the AMX kernels runs on AVX512-BF16 (the model included).
+        if !Isa::Avx512Bf16.supported() {
+            return Err(
+                "the AMX kernels need AVX512-BF16, which this CPU lacks or TESSERA_HIDE_ISA hides",
+            );
+        }
         match (amx::unit(), amx::status()) {
             (Some(amx::Kind::Hw), _) => Ok("AMX-BF16"),
             (Some(amx::Kind::Model), _) => {

@@ -376,7 +376,12 @@ impl PathOverride {
 
 /// "`what` needs `needs`, which this CPU lacks".
 pub(crate) fn unsupported(what: &str, needs: &str) -> Error {
-    Error::Unsupported(format!("{what} needs {needs}, which this CPU lacks"))
+    let lacks = if tessera_core::cpu_features::hidden().is_empty() {
+        "which this CPU lacks"
+    } else {
+        "which this CPU lacks or TESSERA_HIDE_ISA hides"
+    };
+    Error::Unsupported(format!("{what} needs {needs}, {lacks}"))
 }
 
 /// The [`ENV`] override of this process, checked against this CPU: `Ok(None)` when unset or

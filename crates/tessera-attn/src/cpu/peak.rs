@@ -170,6 +170,7 @@ mod x86 {
     use super::{Kernel, PeakPath, CHUNK};
     use std::arch::asm;
     use std::arch::x86_64::*;
+    use tessera_core::cpu_features::{has, Feature};
 
     /// One probe kernel in assembly, so each chain really is one register (compiled from
     /// intrinsics, 16 and 24 accumulators were spilled to the stack and ran slower than 8):
@@ -285,7 +286,7 @@ mod x86 {
     /// FMA on 2 ports; up to 24 (zmm, 32 registers) cover longer latencies (`vdpbf16ps`).
     pub(super) fn kernels() -> Vec<(PeakPath, Kernel)> {
         let mut v: Vec<(PeakPath, Kernel)> = Vec::new();
-        if is_x86_feature_detected!("avx512f") {
+        if has(Feature::Avx512f) {
             v.extend([
                 (PeakPath::Avx512, kernel!(fma512_8, 8, 16, 2)),
                 (PeakPath::Avx512, kernel!(fma512_12, 12, 16, 2)),
@@ -293,7 +294,7 @@ mod x86 {
                 (PeakPath::Avx512, kernel!(fma512_24, 24, 16, 2)),
             ]);
         }
-        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+        if has(Feature::Avx2) && has(Feature::Fma) {
             v.extend([
                 (PeakPath::Avx2, kernel!(fma256_8, 8, 8, 2)),
                 (PeakPath::Avx2, kernel!(fma256_10, 10, 8, 2)),
@@ -301,7 +302,7 @@ mod x86 {
                 (PeakPath::Avx2, kernel!(fma256_14, 14, 8, 2)),
             ]);
         }
-        if is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bf16") {
+        if has(Feature::Avx512f) && has(Feature::Avx512bf16) {
             v.extend([
                 (PeakPath::Bf16Dot, kernel!(dot512_8, 8, 16, 4)),
                 (PeakPath::Bf16Dot, kernel!(dot512_12, 12, 16, 4)),
@@ -378,17 +379,15 @@ mod tests {
         assert_eq!(p.threads, 2);
         #[cfg(target_arch = "x86_64")]
         {
-            let has = |f: bool, g: Option<f64>| {
+            use tessera_core::cpu_features::{has, Feature};
+            let measured_iff = |f: bool, g: Option<f64>| {
                 assert_eq!(f, g.is_some(), "{p:?}");
                 assert!(g.is_none_or(|g| g > 0.0), "{p:?}");
             };
-            has(is_x86_feature_detected!("avx512f"), p.avx512);
-            has(
-                is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"),
-                p.avx2,
-            );
-            has(is_x86_feature_detected!("avx512bf16"), p.bf16_dot);
-            has(crate::cpu::amx::status().is_ok(), p.amx_bf16);
+            measured_iff(has(Feature::Avx512f), p.avx512);
+            measured_iff(has(Feature::Avx2) && has(Feature::Fma), p.avx2);
+            measured_iff(has(Feature::Avx512bf16), p.bf16_dot);
+            measured_iff(crate::cpu::amx::status().is_ok(), p.amx_bf16);
         }
         for path in PeakPath::ALL {
             let want = match path {

@@ -417,11 +417,12 @@ unsafe fn drive<const ACC: bool, const MAX: bool>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tessera_core::cpu_features::{has, Feature};
 
     #[test]
     fn round_bits_is_the_conversion_instruction() {
-        if !(is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bf16")) {
-            println!("skipped: no AVX512-BF16 on this CPU");
+        if !(has(Feature::Avx512f) && has(Feature::Avx512bf16)) {
+            println!("skipped: needs AVX512-BF16, hidden or absent");
             return;
         }
         let mut xs: Vec<f32> = (0..4000)
@@ -467,14 +468,14 @@ mod tests {
 
     #[test]
     fn row_blocks_do_not_change_the_bits_and_integer_sums_are_exact() {
-        if !(is_x86_feature_detected!("avx512f")
-            && is_x86_feature_detected!("avx512bw")
-            && is_x86_feature_detected!("avx512vl")
-            && is_x86_feature_detected!("avx512dq")
-            && is_x86_feature_detected!("avx512bf16")
-            && is_x86_feature_detected!("fma"))
+        if !(has(Feature::Avx512f)
+            && has(Feature::Avx512bw)
+            && has(Feature::Avx512vl)
+            && has(Feature::Avx512dq)
+            && has(Feature::Avx512bf16)
+            && has(Feature::Fma))
         {
-            println!("skipped: no AVX512-BF16 on this CPU");
+            println!("skipped: needs AVX512-BF16, hidden or absent");
             return;
         }
         // Last 16 / 32 / 48 columns in blocks of 16, 8, 4 rows (m = 28: 16 + 8 + 4).
@@ -625,8 +626,8 @@ mod tests {
 
     #[test]
     fn groups_over_their_own_pairs_equal_one_call_per_group() {
-        if !(is_x86_feature_detected!("avx512bf16") && is_x86_feature_detected!("avx512bw")) {
-            println!("skipped: no AVX512-BF16 on this CPU");
+        if !(has(Feature::Avx512bf16) && has(Feature::Avx512bw)) {
+            println!("skipped: needs AVX512-BF16, hidden or absent");
             return;
         }
         // A as P·V reads it: element (row r, pair p) at a[r + p·aps]; n = 64 and a 48 tail.

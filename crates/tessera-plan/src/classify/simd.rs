@@ -37,15 +37,16 @@ impl Level {
     pub fn supported() -> Level {
         #[cfg(target_arch = "x86_64")]
         {
+            use tessera_core::cpu_features::{has, Feature};
             // F with VL/BW/DQ (every AVX-512 CPU since Skylake-SP): what `vectorized` enables.
-            if is_x86_feature_detected!("avx512f")
-                && is_x86_feature_detected!("avx512vl")
-                && is_x86_feature_detected!("avx512bw")
-                && is_x86_feature_detected!("avx512dq")
+            if has(Feature::Avx512f)
+                && has(Feature::Avx512vl)
+                && has(Feature::Avx512bw)
+                && has(Feature::Avx512dq)
             {
                 return Level::Avx512;
             }
-            if is_x86_feature_detected!("avx2") {
+            if has(Feature::Avx2) {
                 return Level::Avx2;
             }
         }
@@ -655,7 +656,7 @@ mod tests {
         // Every level at or below the supported one is exercised by the test above; on an
         // x86-64 CI machine that is at least AVX2.
         #[cfg(target_arch = "x86_64")]
-        if is_x86_feature_detected!("avx2") {
+        if tessera_core::cpu_features::has(tessera_core::cpu_features::Feature::Avx2) {
             assert!(Level::all_supported().contains(&Level::Avx2));
         }
         assert!(Level::detect() <= Level::supported());

@@ -989,6 +989,7 @@ unsafe fn item(cx: &BwdCtx<'_>, inp: &Inputs<'_>, ws: &mut Ws, it: DkvItem<'_>) 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tessera_core::cpu_features::{has, Feature};
 
     /// `round_pairs` of rows `i0..i0 + m`, keys `0..nkp` of the two-pass `P`, `dS` (`s2`, `dp2`)
     /// equals the one-pass pairs `got` over keys `0..nkp` of every row (rows outside the block
@@ -1025,8 +1026,8 @@ mod tests {
     /// underflows (dS forced to 0) and an LSE below the logits (the cap at 88).
     #[test]
     fn one_pass_full_tile_equals_the_two_passes() {
-        if !(is_x86_feature_detected!("avx512bf16") && is_x86_feature_detected!("avx512bw")) {
-            println!("skipped: no AVX512-BF16 on this CPU");
+        if !(has(Feature::Avx512bf16) && has(Feature::Avx512bw)) {
+            println!("skipped: needs AVX512-BF16, hidden or absent");
             return;
         }
         let (tk, nq, nk, mq, sc) = (64, 13, 37, 16, 0.125f32);
@@ -1089,8 +1090,8 @@ mod tests {
     /// key counts; the padding keys are zero.
     #[test]
     fn kv_packing_matches_the_elementwise_layout() {
-        if !(is_x86_feature_detected!("avx512bf16") && is_x86_feature_detected!("avx512bw")) {
-            println!("skipped: no AVX512-BF16 on this CPU");
+        if !(has(Feature::Avx512bf16) && has(Feature::Avx512bw)) {
+            println!("skipped: needs AVX512-BF16, hidden or absent");
             return;
         }
         let tk = 64;
@@ -1139,8 +1140,8 @@ mod tests {
     /// rows' pairs untouched.
     #[test]
     fn one_pass_partial_block_equals_the_masked_two_passes() {
-        if !(is_x86_feature_detected!("avx512bf16") && is_x86_feature_detected!("avx512bw")) {
-            println!("skipped: no AVX512-BF16 on this CPU");
+        if !(has(Feature::Avx512bf16) && has(Feature::Avx512bw)) {
+            println!("skipped: needs AVX512-BF16, hidden or absent");
             return;
         }
         let (tk, nq, nk, sc) = (128, 27, 117, 0.125f32);
@@ -1208,13 +1209,14 @@ mod tests {
 #[cfg(test)]
 mod pack_tests {
     use super::*;
+    use tessera_core::cpu_features::{has, Feature};
 
     /// The AVX-512 pair interleave writes what the scalar one does, for ragged widths (tails
     /// under 16 and 32), an odd row count and zero padding.
     #[test]
     fn vector_row_pairs_equal_the_scalar_ones() {
-        if !is_x86_feature_detected!("avx512bw") {
-            println!("skipped: no AVX-512BW on this CPU");
+        if !has(Feature::Avx512bw) {
+            println!("skipped: needs AVX-512BW, hidden or absent");
             return;
         }
         for &(n, dim, ld, rows) in &[
