@@ -11,6 +11,7 @@ use tessera_attn::{
     check_inputs, AttnInputs, AttnOptions, Backend, BackwardOutput, CpuBackend, CpuPlan,
     CpuWorkspace, ForwardBufs, ForwardOutput, GradBufs, GradInputs, Par, StridedView,
 };
+use tessera_conformance::cpu_backend_or_skip;
 use tessera_conformance::workloads::packed_segments;
 use tessera_conformance::{reference, run_case, standard_cases};
 use tessera_core::{DType, Tensor, TensorData};
@@ -290,8 +291,7 @@ fn every_kernel_copy_passes_a_sample_of_the_suite() {
         .collect();
     assert_eq!(cases.len(), names.len());
     for isa in Isa::ALL {
-        let Ok(be) = CpuBackend::with_isa(isa) else {
-            eprintln!("skipping {isa:?}: not supported here");
+        let Some(be) = cpu_backend_or_skip(isa) else {
             continue;
         };
         for c in &cases {
@@ -627,8 +627,7 @@ fn api_probs() -> Vec<Prob> {
 #[test]
 fn strided_and_expanded_inputs_match_contiguous_copies_bit_for_bit() {
     for isa in Isa::ALL {
-        let Ok(be) = CpuBackend::with_isa(isa) else {
-            eprintln!("skipping {isa:?}: not supported here");
+        let Some(be) = cpu_backend_or_skip(isa) else {
             continue;
         };
         for dtype in [DType::F32, DType::BF16] {
@@ -810,8 +809,7 @@ fn a_workspace_reused_across_problems_matches_fresh_ones() {
     // One workspace per kernel copy, and one shared by all of them.
     let mut shared = CpuWorkspace::default();
     for isa in Isa::ALL {
-        let Ok(be) = CpuBackend::with_isa(isa) else {
-            eprintln!("skipping {isa:?}: not supported here");
+        let Some(be) = cpu_backend_or_skip(isa) else {
             continue;
         };
         let mut own = CpuWorkspace::default();
@@ -879,8 +877,7 @@ fn large_logits_keep_f32_accuracy_on_every_copy() {
         };
         let r = reference::forward(q.view(), k.view(), v.view(), &mask, &opts).unwrap();
         for isa in [Isa::Portable, Isa::Avx2, Isa::Avx512] {
-            let Ok(be) = CpuBackend::with_isa(isa) else {
-                eprintln!("skipping {isa:?}: not supported here");
+            let Some(be) = cpu_backend_or_skip(isa) else {
                 continue;
             };
             let f = be.forward(&inp(&q, &k, &v), &p, &opts).unwrap();

@@ -20,10 +20,12 @@
 //! # Ok::<(), tessera_core::Error>(())
 //! ```
 
+pub mod backends;
 pub mod reference;
 pub mod suite;
 pub mod workloads;
 
+pub use backends::{cpu_backend_or_skip, cpu_backends_or_skip};
 pub use suite::{
     dispatch_cases, rel_error, run_case, run_group_or_skip, run_suite, standard_cases, Case,
     CaseReport, Metric, Tolerances, MAG_FLOOR,

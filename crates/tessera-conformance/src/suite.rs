@@ -1036,6 +1036,9 @@ pub fn run_group_or_skip<B: Backend, E: std::fmt::Display>(
     make: impl FnOnce() -> std::result::Result<B, E>,
     group: &str,
 ) {
+    if let Err(e) = tessera_core::cpu_features::check_hide_env() {
+        panic!("{e}");
+    }
     let backend = match make() {
         Ok(b) => b,
         Err(e) => {

@@ -11,7 +11,7 @@
 
 use tessera_attn::cpu::{Isa, AMX_MODEL_ENV};
 use tessera_attn::CpuBackend;
-use tessera_conformance::{run_case, standard_cases};
+use tessera_conformance::{cpu_backend_or_skip, run_case, standard_cases};
 use tessera_core::DType;
 
 #[test]
@@ -19,12 +19,9 @@ fn every_case_in_bf16_on_the_amx_path() {
     // Only this process's own kernels read the variable, and every test in this binary sets the
     // same value before using them.
     std::env::set_var(AMX_MODEL_ENV, "1");
-    let be = match CpuBackend::with_isa(Isa::Avx512Amx) {
-        Ok(be) => be,
-        Err(e) => {
-            eprintln!("skipped: {e}");
-            return;
-        }
+    // Needs AVX512-BF16 underneath, model or not.
+    let Some(be) = cpu_backend_or_skip(Isa::Avx512Amx) else {
+        return;
     };
     let dot = CpuBackend::with_isa(Isa::Avx512Bf16).expect("AVX512-BF16 where AMX runs");
     let mut failed = Vec::new();
