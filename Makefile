@@ -69,4 +69,9 @@ $(XLA_VENV)/.deps: Makefile
 
 test-xla: $(XLA_VENV)/.deps wheel
 	$(XLA_PY) -m pip install -q --no-deps --force-reinstall $(WHEEL_DIR)/tessera-*.whl
-	PJRT_DEVICE=CPU TESSERA_WHEEL="$$(ls $(WHEEL_DIR)/tessera-*.whl)" $(XLA_PY) -m pytest bindings/python/tests/test_torch_xla.py -q
+	PJRT_DEVICE=CPU TESSERA_WHEEL="$$(ls $(WHEEL_DIR)/tessera-*.whl)" $(XLA_PY) -m pytest -q \
+		bindings/python/tests/test_torch_xla.py $(XLA_ALSO)
+
+# The oldest supported torch and JAX run the CPU ops' suites too (the package's version floor).
+XLA_ALSO := $(addprefix bindings/python/tests/,test_torch_attention.py test_jax_attention.py \
+	test_jax_splash.py test_masks_plans.py)

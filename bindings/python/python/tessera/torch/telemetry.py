@@ -297,7 +297,15 @@ class Telemetry:
         import numpy as np
 
         pend = [_Entry(t) for t in self._pending]
-        stats = np.stack([np.asarray(e.stats.detach().cpu().numpy(), dtype=np.float64) for e in pend])
+        parts = [e.stats.detach() for e in pend]
+        if len({(t.device, t.dtype, tuple(t.shape)) for t in parts}) == 1:
+            import torch
+
+            # one device-to-host transfer for the whole read (one per record on an XLA device
+            # otherwise)
+            stats = np.asarray(torch.stack(parts).cpu().numpy(), dtype=np.float64)
+        else:
+            stats = np.stack([np.asarray(t.cpu().numpy(), dtype=np.float64) for t in parts])
         lines = _tessera.telemetry_records(
             stats,
             [e.step for e in pend],
