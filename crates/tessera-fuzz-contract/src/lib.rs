@@ -250,6 +250,21 @@ impl Resolver for FuzzData {
         SegmentIds::named(name, rows, len, vals)
     }
 
+    /// Ids of `document(NAME)`: a name starting with `k` is key-side (`Lkv` long), others
+    /// query-side, seeded by the name (so `document(a)` needs `Lq == Lkv`, else planning refuses).
+    fn segment_ids(&self, name: &str) -> Result<SegmentIds> {
+        let h = name.bytes().fold(self.seed as u64, |a, b| {
+            a.wrapping_mul(31).wrapping_add(b as u64)
+        });
+        let len = if name.starts_with('k') {
+            self.kv_len
+        } else {
+            self.q_len
+        };
+        let rows = if h.is_multiple_of(2) { 1 } else { self.batch };
+        Ok(seg_ids(rows, len, h % 97))
+    }
+
     /// `[1 or B, 1 or H, ceil(Lq / QB), k]` kv blocks with -1 and duplicates; one path in 16
     /// holds an entry one past the last block (a user error when planned).
     fn blocks(&self, path: &str, q_block: usize, kv_block: usize) -> Result<BlockSelection> {
