@@ -41,7 +41,17 @@ def document(ids: Any, kv_ids: Any = None) -> Mask:
     batch row) or ``[B, L]``; pass ``kv_ids`` for cross attention."""
     q = _int_ids("ids", ids)
     k = None if kv_ids is None else _int_ids("kv_ids", kv_ids)
+    if k is not None:
+        _cross_rows("ids", q, "kv_ids", k)
     return _tessera.document(q, k)
+
+
+def _cross_rows(q_name: str, q: Any, kv_name: str, k: Any) -> None:
+    """Cross attention's ids agree on rows (1 broadcasts), checked here so that the error names
+    the caller's arguments (the planner's own check names the CLI's flags)."""
+    rq, rk = (a.shape[0] if a.ndim == 2 else 1 for a in (q, k))
+    if rq != rk and 1 not in (rq, rk):
+        raise ValueError(f"{kv_name}: expected 1 or {rq} rows (as {q_name}), found {rk}")
 
 
 def band(q_feature: Any, kv_feature: Any, lo: int, hi: int) -> Mask:
@@ -114,6 +124,8 @@ def mask(
     seg = None if segments is None else _int_ids("segments", segments)
     qs = None if q_segments is None else _int_ids("q_segments", q_segments)
     ks = None if kv_segments is None else _int_ids("kv_segments", kv_segments)
+    if qs is not None and ks is not None:
+        _cross_rows("q_segments", qs, "kv_segments", ks)
     table = None
     if dense is not None:
         if not isinstance(dense, dict):
