@@ -16,7 +16,8 @@ Masks use the same algebra and spelling as the Rust API and the ``tessera`` CLI:
 ``document(ids)``, ``band(q_feature, kv_feature, lo, hi)``, ``dense(array)``,
 ``blocks(kv_tiles, block)``, ``heads([...])`` combined with ``&``, ``|`` and ``~``, or the text form
 ``tessera.mask("causal & document", segments=ids)``. :func:`plan_from_blocks` plans a per-step
-block selection (a MoBA / NSA gate's top-k) intersected with a mask. Layout helpers build the
+block selection (a MoBA / NSA gate's top-k) intersected with a mask; :func:`from_mask_mod` plans a
+FlexAttention ``mask_mod`` exactly, pair by pair. Layout helpers build the
 masks of common token layouts from a few of those leaves (``tessera.layouts``): ``neighborhood``
 (NATTEN), ``tiled_neighborhood`` (Sliding Tile Attention), ``tile_order``, ``dilated_window``,
 ``global_tokens``; docs/mask-cookbook.md writes the masks published for FlexAttention with them.
@@ -30,6 +31,7 @@ from typing import Any
 from . import _tessera
 from ._tessera import Mask
 from .core.layouts import dilated_window, global_tokens, neighborhood, tile_order, tiled_neighborhood
+from .core.mask_mod import MaskModHint, from_mask_mod
 from .core.masks import band, blocks, causal, chunk, dense, document, full, heads, mask, prefix, window
 from .core.pack import pack
 from .core.plans import Plan, cache_stats, plan, plan_from_blocks
@@ -55,6 +57,8 @@ __all__ = [
     "global_tokens",
     "plan",
     "plan_from_blocks",
+    "from_mask_mod",
+    "MaskModHint",
     "pack",
     "cache_stats",
     "Telemetry",
