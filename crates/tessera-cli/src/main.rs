@@ -101,17 +101,10 @@ fn main() -> ExitCode {
         }
     };
     let ctx = ctx::Ctx::new(cli.global);
-    let result = match cli.command {
-        Command::Plan(a) => cmd::plan::run(a, &ctx),
-        Command::Demo(a) => cmd::demo::run(a, &ctx),
-        Command::Pack(a) => cmd::pack::run(a, &ctx),
-        Command::Cache(a) => cmd::cache::run(a, &ctx),
-        Command::Telemetry(a) => cmd::telemetry::run(a, &ctx),
-        Command::Attend(a) => cmd::attend::run(*a, &ctx),
-        Command::Bench(a) => cmd::bench::run(a, &ctx),
-        Command::Env(a) => cmd::env::run(a, &ctx),
-        Command::CpSim(a) => cmd::cp_sim::run(a, &ctx),
-    };
+    // Every command plans or runs kernels on the CPU features left to it, so a malformed
+    // TESSERA_HIDE_ISA is refused up front (the library only warns).
+    let result =
+        tessera::core::cpu_features::check_hide_env().and_then(|()| run(cli.command, &ctx));
     let code = match result {
         Ok(()) => 0,
         Err(e) => {
@@ -124,4 +117,18 @@ fn main() -> ExitCode {
         return ExitCode::from(1);
     }
     ExitCode::from(code as u8)
+}
+
+fn run(command: Command, ctx: &ctx::Ctx) -> tessera::core::Result<()> {
+    match command {
+        Command::Plan(a) => cmd::plan::run(a, ctx),
+        Command::Demo(a) => cmd::demo::run(a, ctx),
+        Command::Pack(a) => cmd::pack::run(a, ctx),
+        Command::Cache(a) => cmd::cache::run(a, ctx),
+        Command::Telemetry(a) => cmd::telemetry::run(a, ctx),
+        Command::Attend(a) => cmd::attend::run(*a, ctx),
+        Command::Bench(a) => cmd::bench::run(a, ctx),
+        Command::Env(a) => cmd::env::run(a, ctx),
+        Command::CpSim(a) => cmd::cp_sim::run(a, ctx),
+    }
 }

@@ -7,6 +7,7 @@
 
 use std::path::Path;
 use tessera::attn::cpu::dispatch::Decision;
+use tessera::core::cpu_features::{self, Feature, State, HIDE_ENV};
 use tessera::core::DType;
 
 /// Build and machine facts of this run.
@@ -23,9 +24,11 @@ pub struct Manifest {
     pub arch: String,
     /// CPU model name (`/proc/cpuinfo` on Linux), or "unknown".
     pub cpu_model: String,
-    /// SIMD features detected at run time, among `avx2`, `avx512f`, `avx512bf16`, `amx-bf16`
-    /// (empty off x86_64).
+    /// SIMD features detected at run time and not hidden, among `avx2`, `avx512f`, `avx512bf16`,
+    /// `amx-bf16` (empty off x86_64).
     pub cpu_features: Vec<String>,
+    /// Those of them the CPU has but `TESSERA_HIDE_ISA` hides (so the kernels do not use them).
+    pub hidden_cpu_features: Vec<String>,
     /// Whether the AMX kernels run here ("AMX-BF16", or the model under `TESSERA_AMX_MODEL=1`),
     /// or why not.
     pub amx: String,
@@ -65,7 +68,8 @@ pub fn collect(cache_dir: Option<&Path>, kernels: Option<&Decision>) -> Manifest
         os: os_description(),
         arch: std::env::consts::ARCH.to_string(),
         cpu_model: tessera::attn::cpu::dispatch::cpu_model(),
-        cpu_features: cpu_features(),
+        cpu_features: cpu_features(State::Available),
+        hidden_cpu_features: cpu_features(State::Hidden),
         amx: match tessera::attn::cpu::amx_status() {
             Ok(on) => format!("used: {on}"),
             Err(why) => format!("not used: {why}"),
@@ -82,11 +86,17 @@ impl Manifest {
     /// One `key: value` line per field.
     pub fn to_text(&self) -> String {
         let or_none = |v: &Option<String>| v.clone().unwrap_or_else(|| "none".to_string());
-        let features = if self.cpu_features.is_empty() {
+        let mut features = if self.cpu_features.is_empty() {
             "none".to_string()
         } else {
             self.cpu_features.join(" ")
         };
+        if !self.hidden_cpu_features.is_empty() {
+            features += &format!(
+                " (hidden by {HIDE_ENV}: {})",
+                self.hidden_cpu_features.join(" ")
+            );
+        }
         let threads = match &self.rayon_num_threads {
             Some(v) => format!("{} (RAYON_NUM_THREADS={v})", self.threads),
             None => self.threads.to_string(),
@@ -125,27 +135,18 @@ fn os_description() -> String {
     }
 }
 
-#[cfg(target_arch = "x86_64")]
-fn cpu_features() -> Vec<String> {
-    let mut f = Vec::new();
-    if std::arch::is_x86_feature_detected!("avx2") {
-        f.push("avx2");
-    }
-    if std::arch::is_x86_feature_detected!("avx512f") {
-        f.push("avx512f");
-    }
-    if std::arch::is_x86_feature_detected!("avx512bf16") {
-        f.push("avx512bf16");
-    }
-    if tessera::attn::cpu::amx_hardware() {
-        f.push("amx-bf16");
-    }
-    f.into_iter().map(String::from).collect()
-}
-
-#[cfg(not(target_arch = "x86_64"))]
-fn cpu_features() -> Vec<String> {
-    Vec::new()
+/// The features `tessera env` lists that are in `state` (all absent off x86_64).
+fn cpu_features(state: State) -> Vec<String> {
+    [
+        Feature::Avx2,
+        Feature::Avx512f,
+        Feature::Avx512bf16,
+        Feature::AmxBf16,
+    ]
+    .into_iter()
+    .filter(|&f| cpu_features::state(f) == state)
+    .map(|f| f.name().to_string())
+    .collect()
 }
 
 #[cfg(test)]
@@ -173,9 +174,12 @@ mod tests {
         ] {
             assert!(text.contains(key), "{key} in {text}");
         }
-        #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx2") {
+        if cpu_features::has(Feature::Avx2) {
             assert!(m.cpu_features.contains(&"avx2".to_string()));
+        }
+        for f in &m.hidden_cpu_features {
+            assert!(!m.cpu_features.contains(f), "{f} both available and hidden");
+            assert!(text.contains(&format!("hidden by {HIDE_ENV}:")), "{text}");
         }
     }
 

@@ -42,10 +42,13 @@ fn bench_json_reports_every_case_with_its_ratio() {
     ]);
     assert!(v["manifest"].is_object(), "manifest missing: {v}");
     let peaks = &v["peaks"];
-    assert!(
+    // The f32 peaks are FMA probes: a CPU without AVX2 (or with it hidden) has none.
+    let fma = tessera::core::cpu_features::has(tessera::core::cpu_features::Feature::Fma);
+    assert_eq!(
         ["avx2", "avx512"]
             .iter()
             .any(|p| peaks[p].as_f64().is_some_and(|g| g > 0.0)),
+        fma,
         "f32 peak: {peaks}"
     );
     let rows = v["rows"].as_array().expect("rows");
@@ -256,10 +259,12 @@ fn bench_rejects_bad_options_with_one_line() {
 #[test]
 fn bench_refuses_a_forced_path_the_cpu_lacks() {
     #[cfg(target_arch = "x86_64")]
+    use tessera::core::cpu_features::{has, Feature};
+    #[cfg(target_arch = "x86_64")]
     let lacks: Vec<&[&str]> = [
-        (!std::arch::is_x86_feature_detected!("avx512bf16")).then_some(&["--bf16-path", "dot"][..]),
-        (!std::arch::is_x86_feature_detected!("avx512f")).then_some(&["--isa", "avx512"][..]),
-        (!std::arch::is_x86_feature_detected!("avx2")).then_some(&["--isa", "avx2"][..]),
+        (!has(Feature::Avx512bf16)).then_some(&["--bf16-path", "dot"][..]),
+        (!has(Feature::Avx512f)).then_some(&["--isa", "avx512"][..]),
+        (!has(Feature::Avx2)).then_some(&["--isa", "avx2"][..]),
     ]
     .into_iter()
     .flatten()

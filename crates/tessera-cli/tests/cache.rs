@@ -466,3 +466,42 @@ fn env_reports_kernel_paths_and_why() {
         "nothing stored"
     );
 }
+
+/// `TESSERA_HIDE_ISA`: `tessera env` lists what it hides as hidden, not available, and with
+/// every SIMD feature hidden only the portable kernels are left; an unknown name is refused
+/// with one line (exit 2).
+#[test]
+fn env_reports_hidden_cpu_features() {
+    let hide_all = |args: &[&str]| {
+        let o = tessera(args)
+            .env("TESSERA_HIDE_ISA", "avx2,avx512,amx")
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", stderr(&o));
+        o
+    };
+    let m: Value =
+        serde_json::from_slice(&hide_all(&["env", "--json", "--no-cache"]).stdout).unwrap();
+    assert_eq!(m["cpu_features"], serde_json::json!([]), "{m}");
+    assert_eq!(m["kernel_paths"]["f32"]["path"], "portable", "{m}");
+    assert_eq!(m["kernel_paths"]["bf16"]["path"], "widen-portable", "{m}");
+    let hidden = m["hidden_cpu_features"].as_array().expect("a list").len();
+    let text = String::from_utf8_lossy(&hide_all(&["env", "--no-cache"]).stdout).into_owned();
+    assert_eq!(
+        text.contains("(hidden by TESSERA_HIDE_ISA: "),
+        hidden > 0,
+        "{text}"
+    );
+
+    let o = tessera(&["env", "--no-cache"])
+        .env("TESSERA_HIDE_ISA", "avx512,sse9")
+        .output()
+        .unwrap();
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+    assert!(
+        err.contains("TESSERA_HIDE_ISA") && err.contains("\"sse9\""),
+        "{err}"
+    );
+}
