@@ -26,6 +26,7 @@ import pytest
 torch_xla = pytest.importorskip("torch_xla", reason="torch_xla is not installed (make test-xla runs this suite)")
 
 import torch  # noqa: E402
+import torch_xla.core.xla_model as xm  # noqa: E402
 import torch_xla.debug.metrics as met  # noqa: E402
 
 import tessera  # noqa: E402
@@ -182,6 +183,7 @@ def test_plans_of_equal_shapes_reuse_the_graph_eagerly_with_identical_hlo():
         loss.backward()
         before_from, runs = _metric("TransferFromDeviceTime"), met.counter_value("ExecuteComputation") or 0
         torch_xla.sync()  # the loss and the grads are live: the step's graph runs here
+        xm.wait_device_ops()  # (the execution is asynchronous; its counter moves when it ends)
         assert (met.counter_value("ExecuteComputation") or 0) > runs
         assert _metric("TransferFromDeviceTime") == before_from  # nothing read back in a step
         compiles.append(_metric("CompileTime"))
