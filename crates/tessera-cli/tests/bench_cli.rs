@@ -90,8 +90,9 @@ fn bench_json_reports_every_case_with_its_ratio() {
 /// path is the run's path for its dtype.
 fn check_pct_peak(r: &serde_json::Value, peaks: &serde_json::Value) {
     let Some(path) = r["peak_path"].as_str() else {
-        assert_eq!(
-            r["path"], "portable",
+        // Seen on a CPU without AVX2 (TESSERA_HIDE_ISA=avx2): bf16 rows run `widen-portable`.
+        assert!(
+            r["path"] == "portable" || r["path"] == "widen-portable",
             "only the portable copy has no peak: {r}"
         );
         assert!(r["pct_peak"].is_null(), "{r}");
