@@ -63,6 +63,12 @@ fn _tessera(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("TELEMETRY_COLUMNS", attention::STAT_COLUMNS)?;
     m.add("isa", tessera::CpuBackend::new().paths().to_string())?;
+    // The library only reports a TESSERA_HIDE_ISA with unknown names; here it reaches the user.
+    if let Some(w) = tessera::core::cpu_features::hide_warning() {
+        let msg = std::ffi::CString::new(w).unwrap_or_default();
+        let category = m.py().get_type::<pyo3::exceptions::PyRuntimeWarning>();
+        PyErr::warn(m.py(), category.as_any(), &msg, 1)?;
+    }
     m.add(
         "amx",
         match tessera::attn::cpu::amx_status() {
