@@ -100,10 +100,10 @@ impl Isa {
                 ("AVX-512F/BW/VL/DQ, FMA and AVX512-BF16", &AVX512_BF16)
             }
         };
-        let states: Vec<State> = features.iter().map(|&f| state(f)).collect();
-        let why = if states.contains(&State::Absent) {
+        let any = |s: State| features.iter().any(|&f| state(f) == s);
+        let why = if any(State::Absent) {
             Some("which this CPU lacks")
-        } else if states.contains(&State::Hidden) {
+        } else if any(State::Hidden) {
             Some("hidden by TESSERA_HIDE_ISA")
         } else {
             None
