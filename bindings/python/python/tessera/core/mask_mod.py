@@ -10,7 +10,8 @@ Contract: :func:`from_mask_mod` evaluates ``mask_mod(b, h, q_idx, kv_idx)`` on e
 0-d int64 tensors), falling back to ``torch.vmap`` (as ``create_block_mask`` evaluates) for a
 ``mask_mod`` that does not broadcast; each chunk is packed to bits at once, so memory is the
 packed mask, ``B'·H'·Lq·ceil(Lkv/64)·8`` bytes (an eighth of a byte per pair: 32 MiB at 16K x
-16K), plus one chunk of about ``2**20`` pairs. torch is imported on call only.
+16K), plus one chunk of about ``2**20`` pairs (``2**22`` with several torch threads). torch is
+imported on call only.
 
 When the evaluated mask is, exactly, one of the masks Tessera plans analytically (full, causal,
 sliding window, prefix-LM, documents, causal documents; checked row by row on the evaluated
@@ -30,9 +31,12 @@ from .._tessera import Mask
 from .args import _block_pair
 from .plans import Plan, _plan
 
-# Pairs per evaluated chunk: the mask_mod's int64 temporaries (8 MiB each) stay near the caches
-# whatever the lengths (measured: 2**20 pairs a little faster than 2**22 and 2**18).
+# Pairs per evaluated chunk. On one torch thread the mask_mod's int64 temporaries (8 MiB) stay
+# near the caches (2**20 pairs measured faster than 2**18 and 2**21); with several threads every
+# op of every chunk is a parallel region whose fork and join (slow on a busy machine) cost more
+# than the cache misses, so chunks are 4x larger (fewer regions), 32 MiB temporaries.
 CHUNK_PAIRS = 1 << 20
+CHUNK_PAIRS_THREADED = 1 << 22
 
 
 class MaskModHint(UserWarning):
@@ -154,7 +158,7 @@ def from_mask_mod(
     that cannot broadcast (Python control flow on its arguments) is evaluated through
     ``torch.vmap`` as ``create_block_mask`` does. Memory: the packed mask,
     ``B·H·q_len·ceil(kv_len/64)·8`` bytes (32 MiB at 16K x 16K per (b, h)), plus a chunk of
-    about 1M pairs; time: one pass over every pair.
+    about 1M pairs (4M with several torch threads); time: one pass over every pair.
 
     With ``hint`` (the default), a mask that equals one of Tessera's analytic expressions
     (full, causal, sliding window, prefix-LM, documents, causal documents), verified row by row
@@ -173,7 +177,9 @@ def from_mask_mod(
     hh = _length("heads", heads, optional=True)
     bb = _length("batch", batch, optional=True)
     _block_pair("block", block)  # checked before the evaluation; the planner checks the sizes
-    rows = max(1, CHUNK_PAIRS // lkv)
+    import torch
+
+    rows = max(1, (CHUNK_PAIRS if torch.get_num_threads() == 1 else CHUNK_PAIRS_THREADED) // lkv)
     shape = (bb or 1, hh or 1, lq, lkv)
     packed = _evaluate(mask_mod, shape, rows, device)
     # Rows or heads that all evaluated alike collapse to one (the dense leaf broadcasts), so a
