@@ -226,3 +226,21 @@ def test_a_one_dimensional_result_is_refused_not_broadcast():
     # a constant and a [1, L] row broadcast
     _check(lambda b, h, q, kv: torch.tensor(True), 70, 90, block=32)
     _check(lambda b, h, q, kv: kv < 33, 70, 90, block=32)
+
+
+def test_chunks_on_python_threads_restore_torch_threads():
+    n = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        # 3000 x 700: three chunks, the last two on the pool
+        _check(lambda b, h, q, kv: (q // 7 + kv) % 5 != 0, 3000, 700, block=64)
+        assert torch.get_num_threads() == 2
+
+        def bad(b, h, q, kv):  # a later chunk returns integers: its error reaches the caller
+            return (q >= kv) if q[0, 0] < 2000 else q - kv
+
+        with pytest.raises(TypeError, match="mask_mod.*bool"):
+            tessera.from_mask_mod(bad, 3000, 700)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(n)

@@ -10,8 +10,8 @@ Contract: :func:`from_mask_mod` evaluates ``mask_mod(b, h, q_idx, kv_idx)`` on e
 0-d int64 tensors), falling back to ``torch.vmap`` (as ``create_block_mask`` evaluates) for a
 ``mask_mod`` that does not broadcast; each chunk is packed to bits at once, so memory is the
 packed mask, ``B'·H'·Lq·ceil(Lkv/64)·8`` bytes (an eighth of a byte per pair: 32 MiB at 16K x
-16K), plus one chunk of about ``2**20`` pairs (``2**22`` with several torch threads). torch is
-imported on call only.
+16K), plus a chunk of about ``2**20`` pairs per torch thread (the chunks run on as many Python
+threads, torch's own thread count set to 1 meanwhile). torch is imported on call only.
 
 When the evaluated mask is, exactly, one of the masks Tessera plans analytically (full, causal,
 sliding window, prefix-LM, documents, causal documents; checked row by row on the evaluated
@@ -31,12 +31,9 @@ from .._tessera import Mask
 from .args import _block_pair
 from .plans import Plan, _plan
 
-# Pairs per evaluated chunk. On one torch thread the mask_mod's int64 temporaries (8 MiB) stay
-# near the caches (2**20 pairs measured faster than 2**18 and 2**21); with several threads every
-# op of every chunk is a parallel region whose fork and join (slow on a busy machine) cost more
-# than the cache misses, so chunks are 4x larger (fewer regions), 32 MiB temporaries.
+# Pairs per evaluated chunk: the mask_mod's int64 temporaries (8 MiB) stay near the caches
+# (2**20 pairs measured faster than 2**18 and 2**21 on one thread).
 CHUNK_PAIRS = 1 << 20
-CHUNK_PAIRS_THREADED = 1 << 22
 
 
 class MaskModHint(UserWarning):
@@ -95,40 +92,61 @@ def _vmapped(mask_mod: Callable) -> Callable:
     return run
 
 
-def _evaluate(mask_mod: Callable, shape: Tuple[int, int, int, int], rows: int, device: Any) -> np.ndarray:
+def _evaluate(mask_mod: Callable, shape: Tuple[int, int, int, int], device: Any) -> np.ndarray:
     """Packed rows ``uint64 [B', H', Lq, ceil(Lkv / 64)]`` of ``mask_mod`` (bit ``j % 64`` of
-    word ``j // 64`` is key ``j``), evaluated ``rows`` query rows at a time."""
+    word ``j // 64`` is key ``j``), evaluated in chunks of about :data:`CHUNK_PAIRS` pairs.
+
+    On the CPU with ``n > 1`` torch threads the chunks run on ``n`` Python threads, each op on
+    one torch thread (torch's thread count is 1 during the call, restored after): every op of a
+    chunk would otherwise be a parallel region, and their forks and joins cost more than the ops
+    (4-10x on a busy 2-core machine, measured); torch ops release the GIL."""
     import torch
 
     bb, hh, lq, lkv = shape
-    words = -(-lkv // 64)
-    out = np.zeros((bb, hh, lq, words * 8), dtype=np.uint8)
+    rows = max(1, CHUNK_PAIRS // lkv)
+    out = np.zeros((bb, hh, lq, -(-lkv // 64) * 8), dtype=np.uint8)
     kv_idx = torch.arange(lkv, device=device)
     kv_row = kv_idx[None, :]
-    fn = None  # None: broadcasting; else the vmapped form, once broadcasting failed
-    for b in range(bb):
-        bt = torch.tensor(b, device=device)
-        for h in range(hh):
-            ht = torch.tensor(h, device=device)
-            for r0 in range(0, lq, rows):
-                r1 = min(lq, r0 + rows)
-                q_idx = torch.arange(r0, r1, device=device)
-                if fn is None:
-                    try:
-                        got = mask_mod(bt, ht, q_idx[:, None], kv_row)
-                    except (TypeError, ValueError):
-                        raise
-                    except Exception as e:  # noqa: BLE001 (python control flow on tensors, ...)
-                        fn = _vmapped(mask_mod)
-                        try:
-                            got = fn(bt, ht, q_idx, kv_idx)
-                        except Exception:  # noqa: BLE001
-                            raise e from None
-                else:
-                    got = fn(bt, ht, q_idx, kv_idx)
-                got = _check_result(got, r1 - r0, lkv)
-                # 8 bits a byte, little-endian: the bytes of the row's words, as DenseMask keeps them
-                out[b, h, r0:r1, : -(-lkv // 8)] = np.packbits(got.cpu().numpy(), axis=-1, bitorder="little")
+    fn = [None]  # None: broadcasting; else the vmapped form, once broadcasting failed
+
+    def chunk(b: int, h: int, r0: int) -> None:
+        bt, ht = torch.tensor(b, device=device), torch.tensor(h, device=device)
+        r1 = min(lq, r0 + rows)
+        q_idx = torch.arange(r0, r1, device=device)
+        if fn[0] is None:
+            try:
+                got = mask_mod(bt, ht, q_idx[:, None], kv_row)
+            except (TypeError, ValueError):
+                raise
+            except Exception as e:  # noqa: BLE001 (python control flow on tensors, ...)
+                fn[0] = _vmapped(mask_mod)
+                try:
+                    got = fn[0](bt, ht, q_idx, kv_idx)
+                except Exception:  # noqa: BLE001
+                    raise e from None
+        else:
+            got = fn[0](bt, ht, q_idx, kv_idx)
+        got = _check_result(got, r1 - r0, lkv)
+        # 8 bits a byte, little-endian: the bytes of the row's words, as DenseMask keeps them
+        out[b, h, r0:r1, : -(-lkv // 8)] = np.packbits(got.cpu().numpy(), axis=-1, bitorder="little")
+
+    work = [(b, h, r0) for b in range(bb) for h in range(hh) for r0 in range(0, lq, rows)]
+    # The first chunk alone decides broadcasting or vmap (and raises a bad result's error).
+    chunk(*work[0])
+    threads = torch.get_num_threads()
+    if threads == 1 or len(work) == 1 or torch.device(device).type != "cpu":
+        for w in work[1:]:
+            chunk(*w)
+        return out.view(np.uint64)
+    from concurrent.futures import ThreadPoolExecutor
+
+    torch.set_num_threads(1)
+    try:
+        with ThreadPoolExecutor(min(threads, len(work) - 1)) as pool:
+            for f in [pool.submit(chunk, *w) for w in work[1:]]:
+                f.result()
+    finally:
+        torch.set_num_threads(threads)
     return out.view(np.uint64)
 
 
@@ -158,7 +176,9 @@ def from_mask_mod(
     that cannot broadcast (Python control flow on its arguments) is evaluated through
     ``torch.vmap`` as ``create_block_mask`` does. Memory: the packed mask,
     ``B·H·q_len·ceil(kv_len/64)·8`` bytes (32 MiB at 16K x 16K per (b, h)), plus a chunk of
-    about 1M pairs (4M with several torch threads); time: one pass over every pair.
+    about 1M pairs per torch thread (on the CPU the chunks run on that many Python threads,
+    torch's thread count set to 1 during the call and restored after); time: one pass over
+    every pair.
 
     With ``hint`` (the default), a mask that equals one of Tessera's analytic expressions
     (full, causal, sliding window, prefix-LM, documents, causal documents), verified row by row
@@ -177,11 +197,8 @@ def from_mask_mod(
     hh = _length("heads", heads, optional=True)
     bb = _length("batch", batch, optional=True)
     _block_pair("block", block)  # checked before the evaluation; the planner checks the sizes
-    import torch
-
-    rows = max(1, (CHUNK_PAIRS if torch.get_num_threads() == 1 else CHUNK_PAIRS_THREADED) // lkv)
     shape = (bb or 1, hh or 1, lq, lkv)
-    packed = _evaluate(mask_mod, shape, rows, device)
+    packed = _evaluate(mask_mod, shape, device)
     # Rows or heads that all evaluated alike collapse to one (the dense leaf broadcasts), so a
     # mask_mod that ignores b or h plans as one group, as a mask expression would.
     if all(np.array_equal(packed[:, k], packed[:, 0]) for k in range(1, packed.shape[1])):
