@@ -170,11 +170,12 @@ def from_mask_mod(
     ``heads=None`` / ``batch=None``: the mask does not depend on ``h`` / ``b`` (evaluated at 0,
     as ``create_block_mask`` with ``H=None`` / ``B=None``); the plan then has one head / row and
     broadcasts. Heads (rows) that evaluate alike are kept once, so ``plan.groups`` is 1 along
-    a dimension the ``mask_mod`` ignores. ``kv_len`` defaults to ``q_len``. The ``mask_mod`` is called on chunks of query
-    rows with ``q_idx`` ``[R, 1]`` and ``kv_idx`` ``[1, kv_len]`` (int64, on ``device``) and
-    0-d ``b``, ``h``, so it must be elementwise in them (as ``torch.vmap`` requires too); one
-    that cannot broadcast (Python control flow on its arguments) is evaluated through
-    ``torch.vmap`` as ``create_block_mask`` does. Memory: the packed mask,
+    a dimension the ``mask_mod`` ignores. ``kv_len`` defaults to ``q_len``. The ``mask_mod``
+    is called on chunks of query rows with ``q_idx`` ``[R, 1]`` and ``kv_idx`` ``[1, kv_len]``
+    (int64, on ``device``) and 0-d ``b``, ``h``, so it must be elementwise in them (as
+    ``torch.vmap`` requires too); one that cannot broadcast (Python control flow on its
+    arguments) is evaluated through ``torch.vmap`` as ``create_block_mask`` does. Memory: the
+    packed mask,
     ``B·H·q_len·ceil(kv_len/64)·8`` bytes (32 MiB at 16K x 16K per (b, h)), plus a chunk of
     about 1M pairs per torch thread (on the CPU the chunks run on that many Python threads,
     torch's thread count set to 1 during the call and restored after); time: one pass over
