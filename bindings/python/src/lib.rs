@@ -20,7 +20,7 @@ use pyo3::prelude::*;
 /// mimalloc: glibc's malloc hands the large blocks of a plan back to the kernel when they are
 /// freed and faults them in again on the next plan, which at 4K tokens cost more than planning
 /// (tree-causal plan + BlockMask: 2.5 ms against 1.06 ms, 800 against 0 page faults per call;
-/// BENCHMARKS.md, session 15).
+/// BENCHMARKS.md, 2026-11-28, commit 5ba8a91).
 #[global_allocator]
 static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 

@@ -1,4 +1,4 @@
-"""Engine selection of `tessera.torch.attention` (issue 38, item 3) on CPU: each engine's reasons
+"""Engine selection of `tessera.torch.attention` on CPU: each engine's reasons
 for given inputs, `auto`'s priority list on a faked GPU (the capability probes replaced, never
 the kernels), named engines that cannot run raising with the reasons, the readable record
 (`tessera.torch.last_dispatch`), and the engines that run on CPU against float64."""

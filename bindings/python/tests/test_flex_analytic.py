@@ -1,4 +1,4 @@
-"""The plan's BlockMask on any device (issue 38, items 1 and 2): the analytic ``mask_mod``
+"""The plan's BlockMask on any device: the analytic ``mask_mod``
 generated from the mask tree agrees with the plan's bit table and with the token mask on every
 element of every tile (partial tiles included, evaluated by broadcasting index tensors and through
 ``create_mask``'s vmap), for the conformance-style cases, random masks over every leaf and the

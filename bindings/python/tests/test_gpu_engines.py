@@ -1,4 +1,4 @@
-"""The GPU engines of issue 38 (`pytest -m gpu`; every test skips without CUDA): each engine that
+"""The GPU engines (`pytest -m gpu`; every test skips without CUDA): each engine that
 this GPU and torch can run against the float64 reference, forward and backward; `auto`'s choice
 as documented and recorded; the plan's BlockMask built on the GPU from the compact arrays equal
 to `create_block_mask`'s, with no host sync; the prefetcher's BlockMasks on the GPU. An engine

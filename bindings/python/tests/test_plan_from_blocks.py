@@ -1,4 +1,4 @@
-"""Plans from per-step block selections (docs/semantics.md#masks, issue #32): ``tessera.plan_from_blocks`` equals
+"""Plans from per-step block selections (docs/semantics.md#masks): ``tessera.plan_from_blocks`` equals
 the token mask "selected tile and mask" by brute force (numpy model written here from the spec),
 attention over such plans equals the float64 reference (forward and backward), the FlexAttention
 ``BlockMask`` equals torch's own for the same selection, a compiled step takes three selections

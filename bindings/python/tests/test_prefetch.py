@@ -1,4 +1,4 @@
-"""`tessera.torch.PlanPrefetcher` (issue 38, item 4) on CPU: over a `DataLoader` with two worker
+"""`tessera.torch.PlanPrefetcher` on CPU: over a `DataLoader` with two worker
 processes, the prefetched plans and their BlockMasks (built from the compact arrays) equal direct
 planning, in order; five prefetched plans of equal shapes run one compiled step (one graph);
 errors name their argument."""

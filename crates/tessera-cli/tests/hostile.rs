@@ -1,4 +1,4 @@
-//! Hostile input through the binary (issue 17): deep nesting, garbage, integer overflow in
+//! Hostile input through the binary: deep nesting, garbage, integer overflow in
 //! shapes and flags, truncated and mismatched tensors, bad safetensors, corrupted caches, bad
 //! output paths, bad pack and telemetry input, over-budget sizes. Every case exits 2 with
 //! exactly one line on stderr naming the input (or 0 where the input is valid), never panics,

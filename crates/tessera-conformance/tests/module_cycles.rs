@@ -1,4 +1,4 @@
-//! No import cycles between the modules of any workspace crate (issue 37, item 2).
+//! No import cycles between the modules of any workspace crate.
 //!
 //! What is read: every crate's module tree under `crates/*/src`, from `lib.rs` / `main.rs`
 //! through `mod NAME;` (the file `NAME.rs` or `NAME/mod.rs`). Inline `mod NAME { .. }` blocks
@@ -21,7 +21,7 @@
 //! (`expr` ⇄ `parse`), or a child using its parent's own items while the parent uses the
 //! child's (`backward` ⇄ `backward::bf16`). Each is printed with one `file:line path` per edge.
 //!
-//! `tessera-mask` and `tessera-attn` (issue 37) must have none. The cycles other crates had when
+//! `tessera-mask` and `tessera-attn` must have none. The cycles other crates had when
 //! this test was written are listed in [`KNOWN`]: a new one fails, and so does a listed one that
 //! has gone (the list only shrinks).
 
@@ -603,7 +603,7 @@ fn workspace_crates() -> Vec<(String, PathBuf)> {
     out
 }
 
-/// Cycles that were in the workspace when this test was written, outside the crates issue 37
+/// Cycles that were in the workspace when this test was written, outside the crates this test
 /// names (crate, sorted nodes of the cycle). A new cycle anywhere fails the test; so does a
 /// listed one that is gone (remove it here), so the list only shrinks.
 const KNOWN: &[(&str, &[&str])] = &[

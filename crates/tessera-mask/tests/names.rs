@@ -1,6 +1,6 @@
 //! Names of data (`dense` arrays, `band` features, `blocks` selections) in the text form: printing
 //! quotes exactly what the parser needs quoted, so print → parse → print is a fixpoint for any
-//! non-empty name (issue #32, item 0: `dense("*(")` printed as `dense(*()`, which does not parse).
+//! non-empty name (found by fuzzing: `dense("*(")` printed as `dense(*()`, which does not parse).
 
 use proptest::prelude::*;
 use std::sync::Arc;

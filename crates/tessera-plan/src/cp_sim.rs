@@ -1,7 +1,7 @@
 //! Balance and traffic model of context-parallel shardings (`tessera cp-sim`).
 //!
 //! Contract: [`doc_mix`] draws a seeded packed row of document lengths (a lognormal body plus long
-//! documents, as a fraction of the row's tokens or of its documents: [`DocMix::web`] is issue 41's
+//! documents, as a fraction of the row's tokens or of its documents: [`DocMix::web`] is the packed web-document
 //! mix, 1 % of documents 32K–128K tokens); [`simulate`] plans `causal & document` over it, shards it
 //! with every [`Scheme`] for every world size, and reports per scheme the largest and mean
 //! per-rank compute (pairs, tiles, modelled cost), the tile work sharding adds, the K/V bytes a
@@ -51,7 +51,7 @@ impl Default for DocMix {
 }
 
 impl DocMix {
-    /// Packed web documents (issue 41): the lognormal body, and 1 % of documents long (32K–128K
+    /// Packed web documents: the lognormal body, and 1 % of documents long (32K–128K
     /// tokens) instead of a fixed share of tokens.
     pub fn web(seed: u64) -> Self {
         DocMix {

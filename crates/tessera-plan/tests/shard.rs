@@ -369,7 +369,7 @@ fn print_rows(label: &str, rows: &[(Scheme, f64, f64, f64)]) {
     println!("| {label} | {} |", cells.join(" | "));
 }
 
-/// Issue 41's bar: packed web documents (lognormal lengths, 1 % of documents 32K–128K tokens),
+/// The bar for packed web documents (lognormal lengths, 1 % of documents 32K–128K tokens),
 /// 512K tokens over 8 ranks at tile 128: balanced keeps the busiest rank within 1.05× the mean
 /// cost (its cap is 1.02) and the busiest receiver's K/V within 0.35 of an all-gather, on every
 /// seed. Seeds 6 and 13 are where the balance-only solver needed 0.48 and 0.15 (the issue's 0.42
@@ -422,7 +422,7 @@ fn balanced_meets_the_traffic_bar_on_64_web_seeds() {
 }
 
 /// Sharding time, median of 5 (release build): 1M tokens over 32 ranks (the cp-sim token mix)
-/// and issue 41's 512K over 8 ranks (web mix, seeds 0 and 19, tile 128 — the default — and 64),
+/// and the web mix's 512K over 8 ranks (web mix, seeds 0 and 19, tile 128 — the default — and 64),
 /// each scheme at most 1 s:
 /// `cargo test -p tessera-plan --release --test shard -- --ignored --nocapture takes`.
 #[test]

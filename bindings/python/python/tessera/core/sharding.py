@@ -195,7 +195,7 @@ def doc_mix(
     """Segment ids of one packed row of ``length`` tokens from the cp-sim mix: a lognormal body
     (``median`` tokens, ``sigma``, 64..32K−1) plus 32K–128K documents (capped at the row):
     ``long_fraction`` of the tokens first, then each further document long with probability
-    ``long_docs`` (``long_fraction=0, long_docs=0.01``: issue 41's packed web documents);
+    ``long_docs`` (``long_fraction=0, long_docs=0.01``: the packed web-document mix);
     shuffled; seeded."""
     length = _int_arg("doc_mix", "length", length, 1, 2**40)
     seed = _int_arg("doc_mix", "seed", seed, 0, 2**64)
