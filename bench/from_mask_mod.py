@@ -20,7 +20,6 @@ torch's two-thread elementwise ops can run ten times slower than one thread) and
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 import time
 import warnings
@@ -30,18 +29,7 @@ import torch
 from torch.nn.attention.flex_attention import create_block_mask
 
 import tessera
-from bench_common import TABLES
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+from bench_common import TABLES, cpu_model
 
 
 def doc_ids(length: int, seed: int = 0) -> torch.Tensor:

@@ -173,6 +173,22 @@ struct FuzzData {
     seed: u8,
 }
 
+impl FuzzData {
+    /// A named array's seed (the name hashed with the input's seed) and length: key-side (`Lkv`)
+    /// for a name starting with `k`, query-side otherwise.
+    fn named(&self, name: &str) -> (u64, usize) {
+        let h = name.bytes().fold(self.seed as u64, |a, b| {
+            a.wrapping_mul(31).wrapping_add(b as u64)
+        });
+        let len = if name.starts_with('k') {
+            self.kv_len
+        } else {
+            self.q_len
+        };
+        (h, len)
+    }
+}
+
 fn seg_ids(rows: usize, len: usize, seed: u64) -> SegmentIds {
     let ids = (0..rows * len)
         .map(|k| {
@@ -218,14 +234,7 @@ impl Resolver for FuzzData {
         DenseMask::new(&shape, &vals, path)
     }
     fn feature(&self, name: &str) -> Result<SegmentIds> {
-        let h = name.bytes().fold(self.seed as u64, |a, b| {
-            a.wrapping_mul(31).wrapping_add(b as u64)
-        });
-        let len = if name.starts_with('k') {
-            self.kv_len
-        } else {
-            self.q_len
-        };
+        let (h, len) = self.named(name);
         let rows = if (h >> 1).is_multiple_of(2) {
             1
         } else {
@@ -253,14 +262,7 @@ impl Resolver for FuzzData {
     /// Ids of `document(NAME)`: a name starting with `k` is key-side (`Lkv` long), others
     /// query-side, seeded by the name (so `document(a)` needs `Lq == Lkv`, else planning refuses).
     fn segment_ids(&self, name: &str) -> Result<SegmentIds> {
-        let h = name.bytes().fold(self.seed as u64, |a, b| {
-            a.wrapping_mul(31).wrapping_add(b as u64)
-        });
-        let len = if name.starts_with('k') {
-            self.kv_len
-        } else {
-            self.q_len
-        };
+        let (h, len) = self.named(name);
         let rows = if h.is_multiple_of(2) { 1 } else { self.batch };
         Ok(seg_ids(rows, len, h % 97))
     }
