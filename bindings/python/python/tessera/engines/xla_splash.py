@@ -394,13 +394,15 @@ def attention(q, k, v, plan, *, scale: float, softcap: Optional[float], sinks: A
     """``tessera.torch.attention`` on XLA tensors (``q [B, Hq, Lq, Dqk]`` ...), checked by the
     caller; raises ``ValueError`` naming the argument Splash cannot take."""
     global _Fn
+    import torch
+
     problem = reasons(q, plan)
     if problem:
         name = "block" if any(p.startswith("block:") for p in problem) else "q"
         raise ValueError(f"{name}: engine='splash' cannot run this call: " + "; ".join(
             p[len("block: "):] if p.startswith("block: ") else p for p in problem))
-    if sinks is not None and sinks.dtype not in (q.dtype,):
-        sinks = sinks.to(q.dtype)
+    if sinks is not None and sinks.dtype not in (torch.float32, q.dtype):
+        sinks = sinks.to(torch.float32)  # the logits' precision: float32 even beside bf16 q
     from .splash import _Cfg, _block_sizes
 
     dp = device_plan(plan, q.device, max_partial_blocks)
