@@ -628,42 +628,44 @@ impl Resolver for Data {
             .get(name)
             .map(|d| d.clone().with_label(name))
             .ok_or_else(|| {
-                tessera::Error::invalid(
+                no_such_name(
                     format!("dense({name})"),
                     "an array passed as dense={'NAME': array}",
-                    "no such name",
                 )
             })
     }
     fn segment_ids(&self, name: &str) -> TResult<SegmentIds> {
         self.documents.get(name).cloned().ok_or_else(|| {
-            tessera::Error::invalid(
+            no_such_name(
                 format!("document({name})"),
                 "segment ids passed as documents={'NAME': ids}",
-                "no such name",
             )
         })
     }
     fn feature(&self, name: &str) -> TResult<SegmentIds> {
         self.features.get(name).cloned().ok_or_else(|| {
-            tessera::Error::invalid(
+            no_such_name(
                 format!("band feature {name}"),
                 "an integer array passed as features={'NAME': array}",
-                "no such name",
             )
         })
     }
 
     fn blocks(&self, name: &str, q_block: usize, kv_block: usize) -> TResult<BlockSelection> {
         let (shape, v) = self.blocks.get(name).ok_or_else(|| {
-            tessera::Error::invalid(
+            no_such_name(
                 format!("blocks({q_block}, {kv_block}, {name})"),
                 "an integer array passed as blocks={'NAME': kv_tiles}",
-                "no such name",
             )
         })?;
         BlockSelection::new(shape, v, q_block, kv_block, name)
     }
+}
+
+/// A leaf of the text names data the call did not pass (`leaf`: the leaf as written; `expected`:
+/// the keyword that passes it).
+fn no_such_name(leaf: String, expected: &str) -> tessera::Error {
+    tessera::Error::invalid(leaf, expected, "no such name")
 }
 
 /// The `{name: array}` mapping passed as `arg` (`dense=`, `features=`), each numpy array of
